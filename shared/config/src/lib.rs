@@ -1,0 +1,241 @@
+//! The one config loader every Nomad service uses.
+//!
+//! A service reads one YAML or TOML file (`--config`), then takes the sections it owns
+//! (`telemetry`, `tools`, `tool_manager`, ...) as typed structs. Environment overrides are
+//! resolved by the owner of each section against an [`Env`], so precedence rules are plain
+//! functions that tests drive with a map instead of the process environment.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use figment::Figment;
+use figment::providers::{Format, Toml, Yaml};
+use serde::de::DeserializeOwned;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: not found")]
+    NotFound { path: PathBuf },
+    #[error("config file {path}: unsupported extension (use .yaml, .yml or .toml)")]
+    UnsupportedFormat { path: PathBuf },
+    #[error("config section `{section}`: {source}")]
+    Section {
+        section: String,
+        #[source]
+        source: Box<figment::Error>,
+    },
+    #[error("{variable}={value:?} is not a boolean (use 1/true/yes/on or 0/false/no/off)")]
+    InvalidBool { variable: String, value: String },
+    #[error("{variable}={value:?}: {reason}")]
+    Invalid {
+        variable: String,
+        value: String,
+        reason: String,
+    },
+}
+
+/// A parsed config file (or an empty one when no file was given).
+#[derive(Debug, Clone, Default)]
+pub struct ConfigFile {
+    figment: Figment,
+    path: Option<PathBuf>,
+}
+
+impl ConfigFile {
+    /// Reads `path` as YAML (`.yaml`, `.yml`) or TOML (`.toml`); `None` gives an empty config.
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let Some(path) = path else {
+            return Ok(Self::default());
+        };
+        if !path.is_file() {
+            return Err(ConfigError::NotFound {
+                path: path.to_owned(),
+            });
+        }
+        let figment = match path.extension().and_then(|e| e.to_str()) {
+            Some("yaml" | "yml") => Figment::from(Yaml::file_exact(path)),
+            Some("toml") => Figment::from(Toml::file_exact(path)),
+            _ => {
+                return Err(ConfigError::UnsupportedFormat {
+                    path: path.to_owned(),
+                });
+            }
+        };
+        Ok(Self {
+            figment,
+            path: Some(path.to_owned()),
+        })
+    }
+
+    /// Parses YAML text directly (tests, embedded defaults).
+    pub fn from_yaml_str(text: &str) -> Self {
+        Self {
+            figment: Figment::from(Yaml::string(text)),
+            path: None,
+        }
+    }
+
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The section named `key`, or its `Default` when the file does not have it.
+    pub fn section<T: DeserializeOwned + Default>(&self, key: &str) -> Result<T, ConfigError> {
+        let section_error = |e: figment::Error| ConfigError::Section {
+            section: key.to_owned(),
+            source: Box::new(e),
+        };
+        if !self.figment.contains(key) {
+            // Surface syntax errors in the file even when the section is absent.
+            self.figment
+                .extract::<figment::value::Dict>()
+                .map_err(section_error)?;
+            return Ok(T::default());
+        }
+        self.figment.extract_inner(key).map_err(section_error)
+    }
+}
+
+/// Where environment variables come from: the process, or a map in tests.
+pub trait Env {
+    fn var(&self, name: &str) -> Option<String>;
+
+    /// The variable's value, or `None` when it is unset or blank.
+    fn non_empty(&self, name: &str) -> Option<String> {
+        self.var(name)
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+    }
+
+    /// A strict boolean: `None` when unset, an error naming the variable when malformed.
+    fn bool(&self, name: &str) -> Result<Option<bool>, ConfigError> {
+        self.non_empty(name)
+            .map(|value| parse_bool(name, &value))
+            .transpose()
+    }
+}
+
+/// The real process environment.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn var(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
+}
+
+impl Env for HashMap<String, String> {
+    fn var(&self, name: &str) -> Option<String> {
+        self.get(name).cloned()
+    }
+}
+
+impl Env for [(&str, &str)] {
+    fn var(&self, name: &str) -> Option<String> {
+        self.iter()
+            .rev()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| (*v).to_owned())
+    }
+}
+
+/// Accepts 1/true/yes/on and 0/false/no/off, case-insensitively; `variable` names the source
+/// in the error.
+pub fn parse_bool(variable: &str, value: &str) -> Result<bool, ConfigError> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(ConfigError::InvalidBool {
+            variable: variable.to_owned(),
+            value: value.to_owned(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, Default, Deserialize, PartialEq)]
+    struct Section {
+        a: Option<u32>,
+        b: Option<String>,
+    }
+
+    #[test]
+    fn parse_bool_accepts_the_documented_spellings_only() {
+        for v in ["1", "true", "YES", " on "] {
+            assert!(parse_bool("X", v).unwrap(), "{v}");
+        }
+        for v in ["0", "False", "no", "OFF"] {
+            assert!(!parse_bool("X", v).unwrap(), "{v}");
+        }
+        let err = parse_bool("NOMAD_OTEL_ENABLED", "maybe").unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("NOMAD_OTEL_ENABLED") && msg.contains("maybe"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn missing_section_is_default_and_present_section_is_typed() {
+        let file = ConfigFile::from_yaml_str("other:\n  x: 1\nsec:\n  a: 3\n");
+        assert_eq!(
+            file.section::<Section>("absent").unwrap(),
+            Section::default()
+        );
+        assert_eq!(
+            file.section::<Section>("sec").unwrap(),
+            Section {
+                a: Some(3),
+                b: None
+            }
+        );
+    }
+
+    #[test]
+    fn wrong_type_names_the_section_and_field() {
+        let file = ConfigFile::from_yaml_str("sec:\n  a: lots\n");
+        let msg = file.section::<Section>("sec").unwrap_err().to_string();
+        assert!(msg.contains("sec") && msg.contains('a'), "{msg}");
+    }
+
+    #[test]
+    fn missing_file_and_unknown_extension_are_clear_errors() {
+        let msg = ConfigFile::load(Some(Path::new("/nonexistent/nomad.yaml")))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("/nonexistent/nomad.yaml") && msg.contains("not found"));
+        let dir = std::env::temp_dir().join(format!("nomad-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ini = dir.join("nomad.ini");
+        std::fs::write(&ini, "x=1").unwrap();
+        let msg = ConfigFile::load(Some(&ini)).unwrap_err().to_string();
+        assert!(msg.contains("unsupported extension"), "{msg}");
+    }
+
+    #[test]
+    fn toml_and_yaml_files_load_the_same_section() {
+        let dir = std::env::temp_dir().join(format!("nomad-config-fmt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let y = dir.join("c.yaml");
+        let t = dir.join("c.toml");
+        std::fs::write(&y, "sec:\n  a: 7\n  b: hi\n").unwrap();
+        std::fs::write(&t, "[sec]\na = 7\nb = \"hi\"\n").unwrap();
+        let from_yaml: Section = ConfigFile::load(Some(&y)).unwrap().section("sec").unwrap();
+        let from_toml: Section = ConfigFile::load(Some(&t)).unwrap().section("sec").unwrap();
+        assert_eq!(from_yaml, from_toml);
+        assert_eq!(from_yaml.b.as_deref(), Some("hi"));
+    }
+
+    #[test]
+    fn env_bool_names_the_variable() {
+        let env: &[(&str, &str)] = &[("FLAG", "maybe"), ("ON", "yes")];
+        assert_eq!(env.bool("ON").unwrap(), Some(true));
+        assert_eq!(env.bool("UNSET").unwrap(), None);
+        assert!(env.bool("FLAG").unwrap_err().to_string().contains("FLAG"));
+    }
+}

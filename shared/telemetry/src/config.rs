@@ -1,0 +1,541 @@
+//! The `telemetry:` block and its environment overrides, resolved by one pure function.
+//!
+//! Precedence, highest first: `NOMAD_OTEL_<FIELD>`; the standard OpenTelemetry variable where
+//! one exists; the config file; the default. `OTEL_SDK_DISABLED=true` turns everything off.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use nomad_config::{ConfigError, Env};
+use serde::{Deserialize, Serialize};
+
+use crate::groups::SpanGroups;
+
+/// The `telemetry:` block as written in the config file. Every field is optional.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryBlock {
+    pub enabled: Option<bool>,
+    pub service_name: Option<String>,
+    pub service_name_per_server: Option<bool>,
+    pub span_groups: Option<String>,
+    pub exporter: Option<String>,
+    pub traces_enabled: Option<bool>,
+    pub metrics_enabled: Option<bool>,
+    pub logs_enabled: Option<bool>,
+    pub otlp_endpoint: Option<String>,
+    pub otlp_protocol: Option<String>,
+    pub otlp_headers: Option<BTreeMap<String, String>>,
+    pub run_id: Option<String>,
+    pub memory_profiling: Option<MemoryProfilingBlock>,
+    pub runtime_sample_interval_seconds: Option<f64>,
+    pub runtime_task_count: Option<bool>,
+    pub metric_export_interval_seconds: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryProfilingBlock {
+    pub enabled: Option<bool>,
+    pub interval_seconds: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExporterKind {
+    Otlp,
+    Console,
+}
+
+impl ExporterKind {
+    fn parse(variable: &str, value: &str) -> Result<Self, ConfigError> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "otlp" => Ok(ExporterKind::Otlp),
+            "console" => Ok(ExporterKind::Console),
+            _ => Err(invalid(variable, value, "expected `otlp` or `console`")),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExporterKind::Otlp => "otlp",
+            ExporterKind::Console => "console",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    Grpc,
+    HttpProtobuf,
+}
+
+impl OtlpProtocol {
+    fn parse(variable: &str, value: &str) -> Result<Self, ConfigError> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "grpc" => Ok(OtlpProtocol::Grpc),
+            "http/protobuf" => Ok(OtlpProtocol::HttpProtobuf),
+            _ => Err(invalid(
+                variable,
+                value,
+                "expected `grpc` or `http/protobuf`",
+            )),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OtlpProtocol::Grpc => "grpc",
+            OtlpProtocol::HttpProtobuf => "http/protobuf",
+        }
+    }
+
+    fn default_endpoint(self) -> &'static str {
+        match self {
+            OtlpProtocol::Grpc => "http://localhost:4317",
+            OtlpProtocol::HttpProtobuf => "http://localhost:4318",
+        }
+    }
+}
+
+/// One signal (traces, metrics, logs): whether it is exported, and how.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SignalSettings {
+    pub enabled: bool,
+    pub exporter: ExporterKind,
+    /// Full endpoint for OTLP: for http/protobuf it already ends in `/v1/<signal>`.
+    pub endpoint: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    Traces,
+    Metrics,
+    Logs,
+}
+
+impl Signal {
+    fn upper(self) -> &'static str {
+        match self {
+            Signal::Traces => "TRACES",
+            Signal::Metrics => "METRICS",
+            Signal::Logs => "LOGS",
+        }
+    }
+
+    fn path(self) -> &'static str {
+        match self {
+            Signal::Traces => "/v1/traces",
+            Signal::Metrics => "/v1/metrics",
+            Signal::Logs => "/v1/logs",
+        }
+    }
+}
+
+/// Fully resolved telemetry settings for one process.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TelemetrySettings {
+    /// Export is on. When false nothing is exported and no exporter is built.
+    pub enabled: bool,
+    pub service_name: String,
+    pub service_name_per_server: bool,
+    pub span_groups: SpanGroups,
+    pub exporter: ExporterKind,
+    pub traces: SignalSettings,
+    pub metrics: SignalSettings,
+    pub logs: SignalSettings,
+    pub otlp_protocol: OtlpProtocol,
+    pub otlp_headers: Vec<(String, String)>,
+    pub run_id: Option<String>,
+    pub memory_profiling_enabled: bool,
+    pub memory_profiling_interval: Duration,
+    pub runtime_sample_interval: Duration,
+    pub runtime_task_count: bool,
+    /// `None` leaves the SDK default (60 s).
+    pub metric_export_interval: Option<Duration>,
+}
+
+impl TelemetrySettings {
+    /// Settings with export off (what an empty config and environment give).
+    pub fn disabled() -> Self {
+        resolve(&TelemetryBlock::default(), &[] as &[(&str, &str)]).expect("the defaults are valid")
+    }
+
+    pub fn traces_on(&self) -> bool {
+        self.enabled && self.traces.enabled
+    }
+
+    pub fn metrics_on(&self) -> bool {
+        self.enabled && self.metrics.enabled
+    }
+
+    pub fn logs_on(&self) -> bool {
+        self.enabled && self.logs.enabled
+    }
+}
+
+/// Every `NOMAD_OTEL_*` variable, with the field it sets (for docs and for `nomad up`).
+pub const NOMAD_VARIABLES: &[(&str, &str)] = &[
+    ("NOMAD_OTEL_ENABLED", "enabled"),
+    ("NOMAD_OTEL_SERVICE_NAME", "service_name"),
+    (
+        "NOMAD_OTEL_SERVICE_NAME_PER_SERVER",
+        "service_name_per_server",
+    ),
+    ("NOMAD_OTEL_SPAN_GROUPS", "span_groups"),
+    ("NOMAD_OTEL_EXPORTER", "exporter"),
+    ("NOMAD_OTEL_TRACES_ENABLED", "traces_enabled"),
+    ("NOMAD_OTEL_METRICS_ENABLED", "metrics_enabled"),
+    ("NOMAD_OTEL_LOGS_ENABLED", "logs_enabled"),
+    ("NOMAD_OTEL_OTLP_ENDPOINT", "otlp_endpoint"),
+    ("NOMAD_OTEL_OTLP_PROTOCOL", "otlp_protocol"),
+    ("NOMAD_OTEL_OTLP_HEADERS", "otlp_headers"),
+    ("NOMAD_OTEL_RUN_ID", "run_id"),
+    (
+        "NOMAD_OTEL_MEMORY_PROFILING_ENABLED",
+        "memory_profiling.enabled",
+    ),
+    (
+        "NOMAD_OTEL_MEMORY_PROFILING_INTERVAL_SECONDS",
+        "memory_profiling.interval_seconds",
+    ),
+    (
+        "NOMAD_OTEL_RUNTIME_SAMPLE_INTERVAL_SECONDS",
+        "runtime_sample_interval_seconds",
+    ),
+    ("NOMAD_OTEL_RUNTIME_TASK_COUNT", "runtime_task_count"),
+    (
+        "NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS",
+        "metric_export_interval_seconds",
+    ),
+];
+
+fn invalid(variable: &str, value: &str, reason: &str) -> ConfigError {
+    ConfigError::Invalid {
+        variable: variable.to_owned(),
+        value: value.to_owned(),
+        reason: reason.to_owned(),
+    }
+}
+
+/// The first of `names` that is set, with the name it came from.
+fn lookup<'a>(env: &(impl Env + ?Sized), names: &[&'a str]) -> Option<(&'a str, String)> {
+    names
+        .iter()
+        .find_map(|name| env.non_empty(name).map(|v| (*name, v)))
+}
+
+fn bool_field(
+    env: &(impl Env + ?Sized),
+    variable: &str,
+    file: Option<bool>,
+) -> Result<Option<bool>, ConfigError> {
+    Ok(env.bool(variable)?.or(file))
+}
+
+fn seconds(variable: &str, value: f64) -> Result<Duration, ConfigError> {
+    if value.is_finite() && value > 0.0 {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(invalid(
+            variable,
+            &value.to_string(),
+            "must be a number of seconds greater than 0",
+        ))
+    }
+}
+
+fn seconds_field(
+    env: &(impl Env + ?Sized),
+    variable: &str,
+    file_key: &str,
+    file: Option<f64>,
+) -> Result<Option<Duration>, ConfigError> {
+    if let Some(raw) = env.non_empty(variable) {
+        let value: f64 = raw
+            .parse()
+            .map_err(|_| invalid(variable, &raw, "must be a number of seconds"))?;
+        return seconds(variable, value).map(Some);
+    }
+    file.map(|v| seconds(&format!("telemetry.{file_key}"), v))
+        .transpose()
+}
+
+/// `key=value` pairs separated by commas, as in `OTEL_EXPORTER_OTLP_HEADERS`.
+fn parse_headers(variable: &str, raw: &str) -> Result<Vec<(String, String)>, ConfigError> {
+    raw.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|pair| match pair.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+            _ => Err(invalid(
+                variable,
+                raw,
+                "expected comma-separated key=value pairs",
+            )),
+        })
+        .collect()
+}
+
+fn check_endpoint(variable: &str, endpoint: &str) -> Result<String, ConfigError> {
+    if endpoint.starts_with("http://") || endpoint.starts_with("https://") {
+        Ok(endpoint.trim_end_matches('/').to_owned())
+    } else {
+        Err(invalid(
+            variable,
+            endpoint,
+            "an OTLP endpoint needs a scheme, e.g. http://127.0.0.1:4317",
+        ))
+    }
+}
+
+/// An exporter variable such as `OTEL_TRACES_EXPORTER`: `Some(None)` means "none".
+fn signal_exporter_var(
+    env: &(impl Env + ?Sized),
+    variable: &str,
+) -> Result<Option<Option<ExporterKind>>, ConfigError> {
+    match env.non_empty(variable) {
+        None => Ok(None),
+        Some(v) if v.eq_ignore_ascii_case("none") => Ok(Some(None)),
+        Some(v) => ExporterKind::parse(variable, &v).map(|k| Some(Some(k))),
+    }
+}
+
+/// Resolves the file block against the environment. Pure: all input comes from the arguments.
+pub fn resolve(
+    block: &TelemetryBlock,
+    env: &(impl Env + ?Sized),
+) -> Result<TelemetrySettings, ConfigError> {
+    let sdk_disabled = env.bool("OTEL_SDK_DISABLED")?.unwrap_or(false);
+
+    let protocol = match lookup(
+        env,
+        &["NOMAD_OTEL_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"],
+    ) {
+        Some((var, v)) => OtlpProtocol::parse(var, &v)?,
+        None => match &block.otlp_protocol {
+            Some(v) => OtlpProtocol::parse("telemetry.otlp_protocol", v)?,
+            None => OtlpProtocol::Grpc,
+        },
+    };
+
+    let exporter_override = env
+        .non_empty("NOMAD_OTEL_EXPORTER")
+        .map(|v| ExporterKind::parse("NOMAD_OTEL_EXPORTER", &v))
+        .transpose()?;
+    let exporter = match (exporter_override, &block.exporter) {
+        (Some(kind), _) => kind,
+        (None, Some(v)) => ExporterKind::parse("telemetry.exporter", v)?,
+        (None, None) => ExporterKind::Otlp,
+    };
+
+    let nomad_endpoint = env
+        .non_empty("NOMAD_OTEL_OTLP_ENDPOINT")
+        .map(|v| check_endpoint("NOMAD_OTEL_OTLP_ENDPOINT", &v))
+        .transpose()?;
+    let base_endpoint = env
+        .non_empty("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .map(|v| check_endpoint("OTEL_EXPORTER_OTLP_ENDPOINT", &v))
+        .transpose()?;
+    let file_endpoint = block
+        .otlp_endpoint
+        .as_deref()
+        .map(|v| check_endpoint("telemetry.otlp_endpoint", v))
+        .transpose()?;
+
+    let endpoint_for = |signal: Signal| -> Result<String, ConfigError> {
+        let signal_var = format!("OTEL_EXPORTER_OTLP_{}_ENDPOINT", signal.upper());
+        let with_path = |base: &str| match protocol {
+            OtlpProtocol::Grpc => base.to_owned(),
+            OtlpProtocol::HttpProtobuf => format!("{base}{}", signal.path()),
+        };
+        if let Some(e) = &nomad_endpoint {
+            return Ok(with_path(e));
+        }
+        // A per-signal endpoint is used exactly as given, as the OTel spec says.
+        if let Some(v) = env.non_empty(&signal_var) {
+            return check_endpoint(&signal_var, &v);
+        }
+        let base = base_endpoint
+            .as_deref()
+            .or(file_endpoint.as_deref())
+            .unwrap_or(protocol.default_endpoint());
+        Ok(with_path(base))
+    };
+
+    let signal = |signal: Signal,
+                  nomad_var: &str,
+                  standard_var: &str,
+                  file_enabled: Option<bool>,
+                  default_enabled: bool|
+     -> Result<SignalSettings, ConfigError> {
+        let standard = signal_exporter_var(env, standard_var)?;
+        let mut enabled = file_enabled.unwrap_or(default_enabled);
+        let mut kind = exporter;
+        if let Some(choice) = standard {
+            match choice {
+                None => enabled = false,
+                Some(k) if exporter_override.is_none() => kind = k,
+                Some(_) => {}
+            }
+        }
+        if let Some(v) = env.bool(nomad_var)? {
+            enabled = v;
+        }
+        Ok(SignalSettings {
+            enabled,
+            exporter: kind,
+            endpoint: endpoint_for(signal)?,
+        })
+    };
+    let traces = signal(
+        Signal::Traces,
+        "NOMAD_OTEL_TRACES_ENABLED",
+        "OTEL_TRACES_EXPORTER",
+        block.traces_enabled,
+        true,
+    )?;
+    let metrics = signal(
+        Signal::Metrics,
+        "NOMAD_OTEL_METRICS_ENABLED",
+        "OTEL_METRICS_EXPORTER",
+        block.metrics_enabled,
+        true,
+    )?;
+    let logs = signal(
+        Signal::Logs,
+        "NOMAD_OTEL_LOGS_ENABLED",
+        "OTEL_LOGS_EXPORTER",
+        block.logs_enabled,
+        false,
+    )?;
+
+    // Export turns on implicitly when nothing set `enabled` but an endpoint or exporter is named.
+    let implicit = [
+        "NOMAD_OTEL_EXPORTER",
+        "NOMAD_OTEL_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    ]
+    .iter()
+    .any(|v| env.non_empty(v).is_some())
+        || ["OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"]
+            .iter()
+            .any(|v| {
+                env.non_empty(v)
+                    .is_some_and(|x| !x.eq_ignore_ascii_case("none"))
+            });
+    let enabled =
+        !sdk_disabled && bool_field(env, "NOMAD_OTEL_ENABLED", block.enabled)?.unwrap_or(implicit);
+
+    let service_name = lookup(env, &["NOMAD_OTEL_SERVICE_NAME", "OTEL_SERVICE_NAME"])
+        .map(|(_, v)| v)
+        .or_else(|| block.service_name.clone())
+        .unwrap_or_else(|| "nomad".to_owned());
+
+    let span_groups = match lookup(env, &["NOMAD_OTEL_SPAN_GROUPS"]) {
+        Some((var, v)) => SpanGroups::parse(&v).map_err(|e| invalid(var, &v, &e))?,
+        None => match &block.span_groups {
+            Some(v) => SpanGroups::parse(v).map_err(|e| invalid("telemetry.span_groups", v, &e))?,
+            None => SpanGroups::default_preset(),
+        },
+    };
+
+    let otlp_headers = match lookup(
+        env,
+        &["NOMAD_OTEL_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"],
+    ) {
+        Some((var, v)) => parse_headers(var, &v)?,
+        None => block
+            .otlp_headers
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .collect(),
+    };
+
+    let memory = block.memory_profiling.clone().unwrap_or_default();
+    let metric_export_interval = match env.non_empty("NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS") {
+        Some(_) => seconds_field(
+            env,
+            "NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS",
+            "metric_export_interval_seconds",
+            None,
+        )?,
+        None => match env.non_empty("OTEL_METRIC_EXPORT_INTERVAL") {
+            Some(raw) => {
+                let ms: u64 = raw.parse().map_err(|_| {
+                    invalid(
+                        "OTEL_METRIC_EXPORT_INTERVAL",
+                        &raw,
+                        "must be a whole number of milliseconds",
+                    )
+                })?;
+                if ms == 0 {
+                    return Err(invalid(
+                        "OTEL_METRIC_EXPORT_INTERVAL",
+                        &raw,
+                        "must be greater than 0",
+                    ));
+                }
+                Some(Duration::from_millis(ms))
+            }
+            None => block
+                .metric_export_interval_seconds
+                .map(|v| seconds("telemetry.metric_export_interval_seconds", v))
+                .transpose()?,
+        },
+    };
+
+    Ok(TelemetrySettings {
+        enabled,
+        service_name,
+        service_name_per_server: bool_field(
+            env,
+            "NOMAD_OTEL_SERVICE_NAME_PER_SERVER",
+            block.service_name_per_server,
+        )?
+        .unwrap_or(true),
+        span_groups,
+        exporter,
+        traces,
+        metrics,
+        logs,
+        otlp_protocol: protocol,
+        otlp_headers,
+        run_id: env
+            .non_empty("NOMAD_OTEL_RUN_ID")
+            .or_else(|| block.run_id.clone()),
+        memory_profiling_enabled: bool_field(
+            env,
+            "NOMAD_OTEL_MEMORY_PROFILING_ENABLED",
+            memory.enabled,
+        )?
+        .unwrap_or(false),
+        memory_profiling_interval: seconds_field(
+            env,
+            "NOMAD_OTEL_MEMORY_PROFILING_INTERVAL_SECONDS",
+            "memory_profiling.interval_seconds",
+            memory.interval_seconds,
+        )?
+        .unwrap_or(Duration::from_secs(1)),
+        runtime_sample_interval: seconds_field(
+            env,
+            "NOMAD_OTEL_RUNTIME_SAMPLE_INTERVAL_SECONDS",
+            "runtime_sample_interval_seconds",
+            block.runtime_sample_interval_seconds,
+        )?
+        .unwrap_or(Duration::from_secs(1)),
+        runtime_task_count: bool_field(
+            env,
+            "NOMAD_OTEL_RUNTIME_TASK_COUNT",
+            block.runtime_task_count,
+        )?
+        .unwrap_or(false),
+        metric_export_interval,
+    })
+}
+
+#[cfg(test)]
+#[path = "config_tests.rs"]
+mod tests;

@@ -1,0 +1,331 @@
+//! Telemetry for every Nomad service: config resolution, exporters (OTLP gRPC, OTLP
+//! HTTP/protobuf, console JSON lines), resource attributes, span groups, run-id baggage, the
+//! gRPC propagation layers and the metric definition table.
+//!
+//! A service calls [`init`] once, inside its Tokio runtime, and [`Telemetry::shutdown`] on the
+//! way out.
+
+pub mod baggage;
+pub mod config;
+pub mod console;
+pub mod groups;
+pub mod grpc;
+pub mod metrics;
+pub mod propagation;
+pub mod resource;
+pub mod spans;
+
+use std::time::Duration;
+
+use opentelemetry::global;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::{WithExportConfig, WithHttpConfig, WithTonicConfig};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::logs::SdkLoggerProvider;
+use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
+use opentelemetry_sdk::trace::{BatchSpanProcessor, SdkTracerProvider};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer as _};
+
+pub use config::{ExporterKind, OtlpProtocol, TelemetryBlock, TelemetrySettings};
+pub use console::ConsoleSink;
+pub use groups::{SpanGroup, SpanGroups};
+pub use opentelemetry::{Context, KeyValue};
+pub use resource::{ServerIdentity, ServerType};
+pub use spans::{GroupSpan, SpanOptions};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error(transparent)]
+    Config(#[from] nomad_config::ConfigError),
+    #[error("building the {signal} exporter: {message}")]
+    Exporter {
+        signal: &'static str,
+        message: String,
+    },
+}
+
+/// Reads the `telemetry:` block from `file` and resolves it against the process environment.
+pub fn load_settings(
+    file: &nomad_config::ConfigFile,
+) -> Result<TelemetrySettings, nomad_config::ConfigError> {
+    let block: TelemetryBlock = file.section("telemetry")?;
+    config::resolve(&block, &nomad_config::ProcessEnv)
+}
+
+/// The installed providers; flushes them on [`Telemetry::shutdown`].
+#[derive(Debug)]
+pub struct Telemetry {
+    settings: TelemetrySettings,
+    service_name: String,
+    tracer: Option<SdkTracerProvider>,
+    meter: Option<SdkMeterProvider>,
+    logger: Option<SdkLoggerProvider>,
+}
+
+/// How a process wants telemetry set up beyond its settings.
+#[derive(Debug, Clone, Default)]
+pub struct InitOptions {
+    /// Where console records go (stderr for a process whose stdout is a protocol).
+    pub console_sink: ConsoleSink,
+}
+
+fn exporter_error(
+    signal: &'static str,
+) -> impl Fn(opentelemetry_otlp::ExporterBuildError) -> TelemetryError {
+    move |e| TelemetryError::Exporter {
+        signal,
+        message: e.to_string(),
+    }
+}
+
+fn tonic_metadata(headers: &[(String, String)]) -> tonic::metadata::MetadataMap {
+    let mut map = tonic::metadata::MetadataMap::new();
+    for (k, v) in headers {
+        if let (Ok(key), Ok(value)) = (
+            tonic::metadata::MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes()),
+            v.parse(),
+        ) {
+            map.insert(key, value);
+        }
+    }
+    map
+}
+
+/// Builds one OTLP exporter of either protocol from the resolved settings.
+macro_rules! otlp_exporter {
+    ($builder:expr, $settings:expr, $endpoint:expr, $signal:literal) => {{
+        let settings: &TelemetrySettings = $settings;
+        match settings.otlp_protocol {
+            OtlpProtocol::Grpc => $builder
+                .with_tonic()
+                .with_endpoint($endpoint)
+                .with_metadata(tonic_metadata(&settings.otlp_headers))
+                .build(),
+            OtlpProtocol::HttpProtobuf => $builder
+                .with_http()
+                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                .with_endpoint($endpoint)
+                .with_headers(settings.otlp_headers.iter().cloned().collect())
+                .build(),
+        }
+        .map_err(exporter_error($signal))?
+    }};
+}
+
+fn tracer_provider(
+    settings: &TelemetrySettings,
+    resource: Resource,
+    options: &InitOptions,
+) -> Result<SdkTracerProvider, TelemetryError> {
+    let builder = SdkTracerProvider::builder()
+        .with_resource(resource)
+        // Runs before the batch processor so the attributes are exported.
+        .with_span_processor(baggage::RunIdSpanProcessor {
+            process_run_id: settings.run_id.clone(),
+        });
+    let builder = match settings.traces.exporter {
+        ExporterKind::Console => builder.with_span_processor(
+            BatchSpanProcessor::builder(console::ConsoleSpanExporter::new(options.console_sink))
+                .build(),
+        ),
+        ExporterKind::Otlp => {
+            let exporter = otlp_exporter!(
+                opentelemetry_otlp::SpanExporter::builder(),
+                settings,
+                settings.traces.endpoint.clone(),
+                "trace"
+            );
+            builder.with_span_processor(BatchSpanProcessor::builder(exporter).build())
+        }
+    };
+    Ok(builder.build())
+}
+
+fn meter_provider(
+    settings: &TelemetrySettings,
+    resource: Resource,
+    options: &InitOptions,
+) -> Result<SdkMeterProvider, TelemetryError> {
+    fn reader<E: opentelemetry_sdk::metrics::exporter::PushMetricExporter>(
+        exporter: E,
+        interval: Option<Duration>,
+    ) -> PeriodicReader<E> {
+        let builder = PeriodicReader::builder(exporter);
+        match interval {
+            Some(interval) => builder.with_interval(interval).build(),
+            None => builder.build(),
+        }
+    }
+    let builder = SdkMeterProvider::builder().with_resource(resource);
+    let interval = settings.metric_export_interval;
+    let builder = match settings.metrics.exporter {
+        ExporterKind::Console => builder.with_reader(reader(
+            console::ConsoleMetricExporter::new(options.console_sink),
+            interval,
+        )),
+        ExporterKind::Otlp => {
+            let exporter = otlp_exporter!(
+                opentelemetry_otlp::MetricExporter::builder(),
+                settings,
+                settings.metrics.endpoint.clone(),
+                "metric"
+            );
+            builder.with_reader(reader(exporter, interval))
+        }
+    };
+    Ok(builder.build())
+}
+
+fn logger_provider(
+    settings: &TelemetrySettings,
+    resource: Resource,
+    options: &InitOptions,
+) -> Result<SdkLoggerProvider, TelemetryError> {
+    let builder = SdkLoggerProvider::builder().with_resource(resource);
+    Ok(match settings.logs.exporter {
+        ExporterKind::Console => builder
+            .with_batch_exporter(console::ConsoleLogExporter::new(options.console_sink))
+            .build(),
+        ExporterKind::Otlp => {
+            let exporter = otlp_exporter!(
+                opentelemetry_otlp::LogExporter::builder(),
+                settings,
+                settings.logs.endpoint.clone(),
+                "log"
+            );
+            builder.with_batch_exporter(exporter).build()
+        }
+    })
+}
+
+/// Targets whose events must never reach the OTel log pipeline: they are the exporters' own
+/// transport, and exporting their logs would feed back into them.
+fn is_exporter_internal(target: &str) -> bool {
+    ["opentelemetry", "h2", "hyper", "tonic", "tower", "reqwest"]
+        .iter()
+        .any(|p| target.starts_with(p))
+}
+
+/// Installs the propagator, logging and (when export is on) the tracer, meter and logger
+/// providers. Call once, inside a multi-thread Tokio runtime.
+pub fn init(
+    settings: TelemetrySettings,
+    identity: &ServerIdentity,
+    options: InitOptions,
+) -> Result<Telemetry, TelemetryError> {
+    propagation::install();
+    let resource = resource::build(&settings, identity);
+    let service_name = resource::service_name(&settings, identity);
+
+    let tracer = if settings.traces_on() {
+        let provider = tracer_provider(&settings, resource.clone(), &options)?;
+        spans::install(provider.tracer("nomad"), settings.span_groups);
+        Some(provider)
+    } else {
+        None
+    };
+    let meter = if settings.metrics_on() {
+        let provider = meter_provider(&settings, resource.clone(), &options)?;
+        global::set_meter_provider(provider.clone());
+        Some(provider)
+    } else {
+        None
+    };
+    let logger = if settings.logs_on() {
+        Some(logger_provider(&settings, resource, &options)?)
+    } else {
+        None
+    };
+
+    // Human-readable logs always go to stderr; stdout is reserved for console telemetry.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")));
+    let otel_logs = logger.as_ref().map(|provider| {
+        opentelemetry_appender_tracing::layer::OpenTelemetryTracingBridge::new(provider)
+            .with_filter(tracing_subscriber::filter::filter_fn(|meta| {
+                !is_exporter_internal(meta.target())
+            }))
+            .with_filter(tracing_subscriber::filter::LevelFilter::INFO)
+    });
+    // A second init in one process (tests) keeps the first subscriber.
+    let _ = tracing_subscriber::registry()
+        .with(fmt)
+        .with(otel_logs)
+        .try_init();
+
+    if settings.enabled {
+        tracing::info!(
+            service.name = %service_name,
+            traces = settings.traces_on(),
+            metrics = settings.metrics_on(),
+            logs = settings.logs_on(),
+            exporter = settings.exporter.as_str(),
+            endpoint = %settings.traces.endpoint,
+            "telemetry export on"
+        );
+    }
+    Ok(Telemetry {
+        settings,
+        service_name,
+        tracer,
+        meter,
+        logger,
+    })
+}
+
+impl Telemetry {
+    pub fn settings(&self) -> &TelemetrySettings {
+        &self.settings
+    }
+
+    pub fn service_name(&self) -> &str {
+        &self.service_name
+    }
+
+    /// Flushes and stops every provider, waiting at most `timeout`.
+    ///
+    /// Runs on a blocking thread: the exporters need the runtime's workers to make progress, and
+    /// blocking one of them to wait would deadlock on a small runtime.
+    pub async fn shutdown(self, timeout: Duration) {
+        let Telemetry {
+            tracer,
+            meter,
+            logger,
+            ..
+        } = self;
+        if tracer.is_none() && meter.is_none() && logger.is_none() {
+            return;
+        }
+        let work = tokio::task::spawn_blocking(move || {
+            let mut failures = Vec::new();
+            if let Some(p) = tracer
+                && let Err(e) = p.shutdown_with_timeout(timeout)
+            {
+                failures.push(format!("traces: {e}"));
+            }
+            if let Some(p) = meter
+                && let Err(e) = p.shutdown_with_timeout(timeout)
+            {
+                failures.push(format!("metrics: {e}"));
+            }
+            if let Some(p) = logger
+                && let Err(e) = p.shutdown_with_timeout(timeout)
+            {
+                failures.push(format!("logs: {e}"));
+            }
+            failures
+        });
+        match tokio::time::timeout(timeout + Duration::from_millis(500), work).await {
+            Ok(Ok(failures)) if failures.is_empty() => {}
+            Ok(Ok(failures)) => {
+                tracing::warn!("telemetry flush incomplete: {}", failures.join("; "))
+            }
+            Ok(Err(e)) => tracing::warn!("telemetry flush failed: {e}"),
+            Err(_) => tracing::warn!("telemetry flush timed out after {timeout:?}"),
+        }
+    }
+}

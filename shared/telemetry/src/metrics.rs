@@ -1,0 +1,452 @@
+//! The one metric definition table. Instruments are built from it, and `docs/metrics.md` is
+//! generated from it (a test fails when the committed file drifts).
+//!
+//! The model-serving and gateway tables are a contract: the same names, types and units as the
+//! original Nomad's.
+
+use opentelemetry::global;
+use opentelemetry::metrics::{
+    AsyncInstrument, Counter, Histogram, Meter, ObservableGauge, ObservableUpDownCounter,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InstrumentKind {
+    Counter,
+    Histogram,
+    ObservableUpDownCounter,
+    ObservableGauge,
+}
+
+impl InstrumentKind {
+    pub fn doc_name(self) -> &'static str {
+        match self {
+            InstrumentKind::Counter => "counter",
+            InstrumentKind::Histogram => "histogram",
+            InstrumentKind::ObservableUpDownCounter => "observable up/down counter",
+            InstrumentKind::ObservableGauge => "observable gauge",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricDef {
+    pub name: &'static str,
+    pub kind: InstrumentKind,
+    pub unit: &'static str,
+    pub description: &'static str,
+}
+
+const fn def(
+    name: &'static str,
+    kind: InstrumentKind,
+    unit: &'static str,
+    description: &'static str,
+) -> MetricDef {
+    MetricDef {
+        name,
+        kind,
+        unit,
+        description,
+    }
+}
+
+use InstrumentKind::{
+    Counter as C, Histogram as H, ObservableGauge as G, ObservableUpDownCounter as U,
+};
+
+pub const TOOL_REQUESTS: MetricDef = def(
+    "nomad.tool.requests",
+    C,
+    "{request}",
+    "Tool requests accepted by the Torch tool manager.",
+);
+pub const TOOL_REQUEST_ERRORS: MetricDef = def(
+    "nomad.tool.request_errors",
+    C,
+    "{request}",
+    "Tool requests completed with an execution error.",
+);
+pub const TOOL_REQUEST_CANCELLATIONS: MetricDef = def(
+    "nomad.tool.request_cancellations",
+    C,
+    "{request}",
+    "Tool requests cancelled while pending or executing.",
+);
+pub const TOOL_REQUEST_REJECTIONS: MetricDef = def(
+    "nomad.tool.request_rejections",
+    C,
+    "{request}",
+    "Tool requests rejected before enqueueing.",
+);
+pub const TOOL_REQUEST_DURATION: MetricDef = def(
+    "nomad.tool.request.duration",
+    H,
+    "s",
+    "End-to-end tool request duration, including queue wait.",
+);
+pub const TOOL_REQUEST_QUEUE_WAIT: MetricDef = def(
+    "nomad.tool.request.queue_wait",
+    H,
+    "s",
+    "Time a tool request waits before batch execution starts.",
+);
+pub const TOOL_BATCH_DURATION: MetricDef = def(
+    "nomad.tool.batch.duration",
+    H,
+    "s",
+    "Wall time spent executing one model batch.",
+);
+pub const TOOL_BATCH_SIZE: MetricDef = def(
+    "nomad.tool.batch.size",
+    H,
+    "{request}",
+    "Number of requests included in an executed model batch.",
+);
+pub const TOOL_BATCH_OOM_REDUCTIONS: MetricDef = def(
+    "nomad.tool.batch.oom_reductions",
+    C,
+    "{event}",
+    "Batch size reductions caused by out-of-memory errors.",
+);
+pub const TOOL_DEVICE_LOAD_DURATION: MetricDef = def(
+    "nomad.tool.device.load_duration",
+    H,
+    "s",
+    "Time spent moving a tool onto a device.",
+);
+pub const TOOL_DEVICE_OFFLOADS: MetricDef = def(
+    "nomad.tool.device.offloads",
+    C,
+    "{event}",
+    "Tool offload operations to CPU.",
+);
+pub const TOOL_DEVICE_IDLE_EVICTIONS: MetricDef = def(
+    "nomad.tool.device.idle_evictions",
+    C,
+    "{event}",
+    "Device allocations removed after a tool idle timeout.",
+);
+pub const TOOL_DISK_LOADS: MetricDef = def(
+    "nomad.tool.disk.loads",
+    C,
+    "{event}",
+    "Tool load attempts from a registered source.",
+);
+pub const TOOL_DISK_LOAD_DURATION: MetricDef = def(
+    "nomad.tool.disk.load_duration",
+    H,
+    "s",
+    "Wall time spent loading a tool from a registered source.",
+);
+pub const TOOL_DISK_UNLOADS: MetricDef = def(
+    "nomad.tool.disk.unloads",
+    C,
+    "{event}",
+    "Resident CPU tool instances unloaded after a disk idle timeout.",
+);
+pub const DEVICE_CACHE_CLEARS: MetricDef = def(
+    "nomad.device.cache_clears",
+    C,
+    "{event}",
+    "Accelerator cache clear attempts after server idle periods.",
+);
+pub const DEVICE_CACHE_CLEAR_DURATION: MetricDef = def(
+    "nomad.device.cache_clear.duration",
+    H,
+    "s",
+    "Wall time spent clearing unused accelerator cache.",
+);
+pub const TOOL_QUEUE_LENGTH: MetricDef = def(
+    "nomad.tool.queue.length",
+    U,
+    "{request}",
+    "Pending requests per managed tool.",
+);
+pub const TOOL_INFLIGHT_REQUESTS: MetricDef = def(
+    "nomad.tool.inflight.requests",
+    U,
+    "{request}",
+    "Requests currently assigned to executing batches.",
+);
+pub const TOOL_BATCH_CONFIGURED_SIZE: MetricDef = def(
+    "nomad.tool.batch.configured_size",
+    U,
+    "{request}",
+    "Current effective batch size per managed tool.",
+);
+pub const TOOL_PENDING_TOOLS: MetricDef = def(
+    "nomad.tool.pending_tools",
+    U,
+    "{tool}",
+    "Number of tools waiting for scheduler dispatch.",
+);
+pub const DEVICE_SLOT_BUSY: MetricDef = def(
+    "nomad.device.slot.busy",
+    G,
+    "1",
+    "Whether a managed device slot is busy.",
+);
+pub const DEVICE_TOOL_LOADED: MetricDef = def(
+    "nomad.device.tool.loaded",
+    U,
+    "1",
+    "Whether a tool is resident on a managed device slot.",
+);
+pub const TOOL_RESIDENT: MetricDef = def(
+    "nomad.tool.resident",
+    U,
+    "1",
+    "Whether a managed tool has a resident CPU instance.",
+);
+pub const DEVICE_MEMORY_ALLOCATED: MetricDef = def(
+    "nomad.device.memory.allocated",
+    G,
+    "By",
+    "Best-effort accelerator memory currently allocated.",
+);
+pub const DEVICE_MEMORY_RESERVED: MetricDef = def(
+    "nomad.device.memory.reserved",
+    G,
+    "By",
+    "Best-effort accelerator memory currently reserved by the backend.",
+);
+pub const DEVICE_UTILIZATION: MetricDef = def(
+    "nomad.device.utilization",
+    G,
+    "1",
+    "Backend-reported device utilization ratio when available.",
+);
+
+pub const GATEWAY_REQUESTS: MetricDef = def(
+    "nomad.gateway.requests",
+    C,
+    "{request}",
+    "Code-mode gateway requests received.",
+);
+pub const GATEWAY_REQUEST_DURATION: MetricDef = def(
+    "nomad.gateway.request.duration",
+    H,
+    "s",
+    "Code-mode gateway request duration.",
+);
+pub const GATEWAY_SANDBOX_DURATION: MetricDef = def(
+    "nomad.gateway.sandbox.duration",
+    H,
+    "s",
+    "Sandbox subprocess execution duration.",
+);
+pub const GATEWAY_UPSTREAM_TOOL_CALLS: MetricDef = def(
+    "nomad.gateway.upstream_tool.calls",
+    C,
+    "{call}",
+    "Upstream MCP tool calls made through the code-mode gateway.",
+);
+pub const GATEWAY_UPSTREAM_TOOL_DURATION: MetricDef = def(
+    "nomad.gateway.upstream_tool.duration",
+    H,
+    "s",
+    "Duration of upstream MCP tool calls made through the gateway.",
+);
+
+/// The model-serving table, in the original's order.
+pub const MODEL_SERVING: &[MetricDef] = &[
+    TOOL_REQUESTS,
+    TOOL_REQUEST_ERRORS,
+    TOOL_REQUEST_CANCELLATIONS,
+    TOOL_REQUEST_REJECTIONS,
+    TOOL_REQUEST_DURATION,
+    TOOL_REQUEST_QUEUE_WAIT,
+    TOOL_BATCH_DURATION,
+    TOOL_BATCH_SIZE,
+    TOOL_BATCH_OOM_REDUCTIONS,
+    TOOL_DEVICE_LOAD_DURATION,
+    TOOL_DEVICE_OFFLOADS,
+    TOOL_DEVICE_IDLE_EVICTIONS,
+    TOOL_DISK_LOADS,
+    TOOL_DISK_LOAD_DURATION,
+    TOOL_DISK_UNLOADS,
+    DEVICE_CACHE_CLEARS,
+    DEVICE_CACHE_CLEAR_DURATION,
+    TOOL_QUEUE_LENGTH,
+    TOOL_INFLIGHT_REQUESTS,
+    TOOL_BATCH_CONFIGURED_SIZE,
+    TOOL_PENDING_TOOLS,
+    DEVICE_SLOT_BUSY,
+    DEVICE_TOOL_LOADED,
+    TOOL_RESIDENT,
+    DEVICE_MEMORY_ALLOCATED,
+    DEVICE_MEMORY_RESERVED,
+    DEVICE_UTILIZATION,
+];
+
+/// The gateway table, in the original's order.
+pub const GATEWAY: &[MetricDef] = &[
+    GATEWAY_REQUESTS,
+    GATEWAY_REQUEST_DURATION,
+    GATEWAY_SANDBOX_DURATION,
+    GATEWAY_UPSTREAM_TOOL_CALLS,
+    GATEWAY_UPSTREAM_TOOL_DURATION,
+];
+
+/// Every table, with its docs heading and intro.
+pub const TABLES: &[(&str, &str, &[MetricDef])] = &[
+    (
+        "Model-serving metrics",
+        "Recorded by the scheduler (the tool manager) from its own state and the workers' reports.",
+        MODEL_SERVING,
+    ),
+    (
+        "Gateway metrics",
+        "The gateway metrics cover MCP entrypoints, sandbox execution, and upstream MCP tool calls.",
+        GATEWAY,
+    ),
+];
+
+/// The meter every Nomad instrument comes from (a no-op meter while metrics are off).
+pub fn meter() -> Meter {
+    global::meter("nomad")
+}
+
+/// Histogram buckets suited to the unit: seconds span 1 ms to 5 min, counts are powers of two.
+fn boundaries(unit: &str) -> Vec<f64> {
+    match unit {
+        "s" => vec![
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            60.0, 120.0, 300.0,
+        ],
+        _ => (0..=10).map(|i| f64::from(1u32 << i)).collect(),
+    }
+}
+
+impl MetricDef {
+    fn check(&self, kind: InstrumentKind) {
+        debug_assert_eq!(self.kind, kind, "{} is a {:?}", self.name, self.kind);
+    }
+
+    pub fn u64_counter(&self) -> Counter<u64> {
+        self.check(InstrumentKind::Counter);
+        meter()
+            .u64_counter(self.name)
+            .with_unit(self.unit)
+            .with_description(self.description)
+            .build()
+    }
+
+    pub fn f64_histogram(&self) -> Histogram<f64> {
+        self.check(InstrumentKind::Histogram);
+        meter()
+            .f64_histogram(self.name)
+            .with_unit(self.unit)
+            .with_description(self.description)
+            .with_boundaries(boundaries(self.unit))
+            .build()
+    }
+
+    pub fn u64_histogram(&self) -> Histogram<u64> {
+        self.check(InstrumentKind::Histogram);
+        meter()
+            .u64_histogram(self.name)
+            .with_unit(self.unit)
+            .with_description(self.description)
+            .with_boundaries(boundaries(self.unit))
+            .build()
+    }
+
+    pub fn i64_observable_up_down_counter(
+        &self,
+        callback: impl Fn(&dyn AsyncInstrument<i64>) + Send + Sync + 'static,
+    ) -> ObservableUpDownCounter<i64> {
+        self.check(InstrumentKind::ObservableUpDownCounter);
+        meter()
+            .i64_observable_up_down_counter(self.name)
+            .with_unit(self.unit)
+            .with_description(self.description)
+            .with_callback(callback)
+            .build()
+    }
+
+    pub fn f64_observable_gauge(
+        &self,
+        callback: impl Fn(&dyn AsyncInstrument<f64>) + Send + Sync + 'static,
+    ) -> ObservableGauge<f64> {
+        self.check(InstrumentKind::ObservableGauge);
+        meter()
+            .f64_observable_gauge(self.name)
+            .with_unit(self.unit)
+            .with_description(self.description)
+            .with_callback(callback)
+            .build()
+    }
+}
+
+/// A markdown table of `defs` in the original's column layout.
+pub fn markdown_table(defs: &[MetricDef]) -> String {
+    let mut out = String::from("| Metric | Type | Unit | Description |\n|---|---|---|---|\n");
+    for d in defs {
+        out.push_str(&format!(
+            "| `{}` | {} | `{}` | {} |\n",
+            d.name,
+            d.kind.doc_name(),
+            d.unit,
+            d.description
+        ));
+    }
+    out
+}
+
+/// The whole of `docs/metrics.md`.
+pub fn docs_markdown() -> String {
+    let mut out = String::from(
+        "# Metrics\n\n<!-- Generated from shared/telemetry/src/metrics.rs; do not edit. \
+         Regenerate with: NOMAD_BLESS=1 cargo test -p nomad-telemetry docs_ -->\n",
+    );
+    for (heading, intro, defs) in TABLES {
+        out.push_str(&format!("\n## {heading}\n\n{intro}\n\n"));
+        out.push_str(&markdown_table(defs));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn names_are_unique_across_tables() {
+        let mut seen = HashSet::new();
+        for (_, _, defs) in TABLES {
+            for d in *defs {
+                assert!(seen.insert(d.name), "{} defined twice", d.name);
+            }
+        }
+    }
+
+    #[test]
+    fn contract_tables_have_the_originals_row_counts_and_units() {
+        assert_eq!(MODEL_SERVING.len(), 27);
+        assert_eq!(GATEWAY.len(), 5);
+        for d in MODEL_SERVING.iter().chain(GATEWAY) {
+            let ok = match d.kind {
+                InstrumentKind::Histogram => ["s", "{request}"].contains(&d.unit),
+                _ => d.unit.starts_with('{') || d.unit == "1" || d.unit == "By",
+            };
+            assert!(ok, "{}: unexpected unit {}", d.name, d.unit);
+        }
+    }
+
+    #[test]
+    fn docs_metrics_md_matches_the_definition_table() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/metrics.md");
+        let expected = docs_markdown();
+        if std::env::var_os("NOMAD_BLESS").is_some() {
+            std::fs::write(&path, &expected).unwrap();
+        }
+        let actual = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            actual == expected,
+            "docs/metrics.md is out of date with shared/telemetry/src/metrics.rs; \
+             regenerate it with: NOMAD_BLESS=1 cargo test -p nomad-telemetry docs_"
+        );
+    }
+}
