@@ -1,1 +1,147 @@
-fn main() {}
+//! `nomad-device-worker`: one per accelerator (or one CPU worker). Serves the DeviceWorker gRPC
+//! API and registers itself with the scheduler.
+
+mod device;
+mod models;
+mod registration;
+mod service;
+mod stats;
+mod store;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use nomad_proto::v1::device_worker_server::DeviceWorkerServer;
+use nomad_proto::v1::scheduler_client::SchedulerClient;
+use nomad_telemetry::{InitOptions, ServerIdentity, ServerType};
+
+use crate::device::DeviceSpec;
+
+#[derive(Parser)]
+#[command(name = "nomad-device-worker", version, about = "Nomad device worker")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Config file (YAML or TOML); its `telemetry:` block configures export.
+    #[arg(long, env = "NOMAD_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address to serve gRPC on.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// Address the scheduler should dial (default: the bound listen address).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// The scheduler to register with.
+    #[arg(long, env = "NOMAD_SCHEDULER", default_value = "127.0.0.1:7002")]
+    scheduler: String,
+    /// cpu, cuda:N or metal:N.
+    #[arg(long, default_value = "cpu")]
+    device: DeviceSpec,
+    /// Worker id (default: host-pid-device).
+    #[arg(long)]
+    worker_id: Option<String>,
+    /// Server name in telemetry (default: device-worker).
+    #[arg(long)]
+    server_name: Option<String>,
+    /// Write the bound address here once listening.
+    #[arg(long)]
+    addr_file: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a randomly initialised MLP model directory (for tests and demos).
+    MakeMlp {
+        /// Output directory (created).
+        #[arg(long)]
+        out: PathBuf,
+        /// Layer widths, input first: e.g. 8,16,4.
+        #[arg(long, value_delimiter = ',', default_value = "8,16,4")]
+        layers: Vec<usize>,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Some(Command::MakeMlp { out, layers, seed }) => {
+            models::mlp::Mlp::write_random(&out, &layers, seed)
+                .with_context(|| format!("writing an mlp to {}", out.display()))
+        }
+        None => nomad_rpc::runtime()
+            .context("starting the runtime")
+            .and_then(|rt| rt.block_on(serve(cli.serve))),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("nomad-device-worker: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let file = nomad_config::ConfigFile::load(args.config.as_deref())?;
+    let settings = nomad_telemetry::load_settings(&file)?;
+    let mut identity = ServerIdentity::new(ServerType::DeviceWorker).named(args.server_name);
+    if args.device != DeviceSpec::Cpu {
+        identity.gpu_count = Some(1);
+    }
+    let telemetry = nomad_telemetry::init(settings, &identity, InitOptions::default())?;
+
+    let device = args.device.open()?;
+    tracing::info!(device = %args.device, "device ready");
+    let store = Arc::new(store::ModelStore::new(device));
+    let on_accelerator = args.device != DeviceSpec::Cpu;
+
+    let (listener, local) = nomad_rpc::bind(&args.listen).await?;
+    if let Some(path) = &args.addr_file {
+        nomad_rpc::write_addr_file(path, local)?;
+    }
+    let worker_id = args.worker_id.unwrap_or_else(|| {
+        let host = gethostname::gethostname().to_string_lossy().into_owned();
+        format!("{host}-{}-{}", std::process::id(), args.device)
+    });
+    let address = args
+        .advertise
+        .map(|a| nomad_rpc::normalize_address(&a))
+        .unwrap_or_else(|| format!("http://{local}"));
+    tracing::info!(%worker_id, %address, "nomad-device-worker listening on {local}");
+
+    let registration = registration::Registration {
+        scheduler: SchedulerClient::new(nomad_rpc::channel(&args.scheduler)?),
+        worker_id,
+        address,
+        device: args.device.info(),
+        store: store.clone(),
+        on_accelerator,
+    };
+    let registering = tokio::spawn(registration.run());
+
+    let mut server = nomad_rpc::RpcServer::new();
+    server
+        .routes()
+        .add_service(DeviceWorkerServer::new(service::WorkerService {
+            store,
+            device_name: args.device.to_string(),
+            on_accelerator,
+        }));
+    server.serve(listener, nomad_rpc::shutdown_signal()).await?;
+    registering.abort();
+    tracing::info!("shutting down");
+    telemetry.shutdown(Duration::from_secs(5)).await;
+    Ok(())
+}

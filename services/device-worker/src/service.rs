@@ -1,0 +1,183 @@
+//! The DeviceWorker gRPC service: a thin adapter from the wire to the model store.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use nomad_proto::v1::device_worker_server::DeviceWorker;
+use nomad_proto::v1::{
+    BatchResults, ClearCacheRequest, ClearCacheResponse, ExecuteBatchRequest, ExecuteBatchResponse,
+    LoadRequest, LoadResponse, OffloadRequest, OffloadResponse, OutOfMemory, PlaceRequest,
+    PlaceResponse, StatsRequest, UnloadRequest, UnloadResponse, WorkerStats,
+    execute_batch_response,
+};
+use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
+use tonic::{Request, Response, Status};
+
+use crate::models::{self, ExecError, LoadError};
+use crate::store::{ModelStore, StoreError};
+
+pub struct WorkerService {
+    pub store: Arc<ModelStore>,
+    pub device_name: String,
+    pub on_accelerator: bool,
+}
+
+fn store_status(e: StoreError) -> Status {
+    match e {
+        StoreError::NotLoaded(_) | StoreError::NotPlaced(_) => {
+            Status::failed_precondition(e.to_string())
+        }
+        StoreError::Exec(ExecError::OutOfMemory(m)) => {
+            Status::resource_exhausted(format!("out of memory: {m}"))
+        }
+        StoreError::Exec(ExecError::Failed(m)) => Status::internal(m),
+    }
+}
+
+fn required_tool(tool: &str) -> Result<&str, Status> {
+    if tool.is_empty() {
+        Err(Status::invalid_argument("`tool` is required"))
+    } else {
+        Ok(tool)
+    }
+}
+
+impl WorkerService {
+    fn device_span(&self, operation: &'static str, tool: &str) -> GroupSpan {
+        let span = GroupSpan::start(SpanGroup::Device, operation, &Context::current());
+        span.set_attributes([
+            KeyValue::new("tool", tool.to_owned()),
+            KeyValue::new("device", self.device_name.clone()),
+        ]);
+        span
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| Status::internal(format!("worker task failed: {e}")))
+}
+
+#[tonic::async_trait]
+impl DeviceWorker for WorkerService {
+    async fn load(&self, request: Request<LoadRequest>) -> Result<Response<LoadResponse>, Status> {
+        let spec = request
+            .into_inner()
+            .model
+            .ok_or_else(|| Status::invalid_argument("`model` is required"))?;
+        let tool = required_tool(&spec.tool)?.to_owned();
+        if self.store.contains(&tool) {
+            let bytes = self
+                .store
+                .models()
+                .into_iter()
+                .find(|m| m.tool == tool)
+                .map_or(0, |m| m.bytes);
+            return Ok(Response::new(LoadResponse {
+                bytes,
+                loaded: false,
+            }));
+        }
+        let span = self.device_span("nomad.device.load", &tool);
+        let started = Instant::now();
+        let loaded = blocking(move || models::load(&spec)).await?;
+        let model = loaded.map_err(|e| {
+            span.set_error("load_failed", e.to_string());
+            match e {
+                LoadError::NotFound { .. } => Status::not_found(e.to_string()),
+                LoadError::Invalid { .. } | LoadError::UnknownKind(_) => {
+                    Status::invalid_argument(e.to_string())
+                }
+            }
+        })?;
+        let (bytes, inserted) = self.store.insert(&tool, model);
+        span.set_attribute(KeyValue::new("nomad.model.bytes", bytes as i64));
+        tracing::info!(%tool, bytes, elapsed = ?started.elapsed(), "model loaded");
+        Ok(Response::new(LoadResponse {
+            bytes,
+            loaded: inserted,
+        }))
+    }
+
+    async fn place(
+        &self,
+        request: Request<PlaceRequest>,
+    ) -> Result<Response<PlaceResponse>, Status> {
+        let tool = required_tool(&request.get_ref().tool)?.to_owned();
+        let span = self.device_span("nomad.device.place", &tool);
+        let store = self.store.clone();
+        blocking(move || store.place(&tool)).await?.map_err(|e| {
+            span.set_error("place_failed", e.to_string());
+            store_status(e)
+        })?;
+        Ok(Response::new(PlaceResponse {}))
+    }
+
+    async fn offload(
+        &self,
+        request: Request<OffloadRequest>,
+    ) -> Result<Response<OffloadResponse>, Status> {
+        let tool = required_tool(&request.get_ref().tool)?;
+        let _span = self.device_span("nomad.device.offload", tool);
+        self.store.offload(tool).map_err(store_status)?;
+        Ok(Response::new(OffloadResponse {}))
+    }
+
+    async fn unload(
+        &self,
+        request: Request<UnloadRequest>,
+    ) -> Result<Response<UnloadResponse>, Status> {
+        let tool = required_tool(&request.get_ref().tool)?;
+        let _span = self.device_span("nomad.device.unload", tool);
+        self.store.unload(tool);
+        Ok(Response::new(UnloadResponse {}))
+    }
+
+    async fn execute_batch(
+        &self,
+        request: Request<ExecuteBatchRequest>,
+    ) -> Result<Response<ExecuteBatchResponse>, Status> {
+        let ExecuteBatchRequest { tool, inputs } = request.into_inner();
+        required_tool(&tool)?;
+        if inputs.is_empty() {
+            return Err(Status::invalid_argument("a batch needs at least one input"));
+        }
+        let model = self.store.placed(&tool).map_err(store_status)?;
+        let outcome = match blocking(move || model.execute(&inputs)).await? {
+            Ok(items) => execute_batch_response::Outcome::Results(BatchResults { items }),
+            Err(ExecError::OutOfMemory(detail)) => {
+                execute_batch_response::Outcome::OutOfMemory(OutOfMemory { detail })
+            }
+            Err(ExecError::Failed(message)) => {
+                return Err(Status::internal(format!("{tool}: {message}")));
+            }
+        };
+        Ok(Response::new(ExecuteBatchResponse {
+            outcome: Some(outcome),
+        }))
+    }
+
+    async fn clear_cache(
+        &self,
+        _request: Request<ClearCacheRequest>,
+    ) -> Result<Response<ClearCacheResponse>, Status> {
+        let _span = self.device_span("nomad.device.cache_clear", "");
+        // The CPU backend keeps no allocator cache; accelerator backends report what they free.
+        Ok(Response::new(ClearCacheResponse {
+            released_bytes: None,
+        }))
+    }
+
+    async fn stats(
+        &self,
+        _request: Request<StatsRequest>,
+    ) -> Result<Response<WorkerStats>, Status> {
+        Ok(Response::new(crate::stats::collect(
+            &self.store,
+            self.on_accelerator,
+        )))
+    }
+}

@@ -1,0 +1,185 @@
+//! How every Nomad process serves and dials gRPC: one runtime shape, one server stack
+//! (propagation layer, health, reflection, graceful shutdown), one client channel shape.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use nomad_telemetry::grpc::{ClientTrace, ClientTraceLayer, ServerTraceLayer};
+use tokio::net::TcpListener;
+use tonic::service::RoutesBuilder;
+use tonic::transport::{Endpoint, Server};
+use tonic_health::server::HealthReporter;
+use tower::Layer;
+
+/// The transport every generated client in Nomad uses: a lazily connected channel wrapped in
+/// the client propagation layer.
+pub type Channel = ClientTrace<tonic::transport::Channel>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RpcError {
+    #[error("invalid address {address:?}: {reason}")]
+    InvalidAddress { address: String, reason: String },
+    #[error("cannot listen on {address}: {source}")]
+    Bind {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("writing address file {path}: {source}")]
+    AddrFile {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// A multi-thread runtime with at least two workers: exporters flush on the runtime while the
+/// shutdown path waits, and a single worker would deadlock.
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .max(2);
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(e) => {
+                    tracing::warn!("cannot watch SIGTERM ({e}); only Ctrl-C stops this process");
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+/// `host:port` or a URL; a bare address gets `http://`.
+pub fn normalize_address(address: &str) -> String {
+    let address = address.trim();
+    if address.contains("://") {
+        address.to_owned()
+    } else {
+        format!("http://{address}")
+    }
+}
+
+/// A lazily connected, traced channel to `address`. Fails only on a malformed address; an
+/// unreachable peer surfaces as UNAVAILABLE on the first call.
+pub fn channel(address: &str) -> Result<Channel, RpcError> {
+    let url = normalize_address(address);
+    let endpoint = Endpoint::from_shared(url.clone()).map_err(|e| RpcError::InvalidAddress {
+        address: address.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let channel = endpoint
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .connect_lazy();
+    Ok(ClientTraceLayer.layer(channel))
+}
+
+/// Binds `address` (`127.0.0.1:0` picks a free port) and reports the address actually bound.
+pub async fn bind(address: &str) -> Result<(TcpListener, SocketAddr), RpcError> {
+    let bind_error = |source| RpcError::Bind {
+        address: address.to_owned(),
+        source,
+    };
+    let listener = TcpListener::bind(address).await.map_err(bind_error)?;
+    let local = listener.local_addr().map_err(bind_error)?;
+    Ok((listener, local))
+}
+
+/// Writes `addr` to `path` atomically, so a watcher never reads a half-written file.
+pub fn write_addr_file(path: &Path, addr: SocketAddr) -> Result<(), RpcError> {
+    let error = |source| RpcError::AddrFile {
+        path: path.display().to_string(),
+        source,
+    };
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{addr}\n")).map_err(error)?;
+    std::fs::rename(&tmp, path).map_err(error)
+}
+
+/// A gRPC server with health and reflection; the service adds its own routes.
+pub struct RpcServer {
+    routes: RoutesBuilder,
+    health: HealthReporter,
+}
+
+impl Default for RpcServer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RpcServer {
+    pub fn new() -> Self {
+        let (health, health_service) = tonic_health::server::health_reporter();
+        let mut routes = RoutesBuilder::default();
+        routes.add_service(health_service);
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(nomad_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+        match reflection.build_v1() {
+            Ok(service) => {
+                routes.add_service(service);
+            }
+            Err(e) => tracing::warn!("gRPC reflection unavailable: {e}"),
+        }
+        Self { routes, health }
+    }
+
+    /// Where the service adds its generated server(s).
+    pub fn routes(&mut self) -> &mut RoutesBuilder {
+        &mut self.routes
+    }
+
+    pub fn health(&self) -> &HealthReporter {
+        &self.health
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting and drains in-flight calls.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), RpcError> {
+        let health = self.health.clone();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        Server::builder()
+            .layer(ServerTraceLayer)
+            .add_routes(self.routes.routes())
+            .serve_with_incoming_shutdown(incoming, async move {
+                shutdown.await;
+                health
+                    .set_service_status("", tonic_health::ServingStatus::NotServing)
+                    .await;
+            })
+            .await?;
+        Ok(())
+    }
+}
