@@ -27,8 +27,16 @@ fn rpc_names(path: &str) -> (String, String) {
     (service, method)
 }
 
+/// Calls that run on a timer rather than on anyone's behalf: a span each would bury real
+/// traces under one-span traces. Their context still propagates.
+const UNTRACED: &[&str] = &[
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.",
+    "/nomad.v1.Scheduler/Heartbeat",
+];
+
 fn start_rpc_span(group: SpanGroup, kind: SpanKind, path: &str, parent: &Context) -> GroupSpan {
-    if !crate::spans::enabled(group) {
+    if !crate::spans::enabled(group) || UNTRACED.iter().any(|p| path.starts_with(p)) {
         return GroupSpan::disabled(parent);
     }
     let (service, method) = rpc_names(path);

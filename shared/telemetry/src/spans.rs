@@ -5,6 +5,7 @@ use std::borrow::Cow;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use opentelemetry::baggage::BaggageExt;
 use opentelemetry::trace::{Link, SpanKind, Status, TraceContextExt, Tracer as _};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::trace::SdkTracer;
@@ -66,9 +67,14 @@ impl GroupSpan {
             .with_attributes(options.attributes)
             .with_links(options.links);
         let span = if options.new_root {
-            // A root keeps the parent's baggage (run and rollout ids) but not its span.
-            let root_parent =
-                parent.with_remote_span_context(opentelemetry::trace::SpanContext::empty_context());
+            // A root keeps the parent's baggage (run and rollout ids) but no span at all: an
+            // empty span context would read as an unsampled parent and drop the whole trace.
+            let baggage: Vec<KeyValue> = parent
+                .baggage()
+                .iter()
+                .map(|(k, (v, _))| KeyValue::new(k.clone(), v.clone()))
+                .collect();
+            let root_parent = Context::new().with_baggage(baggage);
             tracer.build_with_context(builder, &root_parent)
         } else {
             tracer.build_with_context(builder, parent)

@@ -1,0 +1,174 @@
+//! The built-in `nomad` upstream: the scheduler's tools, called with JSON arguments.
+//!
+//! Arguments: `{"text": "..."}` for text tools, or `{"input": [numbers], "shape": [dims]}` for
+//! tensor tools (`shape` defaults to `[len(input)]`); any other key is a tool option (e.g.
+//! `max_tokens`). Results: `{"text": "..."}` or `{"output": [numbers], "shape": [dims]}`.
+
+use nomad_proto::v1::{Tensor, ToolInput, ToolOutput, tool_input, tool_output};
+use serde_json::{Map, Value, json};
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ArgumentError {
+    #[error("arguments must be a JSON object: {0}")]
+    NotJson(String),
+    #[error("arguments must be a JSON object, got {0}")]
+    NotObject(&'static str),
+    #[error("give either `text` or `input`, not both")]
+    Both,
+    #[error("arguments need `text` (a string) or `input` (an array of numbers)")]
+    Neither,
+    #[error("`text` must be a string")]
+    TextNotString,
+    #[error("`input[{0}]` is not a number")]
+    NotNumber(usize),
+    #[error("`input` must be an array of numbers")]
+    InputNotArray,
+    #[error("`shape` must be an array of non-negative integers")]
+    BadShape,
+    #[error("`shape` {shape:?} holds {expected} elements but `input` has {actual}")]
+    ShapeMismatch {
+        shape: Vec<u64>,
+        expected: u64,
+        actual: usize,
+    },
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Converts JSON arguments to the scheduler's `ToolInput`.
+pub fn input_from_json(arguments: &str) -> Result<ToolInput, ArgumentError> {
+    let value: Value = if arguments.trim().is_empty() {
+        Value::Object(Map::new())
+    } else {
+        serde_json::from_str(arguments).map_err(|e| ArgumentError::NotJson(e.to_string()))?
+    };
+    let Value::Object(mut object) = value else {
+        return Err(ArgumentError::NotObject(type_name(&value)));
+    };
+    let text = object.remove("text");
+    let input = object.remove("input");
+    let shape = object.remove("shape");
+    let value = match (text, input) {
+        (Some(_), Some(_)) => return Err(ArgumentError::Both),
+        (None, None) => return Err(ArgumentError::Neither),
+        (Some(Value::String(text)), None) => tool_input::Value::Text(text),
+        (Some(_), None) => return Err(ArgumentError::TextNotString),
+        (None, Some(Value::Array(items))) => {
+            let values = items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_f64()
+                        .map(|f| f as f32)
+                        .ok_or(ArgumentError::NotNumber(i))
+                })
+                .collect::<Result<Vec<f32>, _>>()?;
+            let shape = match shape {
+                None => vec![values.len() as u64],
+                Some(Value::Array(dims)) => dims
+                    .iter()
+                    .map(|d| d.as_u64().ok_or(ArgumentError::BadShape))
+                    .collect::<Result<Vec<_>, _>>()?,
+                Some(_) => return Err(ArgumentError::BadShape),
+            };
+            let expected = shape
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .ok_or(ArgumentError::BadShape)?;
+            if expected != values.len() as u64 {
+                return Err(ArgumentError::ShapeMismatch {
+                    shape,
+                    expected,
+                    actual: values.len(),
+                });
+            }
+            tool_input::Value::Tensor(Tensor::from_f32(&values, shape))
+        }
+        (None, Some(_)) => return Err(ArgumentError::InputNotArray),
+    };
+    let options_json = if object.is_empty() {
+        String::new()
+    } else {
+        Value::Object(object).to_string()
+    };
+    Ok(ToolInput {
+        value: Some(value),
+        options_json,
+    })
+}
+
+/// Converts a tool's output to its JSON result.
+pub fn output_to_json(output: &ToolOutput) -> Result<Value, String> {
+    match &output.value {
+        Some(tool_output::Value::Text(text)) => Ok(json!({ "text": text })),
+        Some(tool_output::Value::Tensor(t)) => {
+            let values = t.to_f32_vec().map_err(|e| e.to_string())?;
+            Ok(json!({ "output": values, "shape": t.shape }))
+        }
+        None => Err("the tool returned an empty output".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_and_tensor_arguments_convert_and_extra_keys_become_options() {
+        let t = input_from_json(r#"{"text":"hi","max_tokens":4}"#).unwrap();
+        assert_eq!(t.value, Some(tool_input::Value::Text("hi".into())));
+        assert_eq!(t.options_json, r#"{"max_tokens":4}"#);
+        let t = input_from_json(r#"{"input":[1,2.5,3,4],"shape":[2,2]}"#).unwrap();
+        match t.value {
+            Some(tool_input::Value::Tensor(t)) => {
+                assert_eq!(t.shape, vec![2, 2]);
+                assert_eq!(t.to_f32_vec().unwrap(), vec![1.0, 2.5, 3.0, 4.0]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_arguments_name_the_field() {
+        let cases = [
+            ("[1]", "got an array"),
+            ("{", "JSON object"),
+            (r#"{"text":1}"#, "`text` must be a string"),
+            (r#"{"input":[1,"x"]}"#, "`input[1]`"),
+            (
+                r#"{"input":[1,2],"shape":[3]}"#,
+                "holds 3 elements but `input` has 2",
+            ),
+            (r#"{"input":[1],"text":"a"}"#, "not both"),
+            ("{}", "need `text`"),
+            (r#"{"input":[1],"shape":[-1]}"#, "`shape`"),
+        ];
+        for (args, expected) in cases {
+            let msg = input_from_json(args).unwrap_err().to_string();
+            assert!(msg.contains(expected), "{args}: {msg}");
+        }
+    }
+
+    #[test]
+    fn tensor_output_round_trips_to_json() {
+        let out = ToolOutput {
+            value: Some(tool_output::Value::Tensor(Tensor::from_f32(
+                &[0.5, -1.0],
+                vec![2],
+            ))),
+        };
+        assert_eq!(
+            output_to_json(&out).unwrap(),
+            json!({"output": [0.5, -1.0], "shape": [2]})
+        );
+    }
+}

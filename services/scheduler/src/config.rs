@@ -1,0 +1,158 @@
+//! The scheduler's config: the `tools:` it serves and the `tool_manager:` settings.
+
+use std::collections::HashSet;
+
+use serde::Deserialize;
+
+/// Model kinds device workers know how to run.
+pub const KINDS: &[&str] = &["embed", "generate", "mlp"];
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ToolConfig {
+    pub name: String,
+    pub kind: String,
+    /// Directory (or file) holding the weights, as the workers see it.
+    pub source: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default = "default_batch_size")]
+    pub batch_size: u32,
+    /// At most this many device slots hold the tool at once (0: the manager's default).
+    #[serde(default)]
+    pub max_devices: u32,
+    /// At most this many queued requests (0: the manager's default).
+    #[serde(default)]
+    pub max_pending: u32,
+}
+
+fn default_batch_size() -> u32 {
+    8
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ToolManagerConfig {
+    /// How often workers heartbeat; one missing for three intervals is dropped.
+    pub heartbeat_interval_ms: u32,
+    pub max_pending_per_tool: u32,
+    pub max_devices_per_tool: u32,
+}
+
+impl Default for ToolManagerConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_interval_ms: 1000,
+            max_pending_per_tool: 1024,
+            max_devices_per_tool: 1,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ToolConfigError {
+    #[error("tools[{index}]: `name` is empty")]
+    EmptyName { index: usize },
+    #[error("tools[{index}] ({name}): tool name appears twice")]
+    Duplicate { index: usize, name: String },
+    #[error("tools[{index}] ({name}): unknown kind {kind:?}; kinds: embed, generate, mlp")]
+    UnknownKind {
+        index: usize,
+        name: String,
+        kind: String,
+    },
+    #[error("tools[{index}] ({name}): `source` is empty")]
+    EmptySource { index: usize, name: String },
+    #[error("tools[{index}] ({name}): `batch_size` must be at least 1")]
+    ZeroBatch { index: usize, name: String },
+}
+
+/// Checks every tool and fills per-tool defaults from the manager settings.
+pub fn validate(
+    mut tools: Vec<ToolConfig>,
+    manager: &ToolManagerConfig,
+) -> Result<Vec<ToolConfig>, ToolConfigError> {
+    let mut seen = HashSet::new();
+    for (index, tool) in tools.iter_mut().enumerate() {
+        let name = tool.name.clone();
+        if name.trim().is_empty() {
+            return Err(ToolConfigError::EmptyName { index });
+        }
+        if !seen.insert(name.clone()) {
+            return Err(ToolConfigError::Duplicate { index, name });
+        }
+        if !KINDS.contains(&tool.kind.as_str()) {
+            return Err(ToolConfigError::UnknownKind {
+                index,
+                name,
+                kind: tool.kind.clone(),
+            });
+        }
+        if tool.source.trim().is_empty() {
+            return Err(ToolConfigError::EmptySource { index, name });
+        }
+        if tool.batch_size == 0 {
+            return Err(ToolConfigError::ZeroBatch { index, name });
+        }
+        if tool.max_devices == 0 {
+            tool.max_devices = manager.max_devices_per_tool.max(1);
+        }
+        if tool.max_pending == 0 {
+            tool.max_pending = manager.max_pending_per_tool.max(1);
+        }
+    }
+    Ok(tools)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool(name: &str, kind: &str) -> ToolConfig {
+        ToolConfig {
+            name: name.into(),
+            kind: kind.into(),
+            source: "/m".into(),
+            description: String::new(),
+            batch_size: 4,
+            max_devices: 0,
+            max_pending: 0,
+        }
+    }
+
+    #[test]
+    fn defaults_come_from_the_manager_and_bad_tools_are_named() {
+        let manager = ToolManagerConfig::default();
+        let ok = validate(vec![tool("a", "mlp")], &manager).unwrap();
+        assert_eq!((ok[0].max_devices, ok[0].max_pending), (1, 1024));
+        let err = validate(vec![tool("a", "mlp"), tool("a", "embed")], &manager).unwrap_err();
+        assert_eq!(err.to_string(), "tools[1] (a): tool name appears twice");
+        let err = validate(vec![tool("b", "vision")], &manager).unwrap_err();
+        assert!(err.to_string().contains("unknown kind \"vision\""));
+        let mut zero = tool("c", "mlp");
+        zero.batch_size = 0;
+        assert!(
+            validate(vec![zero], &manager)
+                .unwrap_err()
+                .to_string()
+                .contains("batch_size")
+        );
+    }
+
+    #[test]
+    fn tools_parse_from_yaml_with_defaults() {
+        let file = nomad_config::ConfigFile::from_yaml_str(
+            "tools:\n  - name: mlp\n    kind: mlp\n    source: /models/mlp\n",
+        );
+        let tools: Vec<ToolConfig> = file.section("tools").unwrap();
+        assert_eq!(tools[0].batch_size, 8);
+        let bad = nomad_config::ConfigFile::from_yaml_str(
+            "tools:\n  - name: mlp\n    kind: mlp\n    source: /m\n    batch: 3\n",
+        );
+        let err = bad
+            .section::<Vec<ToolConfig>>("tools")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("batch"), "{err}");
+    }
+}

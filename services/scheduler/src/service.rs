@@ -1,0 +1,98 @@
+//! The Scheduler gRPC service: converts between the wire and the dispatcher and registry.
+
+use std::sync::Arc;
+
+use nomad_proto::v1::scheduler_server::Scheduler;
+use nomad_proto::v1::{
+    CallToolRequest, CallToolResponse, HeartbeatRequest, HeartbeatResponse, ListToolsRequest,
+    ListToolsResponse, ListWorkersRequest, ListWorkersResponse, RegisterWorkerRequest,
+    RegisterWorkerResponse, ToolInfo,
+};
+use tonic::{Request, Response, Status};
+
+use crate::dispatch::Dispatcher;
+use crate::workers::WorkerRegistry;
+
+pub struct SchedulerService {
+    pub dispatcher: Arc<Dispatcher>,
+    pub workers: Arc<WorkerRegistry>,
+    pub heartbeat_interval_ms: u32,
+}
+
+#[tonic::async_trait]
+impl Scheduler for SchedulerService {
+    async fn list_tools(
+        &self,
+        _request: Request<ListToolsRequest>,
+    ) -> Result<Response<ListToolsResponse>, Status> {
+        let tools = self
+            .dispatcher
+            .tools()
+            .into_iter()
+            .map(|t| ToolInfo {
+                name: t.name.clone(),
+                kind: t.kind.clone(),
+                description: t.description.clone(),
+                batch_size: t.batch_size,
+                max_devices: t.max_devices,
+                max_pending: t.max_pending,
+            })
+            .collect();
+        Ok(Response::new(ListToolsResponse { tools }))
+    }
+
+    async fn call_tool(
+        &self,
+        request: Request<CallToolRequest>,
+    ) -> Result<Response<CallToolResponse>, Status> {
+        let CallToolRequest { tool, input } = request.into_inner();
+        if tool.is_empty() {
+            return Err(Status::invalid_argument("`tool` is required"));
+        }
+        let input = input.ok_or_else(|| Status::invalid_argument("`input` is required"))?;
+        self.dispatcher.call(&tool, input).await.map(Response::new)
+    }
+
+    async fn register_worker(
+        &self,
+        request: Request<RegisterWorkerRequest>,
+    ) -> Result<Response<RegisterWorkerResponse>, Status> {
+        let RegisterWorkerRequest {
+            worker_id,
+            address,
+            device,
+        } = request.into_inner();
+        if worker_id.is_empty() || address.is_empty() {
+            return Err(Status::invalid_argument(
+                "`worker_id` and `address` are required",
+            ));
+        }
+        let device = device.ok_or_else(|| Status::invalid_argument("`device` is required"))?;
+        self.workers
+            .register(&worker_id, &address, device)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        tracing::info!(%worker_id, %address, "worker registered");
+        Ok(Response::new(RegisterWorkerResponse {
+            heartbeat_interval_ms: self.heartbeat_interval_ms,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        let HeartbeatRequest { worker_id, stats } = request.into_inner();
+        Ok(Response::new(HeartbeatResponse {
+            registered: self.workers.heartbeat(&worker_id, stats),
+        }))
+    }
+
+    async fn list_workers(
+        &self,
+        _request: Request<ListWorkersRequest>,
+    ) -> Result<Response<ListWorkersResponse>, Status> {
+        Ok(Response::new(ListWorkersResponse {
+            workers: self.workers.infos(),
+        }))
+    }
+}
