@@ -111,7 +111,7 @@ impl Driver {
                     KeyValue::new("nomad.gateway.server", task.server.clone()),
                     KeyValue::new("nomad.gateway.tool", task.tool.clone()),
                 ],
-                links: job.into_iter().map(|sc| Link::with_context(sc)).collect(),
+                links: job.into_iter().map(Link::with_context).collect(),
                 new_root: true,
             },
         );

@@ -320,7 +320,8 @@ fn invalid_boolean_names_the_variable() {
 
 #[test]
 fn bad_values_are_errors_naming_their_source() {
-    let cases: &[(&str, &[(&str, &str)], &str)] = &[
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a str);
+    let cases: &[Case] = &[
         (
             "",
             &[("NOMAD_OTEL_EXPORTER", "jaeger")],
@@ -415,4 +416,23 @@ fn disabled_settings_enable_nothing() {
     let s = TelemetrySettings::disabled();
     assert!(!s.enabled && !s.traces_on() && !s.metrics_on() && !s.logs_on());
     assert!(s.span_groups.contains(SpanGroup::Rollout));
+}
+
+#[test]
+fn readme_documents_every_variable_and_field() {
+    let readme = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"),
+    )
+    .unwrap();
+    for (variable, field) in NOMAD_VARIABLES {
+        assert!(
+            readme.contains(variable),
+            "README.md does not mention {variable}"
+        );
+        let leaf = field.rsplit('.').next().unwrap();
+        assert!(
+            readme.contains(&format!("`{field}")) || readme.contains(leaf),
+            "README.md does not document {field}"
+        );
+    }
 }

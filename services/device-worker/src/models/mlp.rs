@@ -301,7 +301,7 @@ mod tests {
         let (_b, m2) = temp_model(&[4, 3], 11);
         let x = tensor_input(&[1.0, 2.0, 3.0, 4.0], vec![4]);
         assert_eq!(
-            output(&m1.execute(&[x.clone()]).unwrap()[0]),
+            output(&m1.execute(std::slice::from_ref(&x)).unwrap()[0]),
             output(&m2.execute(&[x]).unwrap()[0])
         );
 

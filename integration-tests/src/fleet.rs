@@ -1,0 +1,350 @@
+//! A Nomad fleet of real processes on loopback: scheduler, one device worker, gateway; and the
+//! head run against it. Each process's stdout and stderr go to files in a temp directory.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nomad_proto::v1::ListWorkersRequest;
+use nomad_proto::v1::scheduler_client::SchedulerClient;
+use serde_json::Value;
+use tokio::process::{Child, Command};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Service {
+    Head,
+    Gateway,
+    Scheduler,
+    DeviceWorker,
+}
+
+impl Service {
+    pub fn binary(self) -> &'static str {
+        match self {
+            Service::Head => "nomad",
+            Service::Gateway => "nomad-gateway",
+            Service::Scheduler => "nomad-scheduler",
+            Service::DeviceWorker => "nomad-device-worker",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Head => "head",
+            Service::Gateway => "gateway",
+            Service::Scheduler => "scheduler",
+            Service::DeviceWorker => "device-worker",
+        }
+    }
+}
+
+/// The workspace's built binary `name`. The test command builds them first
+/// (`cargo build --workspace --bins`).
+pub fn binary(name: &str) -> PathBuf {
+    // Test executables live in target/<profile>/deps; the binaries one level up.
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: build the services first with `cargo build --workspace --bins`",
+        path.display()
+    );
+    path
+}
+
+/// A fresh command for `service` with an environment free of the caller's OTEL_/NOMAD_ settings.
+fn command(service: Service, env: &[(String, String)]) -> Command {
+    let mut cmd = Command::new(binary(service.binary()));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("OTEL_") || key.starts_with("NOMAD_") || key == "SLURM_JOB_ID" {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("RUST_LOG", "info").envs(env.iter().cloned());
+    cmd
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct FleetOptions {
+    /// Environment for every process, the head included.
+    pub env: Vec<(String, String)>,
+    /// Extra environment per process (applied after `env`).
+    pub service_env: HashMap<Service, Vec<(String, String)>>,
+    /// YAML appended to the generated config file (e.g. a `telemetry:` block).
+    pub config_yaml: String,
+}
+
+impl FleetOptions {
+    pub fn env(mut self, key: &str, value: impl Into<String>) -> Self {
+        self.env.push((key.to_owned(), value.into()));
+        self
+    }
+
+    pub fn service_env(mut self, service: Service, key: &str, value: impl Into<String>) -> Self {
+        self.service_env
+            .entry(service)
+            .or_default()
+            .push((key.to_owned(), value.into()));
+        self
+    }
+
+    fn env_for(&self, service: Service) -> Vec<(String, String)> {
+        let mut env = self.env.clone();
+        env.extend(self.service_env.get(&service).cloned().unwrap_or_default());
+        env
+    }
+}
+
+pub struct HeadRun {
+    pub success: bool,
+    pub code: Option<i32>,
+    pub results: Vec<Value>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl HeadRun {
+    /// The run id the head reported (same on every result).
+    pub fn run_id(&self) -> String {
+        self.results[0]["run_id"].as_str().unwrap().to_owned()
+    }
+
+    /// Outputs by task id, for comparing runs.
+    pub fn outputs(&self) -> std::collections::BTreeMap<String, Value> {
+        self.results
+            .iter()
+            .map(|r| {
+                (
+                    r["task_id"].as_str().unwrap().to_owned(),
+                    r["output"].clone(),
+                )
+            })
+            .collect()
+    }
+}
+
+pub struct Fleet {
+    pub dir: PathBuf,
+    pub model_dir: PathBuf,
+    pub config_path: PathBuf,
+    pub scheduler_addr: String,
+    pub gateway_addr: String,
+    options: FleetOptions,
+    children: Vec<(Service, Child)>,
+}
+
+async fn wait_for_file(path: &Path, child: &mut Child, what: &str, log: &Path) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path)
+            && !text.trim().is_empty()
+        {
+            return text.trim().to_owned();
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "{what} exited ({status}) before listening:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        assert!(Instant::now() < deadline, "{what} did not start in 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+impl Fleet {
+    pub fn new_dir() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("nomad-it-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// Starts scheduler, one CPU worker and gateway; returns once the worker is registered.
+    pub async fn start(options: FleetOptions) -> Fleet {
+        let dir = Self::new_dir();
+        let model_dir = dir.join("mlp");
+        let made = std::process::Command::new(binary("nomad-device-worker"))
+            .args(["make-mlp", "--layers", "6,16,4", "--seed", "42", "--out"])
+            .arg(&model_dir)
+            .status()
+            .unwrap();
+        assert!(made.success(), "make-mlp failed");
+        let config_path = dir.join("nomad.yaml");
+        std::fs::write(
+            &config_path,
+            format!(
+                "tools:\n  - name: mlp\n    kind: mlp\n    source: {}\n    batch_size: 4\n\
+                 tool_manager:\n  heartbeat_interval_ms: 200\n{}",
+                model_dir.display(),
+                options.config_yaml
+            ),
+        )
+        .unwrap();
+        let mut fleet = Fleet {
+            dir,
+            model_dir,
+            config_path,
+            scheduler_addr: String::new(),
+            gateway_addr: String::new(),
+            options,
+            children: Vec::new(),
+        };
+        fleet.scheduler_addr = fleet.spawn(Service::Scheduler, &[]).await;
+        let scheduler = fleet.scheduler_addr.clone();
+        fleet
+            .spawn(Service::DeviceWorker, &["--scheduler", &scheduler])
+            .await;
+        fleet.gateway_addr = fleet
+            .spawn(Service::Gateway, &["--scheduler", &scheduler])
+            .await;
+        fleet.wait_for_workers(1).await;
+        fleet
+    }
+
+    fn log(&self, service: Service, stream: &str) -> PathBuf {
+        self.dir.join(format!("{}.{stream}", service.name()))
+    }
+
+    /// Starts `service` and returns its bound address.
+    async fn spawn(&mut self, service: Service, args: &[&str]) -> String {
+        let addr_file = self.dir.join(format!("{}.addr", service.name()));
+        let stdout = std::fs::File::create(self.log(service, "stdout")).unwrap();
+        let stderr = std::fs::File::create(self.log(service, "stderr")).unwrap();
+        let mut child = command(service, &self.options.env_for(service))
+            .arg("--config")
+            .arg(&self.config_path)
+            .args(["--listen", "127.0.0.1:0", "--addr-file"])
+            .arg(&addr_file)
+            .args(args)
+            .stdout(stdout)
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let addr = wait_for_file(
+            &addr_file,
+            &mut child,
+            service.binary(),
+            &self.log(service, "stderr"),
+        )
+        .await;
+        self.children.push((service, child));
+        addr
+    }
+
+    pub async fn wait_for_workers(&self, count: usize) {
+        let mut client = SchedulerClient::connect(format!("http://{}", self.scheduler_addr))
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let workers = client
+                .list_workers(ListWorkersRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .workers;
+            if workers.len() >= count {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {count} workers registered in 30 s",
+                workers.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Runs `nomad run` over `tasks` (concurrency `concurrency`) and collects its results.
+    pub async fn run_head(&self, tasks: &[Value], concurrency: usize) -> HeadRun {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let tasks_path = self.dir.join(format!("tasks-{id}.jsonl"));
+        let results_path = self.dir.join(format!("results-{id}.jsonl"));
+        let text: String = tasks.iter().map(|t| format!("{t}\n")).collect();
+        std::fs::write(&tasks_path, text).unwrap();
+        let output = command(Service::Head, &self.options.env_for(Service::Head))
+            .arg("run")
+            .arg("--config")
+            .arg(&self.config_path)
+            .arg("--tasks")
+            .arg(&tasks_path)
+            .arg("--out")
+            .arg(&results_path)
+            .args(["--gateway", &self.gateway_addr])
+            .args(["--concurrency", &concurrency.to_string()])
+            .output()
+            .await
+            .unwrap();
+        let results = std::fs::read_to_string(&results_path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        HeadRun {
+            success: output.status.success(),
+            code: output.status.code(),
+            results,
+            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        }
+    }
+
+    /// Sends SIGTERM to every service and waits for each to exit; panics if one does not
+    /// exit cleanly within 15 s.
+    pub async fn terminate(&mut self) {
+        for (_, child) in &self.children {
+            if let Some(pid) = child.id() {
+                // SAFETY: kill(2) with a pid we spawned and a valid signal number.
+                unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+            }
+        }
+        for (service, child) in &mut self.children {
+            let status = tokio::time::timeout(Duration::from_secs(15), child.wait())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("{} did not exit within 15 s of SIGTERM", service.binary())
+                })
+                .unwrap();
+            assert!(
+                status.success(),
+                "{} exited with {status} after SIGTERM:\n{}",
+                service.binary(),
+                std::fs::read_to_string(self.dir.join(format!("{}.stderr", service.name())))
+                    .unwrap_or_default()
+            );
+        }
+        self.children.clear();
+    }
+
+    /// What `service` wrote to stdout so far.
+    pub fn stdout(&self, service: Service) -> String {
+        std::fs::read_to_string(self.log(service, "stdout")).unwrap_or_default()
+    }
+
+    pub fn stderr(&self, service: Service) -> String {
+        std::fs::read_to_string(self.log(service, "stderr")).unwrap_or_default()
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.children {
+            let _ = child.start_kill();
+        }
+        if std::env::var_os("NOMAD_KEEP_TEST_DIRS").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// `count` MLP tasks with distinct inputs of width 6.
+pub fn mlp_tasks(count: usize) -> Vec<Value> {
+    (0..count)
+        .map(|i| {
+            let input: Vec<f32> = (0..6).map(|k| ((i * 7 + k) % 11) as f32 / 10.0 - 0.5).collect();
+            serde_json::json!({"id": format!("task-{i}"), "tool": "mlp", "arguments": {"input": input}})
+        })
+        .collect()
+}

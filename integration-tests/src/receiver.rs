@@ -1,0 +1,236 @@
+//! An OTLP receiver for tests: the real OTLP/gRPC collector services (and OTLP/HTTP protobuf
+//! endpoints), recording spans, metric names and the connections made to it.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use prost::Message as _;
+
+use crate::spans::{SpanRecord, from_otlp};
+
+/// A metric data point's identity: which service sent which metric.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricRecord {
+    pub service_name: String,
+    pub name: String,
+    pub unit: String,
+}
+
+#[derive(Default)]
+struct State {
+    spans: Mutex<Vec<SpanRecord>>,
+    metrics: Mutex<Vec<MetricRecord>>,
+    connections: AtomicUsize,
+    requests: AtomicUsize,
+}
+
+impl State {
+    fn add_traces(&self, request: &ExportTraceServiceRequest) {
+        self.requests.fetch_add(1, Ordering::SeqCst);
+        self.spans
+            .lock()
+            .unwrap()
+            .extend(from_otlp(&request.resource_spans));
+    }
+
+    fn add_metrics(&self, request: &ExportMetricsServiceRequest) {
+        self.requests.fetch_add(1, Ordering::SeqCst);
+        let mut metrics = self.metrics.lock().unwrap();
+        for rm in &request.resource_metrics {
+            let service_name = rm
+                .resource
+                .as_ref()
+                .and_then(|r| r.attributes.iter().find(|kv| kv.key == "service.name"))
+                .and_then(|kv| kv.value.as_ref())
+                .and_then(|v| match &v.value {
+                    Some(
+                        opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(s),
+                    ) => Some(s.clone()),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            for sm in &rm.scope_metrics {
+                for m in &sm.metrics {
+                    metrics.push(MetricRecord {
+                        service_name: service_name.clone(),
+                        name: m.name.clone(),
+                        unit: m.unit.clone(),
+                    });
+                }
+            }
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Grpc(Arc<State>);
+
+#[tonic::async_trait]
+impl TraceService for Grpc {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.0.add_traces(request.get_ref());
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl MetricsService for Grpc {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        self.0.add_metrics(request.get_ref());
+        Ok(tonic::Response::new(ExportMetricsServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+pub struct OtlpReceiver {
+    pub addr: SocketAddr,
+    /// The endpoint to give exporters (`http://127.0.0.1:PORT`).
+    pub endpoint: String,
+    state: Arc<State>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl OtlpReceiver {
+    /// An OTLP/gRPC receiver on a free loopback port.
+    pub async fn grpc() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(State::default());
+        let counted = state.clone();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).inspect(move |c| {
+            if c.is_ok() {
+                counted.connections.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let service = Grpc(state.clone());
+        let task = tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(service.clone()))
+                .add_service(MetricsServiceServer::new(service))
+                .serve_with_incoming(incoming)
+                .await
+                .unwrap();
+        });
+        Self {
+            addr,
+            endpoint: format!("http://{addr}"),
+            state,
+            task,
+        }
+    }
+
+    /// An OTLP/HTTP (protobuf) receiver: `POST /v1/traces`, `POST /v1/metrics`.
+    pub async fn http() -> Self {
+        use axum::body::Bytes;
+        use axum::routing::post;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(State::default());
+        let traces = state.clone();
+        let metrics = state.clone();
+        let app = axum::Router::new()
+            .route(
+                "/v1/traces",
+                post(move |body: Bytes| async move {
+                    match ExportTraceServiceRequest::decode(body) {
+                        Ok(request) => {
+                            traces.add_traces(&request);
+                            (
+                                axum::http::StatusCode::OK,
+                                ExportTraceServiceResponse::default().encode_to_vec(),
+                            )
+                        }
+                        Err(_) => (axum::http::StatusCode::BAD_REQUEST, vec![]),
+                    }
+                }),
+            )
+            .route(
+                "/v1/metrics",
+                post(move |body: Bytes| async move {
+                    match ExportMetricsServiceRequest::decode(body) {
+                        Ok(request) => {
+                            metrics.add_metrics(&request);
+                            (
+                                axum::http::StatusCode::OK,
+                                ExportMetricsServiceResponse::default().encode_to_vec(),
+                            )
+                        }
+                        Err(_) => (axum::http::StatusCode::BAD_REQUEST, vec![]),
+                    }
+                }),
+            );
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Self {
+            addr,
+            endpoint: format!("http://{addr}"),
+            state,
+            task,
+        }
+    }
+
+    pub fn spans(&self) -> Vec<SpanRecord> {
+        self.state.spans.lock().unwrap().clone()
+    }
+
+    pub fn metrics(&self) -> Vec<MetricRecord> {
+        self.state.metrics.lock().unwrap().clone()
+    }
+
+    /// TCP connections accepted (gRPC receiver only).
+    pub fn connections(&self) -> usize {
+        self.state.connections.load(Ordering::SeqCst)
+    }
+
+    /// Export requests received.
+    pub fn requests(&self) -> usize {
+        self.state.requests.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `done(spans)` holds, or `timeout` passes; returns the spans either way.
+    pub async fn wait_for_spans(
+        &self,
+        timeout: Duration,
+        done: impl Fn(&[SpanRecord]) -> bool,
+    ) -> Vec<SpanRecord> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let spans = self.spans();
+            if done(&spans) || Instant::now() >= deadline {
+                return spans;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for OtlpReceiver {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

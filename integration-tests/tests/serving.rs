@@ -1,0 +1,95 @@
+//! The serving path's behaviour at its edges: bad task inputs, health and reflection.
+
+use nomad_integration_tests::{Fleet, FleetOptions};
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_task_inputs_fail_their_own_rollout_with_a_clear_message() {
+    let mut fleet = Fleet::start(FleetOptions::default()).await;
+    let tasks = vec![
+        json!({"id": "good", "tool": "mlp", "arguments": {"input": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]}}),
+        json!({"id": "short", "tool": "mlp", "arguments": {"input": [0.1, 0.2]}}),
+        json!({"id": "text", "tool": "mlp", "arguments": {"text": "hello"}}),
+        json!({"id": "unknown", "tool": "nope", "arguments": {"input": [1.0]}}),
+        json!({"id": "no-args", "tool": "mlp", "arguments": {}}),
+        json!({"id": "server", "server": "elsewhere", "tool": "mlp", "arguments": {"input": [1.0]}}),
+    ];
+    let run = fleet.run_head(&tasks, 3).await;
+    assert_eq!(run.code, Some(1), "failed rollouts exit 1: {}", run.stderr);
+    let by_id = |id: &str| {
+        run.results
+            .iter()
+            .find(|r| r["task_id"] == id)
+            .unwrap_or_else(|| panic!("no result for {id}"))
+            .clone()
+    };
+    assert_eq!(by_id("good")["status"], "ok");
+    for (id, expected) in [
+        ("short", "expected shape [6], got [2]"),
+        ("text", "mlp takes a tensor input, got text"),
+        (
+            "unknown",
+            "unknown tool \"nope\"; this scheduler serves: mlp",
+        ),
+        ("no-args", "arguments need `text`"),
+        ("server", "unknown upstream server \"elsewhere\""),
+    ] {
+        let result = by_id(id);
+        assert_eq!(result["status"], "error", "{result}");
+        let error = result["error"].as_str().unwrap();
+        assert!(error.contains(expected), "{id}: {error}");
+    }
+    fleet.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_service_answers_health_and_reflection() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+
+    let mut fleet = Fleet::start(FleetOptions::default()).await;
+    for (addr, service) in [
+        (fleet.scheduler_addr.clone(), "nomad.v1.Scheduler"),
+        (fleet.gateway_addr.clone(), "nomad.v1.Gateway"),
+    ] {
+        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let health = HealthClient::new(channel.clone())
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(health.status, 1, "{addr} not SERVING");
+
+        let mut reflection = ServerReflectionClient::new(channel);
+        let request = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut responses = reflection
+            .server_reflection_info(futures::stream::iter(vec![request]))
+            .await
+            .unwrap()
+            .into_inner();
+        let response = responses.message().await.unwrap().unwrap();
+        let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+            panic!("unexpected reflection response");
+        };
+        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        assert!(names.contains(&service.to_owned()), "{addr}: {names:?}");
+        assert!(
+            names.contains(&"grpc.health.v1.Health".to_owned()),
+            "{names:?}"
+        );
+    }
+    fleet.terminate().await;
+}
