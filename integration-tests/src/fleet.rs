@@ -206,12 +206,22 @@ impl Fleet {
         self.dir.join(format!("{}.{stream}", service.name()))
     }
 
+    /// Starts the head's gRPC server (`nomad serve`) against this fleet's gateway.
+    pub async fn start_head_server(&mut self) -> String {
+        let gateway = self.gateway_addr.clone();
+        self.spawn(Service::Head, &["--gateway", &gateway]).await
+    }
+
     /// Starts `service` and returns its bound address.
     async fn spawn(&mut self, service: Service, args: &[&str]) -> String {
         let addr_file = self.dir.join(format!("{}.addr", service.name()));
         let stdout = std::fs::File::create(self.log(service, "stdout")).unwrap();
         let stderr = std::fs::File::create(self.log(service, "stderr")).unwrap();
-        let mut child = command(service, &self.options.env_for(service))
+        let mut cmd = command(service, &self.options.env_for(service));
+        if service == Service::Head {
+            cmd.arg("serve");
+        }
+        let mut child = cmd
             .arg("--config")
             .arg(&self.config_path)
             .args(["--listen", "127.0.0.1:0", "--addr-file"])

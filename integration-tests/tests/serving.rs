@@ -52,9 +52,13 @@ async fn every_service_answers_health_and_reflection() {
     use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
     let mut fleet = Fleet::start(FleetOptions::default()).await;
+    let head = fleet.start_head_server().await;
+    let worker = std::fs::read_to_string(fleet.dir.join("device-worker.addr")).unwrap();
     for (addr, service) in [
         (fleet.scheduler_addr.clone(), "nomad.v1.Scheduler"),
         (fleet.gateway_addr.clone(), "nomad.v1.Gateway"),
+        (worker.trim().to_owned(), "nomad.v1.DeviceWorker"),
+        (head, "nomad.v1.Head"),
     ] {
         let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
             .unwrap()
@@ -91,5 +95,72 @@ async fn every_service_answers_health_and_reflection() {
             "{names:?}"
         );
     }
+    fleet.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_server_starts_runs_and_reports_them() {
+    use nomad_integration_tests::fleet::mlp_tasks;
+    use nomad_proto::v1::head_client::HeadClient;
+    use nomad_proto::v1::{GetRunRequest, RunState, StartRunRequest};
+
+    let mut fleet = Fleet::start(FleetOptions::default()).await;
+    let addr = fleet.start_head_server().await;
+    let mut head = HeadClient::connect(format!("http://{addr}")).await.unwrap();
+
+    let mut tasks: Vec<String> = mlp_tasks(3).iter().map(|t| t.to_string()).collect();
+    tasks.push("{\"id\":\"x\"".into());
+    let err = head
+        .start_run(StartRunRequest {
+            tasks_json: tasks.clone(),
+            concurrency: 2,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("tasks_json[3]"), "{}", err.message());
+
+    tasks.pop();
+    let run_id = head
+        .start_run(StartRunRequest {
+            tasks_json: tasks,
+            concurrency: 2,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run_id;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let run = loop {
+        let run = head
+            .get_run(GetRunRequest {
+                run_id: run_id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        if run.state == RunState::Finished as i32 {
+            break run;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "run did not finish: {run:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!((run.total, run.succeeded, run.failed), (3, 3, 0));
+    assert_eq!(run.results_json.len(), 3);
+    for line in &run.results_json {
+        let result: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(result["run_id"], run_id.as_str());
+        assert_eq!(result["output"]["shape"], json!([4]));
+    }
+    let missing = head
+        .get_run(GetRunRequest {
+            run_id: "nope".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::NotFound);
     fleet.terminate().await;
 }

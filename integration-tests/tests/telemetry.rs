@@ -88,8 +88,10 @@ async fn twenty_concurrent_rollouts_are_twenty_whole_traces_after_sigterm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_exporter_lines_give_the_same_picture() {
-    let mut fleet =
-        Fleet::start(FleetOptions::default().env("NOMAD_OTEL_EXPORTER", "console")).await;
+    let options = FleetOptions::default()
+        .env("NOMAD_OTEL_EXPORTER", "console")
+        .env("NOMAD_OTEL_LOGS_ENABLED", "true");
+    let mut fleet = Fleet::start(options).await;
     let tasks = mlp_tasks(20);
     let run = fleet.run_head(&tasks, 20).await;
     assert_outputs_match_the_model(&fleet, &tasks, &run);
@@ -115,6 +117,19 @@ async fn console_exporter_lines_give_the_same_picture() {
         }
     }
     check_rollout_traces(&spans, &run.results, &run.run_id());
+
+    // With logs on, log records are JSON lines too, with the service's resource.
+    let logs: Vec<Value> = fleet
+        .stdout(Service::Scheduler)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["signal"] == "log")
+        .collect();
+    assert!(
+        logs.iter().any(|l| l["body"] == "worker registered"
+            && l["resource"]["service.name"] == "nomad/scheduler"),
+        "no 'worker registered' log record in {logs:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,6 +2,8 @@
 
 mod driver;
 mod run_id;
+mod runs;
+mod server;
 mod tasks;
 
 use std::io::Write;
@@ -29,6 +31,27 @@ struct Cli {
 enum Command {
     /// Run every task of a tasks JSONL file as one rollout and write one result line per task.
     Run(RunArgs),
+    /// Serve the Head gRPC API: start runs of rollouts and report on them.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Address to serve gRPC on.
+    #[arg(long, default_value = "127.0.0.1:7000")]
+    listen: String,
+    /// The gateway to send rollouts to.
+    #[arg(long, env = "NOMAD_GATEWAY", default_value = "127.0.0.1:7001")]
+    gateway: String,
+    /// Rollouts in flight per run when StartRun does not say.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Config file (YAML or TOML); its `telemetry:` block configures export.
+    #[arg(long, env = "NOMAD_CONFIG")]
+    config: Option<PathBuf>,
+    /// Write the bound address here once listening.
+    #[arg(long)]
+    addr_file: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -56,6 +79,7 @@ fn main() -> ExitCode {
         .context("starting the runtime")
         .and_then(|rt| match cli.command {
             Command::Run(args) => rt.block_on(run(args)),
+            Command::Serve(args) => rt.block_on(serve(args)).map(|()| true),
         });
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -126,4 +150,32 @@ async fn run(args: RunArgs) -> anyhow::Result<bool> {
         args.out.display()
     );
     Ok(failed == 0)
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
+    let file = nomad_config::ConfigFile::load(args.config.as_deref())?;
+    let settings = nomad_telemetry::load_settings(&file)?;
+    let identity = ServerIdentity::new(ServerType::Head);
+    let telemetry = nomad_telemetry::init(settings, &identity, InitOptions::default())?;
+
+    let (listener, local) = nomad_rpc::bind(&args.listen).await?;
+    if let Some(path) = &args.addr_file {
+        nomad_rpc::write_addr_file(path, local)?;
+    }
+    tracing::info!("nomad head listening on {local}");
+    let mut server = nomad_rpc::RpcServer::new();
+    server
+        .routes()
+        .add_service(nomad_proto::v1::head_server::HeadServer::new(
+            server::HeadService {
+                gateway: GatewayClient::new(nomad_rpc::channel(&args.gateway)?),
+                runs: runs::RunRegistry::default(),
+                default_concurrency: args.concurrency,
+            },
+        ));
+    server.serve(listener, nomad_rpc::shutdown_signal()).await?;
+    tracing::info!("shutting down");
+    telemetry.shutdown(Duration::from_secs(5)).await;
+    Ok(())
 }

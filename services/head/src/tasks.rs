@@ -24,43 +24,62 @@ fn empty_object() -> Value {
     Value::Object(Default::default())
 }
 
-/// Parses every line; on failure lists each bad line (number and reason), not just the first.
-pub fn parse(text: &str, source: &str) -> Result<Vec<Task>, String> {
+/// Parses and checks one task given as JSON.
+pub fn parse_task(json: &str) -> Result<Task, String> {
+    let task: Task = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    if task.id.is_empty() {
+        return Err("`id` is empty".into());
+    }
+    if task.tool.is_empty() {
+        return Err("`tool` is empty".into());
+    }
+    if !task.arguments.is_object() {
+        return Err("`arguments` must be a JSON object".into());
+    }
+    Ok(task)
+}
+
+/// Parses labelled task texts; on failure lists every bad one (label and reason), not just the
+/// first. Duplicate ids are refused: results are keyed by task id.
+pub fn parse_all<'a>(
+    items: impl IntoIterator<Item = (String, &'a str)>,
+) -> Result<Vec<Task>, String> {
     let mut tasks = Vec::new();
     let mut errors = Vec::new();
     let mut ids = std::collections::HashSet::new();
-    for (index, line) in text.lines().enumerate() {
-        let line_no = index + 1;
-        if line.trim().is_empty() {
-            continue;
-        }
-        match serde_json::from_str::<Task>(line) {
-            Ok(task) if task.id.is_empty() => {
-                errors.push(format!("{source}:{line_no}: `id` is empty"))
+    for (label, json) in items {
+        match parse_task(json) {
+            Ok(task) if !ids.insert(task.id.clone()) => {
+                errors.push(format!("{label}: task id {:?} appears twice", task.id))
             }
-            Ok(task) if task.tool.is_empty() => {
-                errors.push(format!("{source}:{line_no}: `tool` is empty"))
-            }
-            Ok(task) if !task.arguments.is_object() => errors.push(format!(
-                "{source}:{line_no}: `arguments` must be a JSON object"
-            )),
-            Ok(task) if !ids.insert(task.id.clone()) => errors.push(format!(
-                "{source}:{line_no}: task id {:?} appears twice",
-                task.id
-            )),
             Ok(task) => tasks.push(task),
-            Err(e) => errors.push(format!("{source}:{line_no}: {e}")),
+            Err(e) => errors.push(format!("{label}: {e}")),
         }
     }
     if !errors.is_empty() {
         return Err(errors.join("\n"));
     }
     if tasks.is_empty() {
-        return Err(format!(
-            "{source}: no tasks (expected one JSON object per line)"
-        ));
+        return Err("no tasks (expected one JSON object per line)".into());
     }
     Ok(tasks)
+}
+
+/// Parses a tasks JSONL text; `source` names the file in errors (`file:line: reason`).
+pub fn parse(text: &str, source: &str) -> Result<Vec<Task>, String> {
+    parse_all(
+        text.lines()
+            .enumerate()
+            .filter(|(_, line)| !line.trim().is_empty())
+            .map(|(i, line)| (format!("{source}:{}", i + 1), line)),
+    )
+    .map_err(|e| {
+        if e.starts_with("no tasks") {
+            format!("{source}: {e}")
+        } else {
+            e
+        }
+    })
 }
 
 #[cfg(test)]

@@ -1,0 +1,64 @@
+//! The Head gRPC service (`nomad serve`): starts runs in the background and reports on them.
+
+use nomad_proto::v1::gateway_client::GatewayClient;
+use nomad_proto::v1::head_server::Head;
+use nomad_proto::v1::{GetRunRequest, Run, StartRunRequest, StartRunResponse};
+use tonic::{Request, Response, Status};
+
+use crate::driver::Driver;
+use crate::runs::RunRegistry;
+use crate::tasks;
+
+pub struct HeadService {
+    pub gateway: GatewayClient<nomad_rpc::Channel>,
+    pub runs: RunRegistry,
+    pub default_concurrency: usize,
+}
+
+#[tonic::async_trait]
+impl Head for HeadService {
+    async fn start_run(
+        &self,
+        request: Request<StartRunRequest>,
+    ) -> Result<Response<StartRunResponse>, Status> {
+        let StartRunRequest {
+            tasks_json,
+            concurrency,
+        } = request.into_inner();
+        let tasks = tasks::parse_all(
+            tasks_json
+                .iter()
+                .enumerate()
+                .map(|(i, json)| (format!("tasks_json[{i}]"), json.as_str())),
+        )
+        .map_err(Status::invalid_argument)?;
+        let run_id = crate::run_id::resolve(None, &[] as &[(&str, &str)]);
+        let driver = Driver {
+            gateway: self.gateway.clone(),
+            run_id: run_id.clone(),
+            concurrency: if concurrency == 0 {
+                self.default_concurrency
+            } else {
+                concurrency as usize
+            },
+        };
+        self.runs.start(&run_id, tasks.len());
+        let runs = self.runs.clone();
+        let id = run_id.clone();
+        tracing::info!(run_id = %run_id, tasks = tasks.len(), "run started");
+        tokio::spawn(async move {
+            driver.run(tasks, |result| runs.record(&id, result)).await;
+            runs.finish(&id);
+            tracing::info!(run_id = %id, "run finished");
+        });
+        Ok(Response::new(StartRunResponse { run_id }))
+    }
+
+    async fn get_run(&self, request: Request<GetRunRequest>) -> Result<Response<Run>, Status> {
+        let run_id = &request.get_ref().run_id;
+        self.runs
+            .get(run_id)
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(format!("no run {run_id:?} on this head")))
+    }
+}
