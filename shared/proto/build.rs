@@ -8,6 +8,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     let protos = ["common", "scheduler", "worker", "gateway", "head"]
         .map(|name| root.join(format!("nomad/v1/{name}.proto")));
+    // The protos live outside this crate, so cargo must be told to watch them.
+    for proto in &protos {
+        println!("cargo:rerun-if-changed={}", proto.display());
+    }
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("nomad_descriptor.bin"))

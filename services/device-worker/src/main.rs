@@ -47,6 +47,9 @@ struct ServeArgs {
     /// cpu, cuda:N or metal:N.
     #[arg(long, default_value = "cpu")]
     device: DeviceSpec,
+    /// `candle` runs real models; `sim` simulates them from the config's `sim:` section.
+    #[arg(long, default_value = "candle")]
+    backend: BackendKind,
     /// Worker id (default: host-pid-device).
     #[arg(long)]
     worker_id: Option<String>,
@@ -56,6 +59,12 @@ struct ServeArgs {
     /// Write the bound address here once listening.
     #[arg(long)]
     addr_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BackendKind {
+    Candle,
+    Sim,
 }
 
 #[derive(Subcommand)]
@@ -102,8 +111,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let telemetry = nomad_telemetry::init(settings, &identity, InitOptions::default())?;
 
+    let backend = match args.backend {
+        BackendKind::Candle => models::Backend::Candle,
+        BackendKind::Sim => models::Backend::Sim(file.section("sim")?),
+    };
     let device = args.device.open()?;
-    tracing::info!(device = %args.device, "device ready");
+    tracing::info!(device = %args.device, backend = ?args.backend, "device ready");
     let store = Arc::new(store::ModelStore::new(device));
     let on_accelerator = args.device != DeviceSpec::Cpu;
 
@@ -136,6 +149,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .routes()
         .add_service(DeviceWorkerServer::new(service::WorkerService {
             store,
+            backend: Arc::new(backend),
             device_name: args.device.to_string(),
             on_accelerator,
         }));

@@ -10,7 +10,8 @@ use nomad_proto::v1::{
     PlaceResponse, StatsRequest, UnloadRequest, UnloadResponse, WorkerStats,
     execute_batch_response,
 };
-use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
+use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions};
+use opentelemetry::trace::{Link, TraceContextExt as _};
 use tonic::{Request, Response, Status};
 
 use crate::models::{self, ExecError, LoadError};
@@ -18,6 +19,7 @@ use crate::store::{ModelStore, StoreError};
 
 pub struct WorkerService {
     pub store: Arc<ModelStore>,
+    pub backend: Arc<models::Backend>,
     pub device_name: String,
     pub on_accelerator: bool,
 }
@@ -53,6 +55,18 @@ impl WorkerService {
     }
 }
 
+/// A link to the batch's own span (the current one), when it records.
+fn batch_link() -> Vec<Link> {
+    let cx = Context::current();
+    let span = cx.span();
+    let sc = span.span_context();
+    if sc.is_valid() {
+        vec![Link::with_context(sc.clone())]
+    } else {
+        Vec::new()
+    }
+}
+
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, Status> {
@@ -83,7 +97,8 @@ impl DeviceWorker for WorkerService {
         }
         let span = self.device_span("nomad.device.load", &tool);
         let started = Instant::now();
-        let loaded = blocking(move || models::load(&spec)).await?;
+        let backend = self.backend.clone();
+        let loaded = blocking(move || models::load(&spec, &backend)).await?;
         let model = loaded.map_err(|e| {
             span.set_error("load_failed", e.to_string());
             match e {
@@ -140,21 +155,62 @@ impl DeviceWorker for WorkerService {
         &self,
         request: Request<ExecuteBatchRequest>,
     ) -> Result<Response<ExecuteBatchResponse>, Status> {
-        let ExecuteBatchRequest { tool, inputs } = request.into_inner();
+        let ExecuteBatchRequest {
+            tool,
+            inputs,
+            traces,
+        } = request.into_inner();
         required_tool(&tool)?;
         if inputs.is_empty() {
             return Err(Status::invalid_argument("a batch needs at least one input"));
         }
+        if !traces.is_empty() && traces.len() != inputs.len() {
+            return Err(Status::invalid_argument(format!(
+                "{} trace carriers for {} inputs: give one per input or none",
+                traces.len(),
+                inputs.len()
+            )));
+        }
         let model = self.store.placed(&tool).map_err(store_status)?;
+        // Each request's share of the batch, in that request's own trace.
+        let shares: Vec<GroupSpan> = traces
+            .iter()
+            .map(|carrier| {
+                let parent = nomad_telemetry::propagation::extract_map(&carrier.fields);
+                let span = GroupSpan::start_with(
+                    SpanGroup::Batch,
+                    "nomad.device.execute",
+                    &parent,
+                    SpanOptions {
+                        links: batch_link(),
+                        ..Default::default()
+                    },
+                );
+                span.set_attributes([
+                    KeyValue::new("tool", tool.clone()),
+                    KeyValue::new("device", self.device_name.clone()),
+                    KeyValue::new("nomad.tool.batch.size", inputs.len() as i64),
+                ]);
+                span
+            })
+            .collect();
         let outcome = match blocking(move || model.execute(&inputs)).await? {
             Ok(items) => execute_batch_response::Outcome::Results(BatchResults { items }),
             Err(ExecError::OutOfMemory(detail)) => {
                 execute_batch_response::Outcome::OutOfMemory(OutOfMemory { detail })
             }
             Err(ExecError::Failed(message)) => {
+                for span in &shares {
+                    span.set_error("execution_failed", message.clone());
+                }
                 return Err(Status::internal(format!("{tool}: {message}")));
             }
         };
+        if let execute_batch_response::Outcome::OutOfMemory(oom) = &outcome {
+            for span in &shares {
+                span.set_error("out_of_memory", oom.detail.clone());
+            }
+        }
         Ok(Response::new(ExecuteBatchResponse {
             outcome: Some(outcome),
         }))

@@ -133,6 +133,7 @@ impl Dispatcher {
             .execute_batch(ExecuteBatchRequest {
                 tool: config.name.clone(),
                 inputs: vec![input],
+                traces: vec![],
             })
             .with_context(span.context().clone())
             .await;

@@ -2,6 +2,8 @@
 //! with it.
 
 mod config;
+#[allow(dead_code, unused_imports)] // The driver that runs the core lands next.
+mod core;
 mod dispatch;
 mod metrics;
 mod service;

@@ -2,6 +2,7 @@
 //! can give.
 
 pub mod mlp;
+pub mod sim;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -49,8 +50,18 @@ impl From<candle_core::Error> for ExecError {
     }
 }
 
+/// What runs the models: candle, or the simulator.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    Candle,
+    Sim(sim::SimConfig),
+}
+
 /// Reads a model from `spec.source` into host memory.
-pub fn load(spec: &ModelSpec) -> Result<Arc<dyn Model>, LoadError> {
+pub fn load(spec: &ModelSpec, backend: &Backend) -> Result<Arc<dyn Model>, LoadError> {
+    if let Backend::Sim(config) = backend {
+        return Ok(Arc::new(sim::SimModel::load(&spec.tool, config)));
+    }
     let path = Path::new(&spec.source);
     if !path.exists() {
         return Err(LoadError::NotFound {
