@@ -247,7 +247,7 @@ async fn context_propagates_through_hops_whose_span_groups_are_off() {
         .service_env(Service::Head, "NOMAD_OTEL_SPAN_GROUPS", "rollout")
         .service_env(Service::Gateway, "NOMAD_OTEL_SPAN_GROUPS", "none")
         .service_env(Service::Scheduler, "NOMAD_OTEL_SPAN_GROUPS", "tool")
-        .service_env(Service::DeviceWorker, "NOMAD_OTEL_SPAN_GROUPS", "server");
+        .service_env(Service::DeviceWorker, "NOMAD_OTEL_SPAN_GROUPS", "batch");
     let mut fleet = Fleet::start(options).await;
     let tasks = mlp_tasks(3);
     let run = fleet.run_head(&tasks, 3).await;
@@ -269,8 +269,10 @@ async fn context_propagates_through_hops_whose_span_groups_are_off() {
         };
         let rollout = find("nomad.rollout");
         let tool = find("nomad.tool.request");
-        let execute = find("nomad.v1.DeviceWorker/ExecuteBatch");
-        // The gateway recorded nothing, yet the scheduler's span hangs off the head's rollout.
+        let execute = find("nomad.device.execute");
+        // The gateway recorded nothing, yet the scheduler's span hangs off the head's rollout;
+        // the scheduler recorded no batch span, yet the worker's share of the batch hangs off
+        // the request's span.
         assert_eq!(
             tool.parent_span_id.as_deref(),
             Some(rollout.span_id.as_str())

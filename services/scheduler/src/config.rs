@@ -33,19 +33,54 @@ fn default_batch_size() -> u32 {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ToolManagerConfig {
-    /// How often workers heartbeat; one missing for three intervals is dropped.
-    pub heartbeat_interval_ms: u32,
+    /// A device slot unused this long gives its allocation back (idle eviction).
+    pub idle_seconds: f64,
+    /// A tool with no slot, nothing queued and nothing in flight this long leaves host memory.
+    pub disk_idle_seconds: f64,
+    /// After the whole server is idle this long, accelerator caches are cleared.
+    pub gc_idle_seconds: f64,
+    /// How long a partial batch waits to fill.
+    pub max_batch_delay_ms: f64,
+    /// Default `max_pending` of a tool.
     pub max_pending_per_tool: u32,
+    /// Default `max_devices` of a tool.
     pub max_devices_per_tool: u32,
+    /// How often workers heartbeat; one silent for three intervals is dropped.
+    pub heartbeat_interval_ms: u32,
 }
 
 impl Default for ToolManagerConfig {
     fn default() -> Self {
         Self {
-            heartbeat_interval_ms: 1000,
+            idle_seconds: 300.0,
+            disk_idle_seconds: 600.0,
+            gc_idle_seconds: 300.0,
+            max_batch_delay_ms: 2.0,
             max_pending_per_tool: 1024,
             max_devices_per_tool: 1,
+            heartbeat_interval_ms: 1000,
         }
+    }
+}
+
+impl ToolManagerConfig {
+    /// The core's timers; every duration must be finite and not negative.
+    pub fn timing(&self) -> Result<crate::core::Timing, String> {
+        let duration = |name: &str, seconds: f64| {
+            if seconds.is_finite() && seconds >= 0.0 {
+                Ok(std::time::Duration::from_secs_f64(seconds))
+            } else {
+                Err(format!(
+                    "tool_manager.{name} must be a number of seconds, at least 0; got {seconds}"
+                ))
+            }
+        };
+        Ok(crate::core::Timing {
+            idle: duration("idle_seconds", self.idle_seconds)?,
+            disk_idle: duration("disk_idle_seconds", self.disk_idle_seconds)?,
+            gc_idle: duration("gc_idle_seconds", self.gc_idle_seconds)?,
+            max_batch_delay: duration("max_batch_delay_ms", self.max_batch_delay_ms / 1000.0)?,
+        })
     }
 }
 

@@ -2,9 +2,8 @@
 //! with it.
 
 mod config;
-#[allow(dead_code, unused_imports)] // The driver that runs the core lands next.
 mod core;
-mod dispatch;
+mod driver;
 mod metrics;
 mod service;
 mod workers;
@@ -65,17 +64,32 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         tracing::warn!("no tools configured: every call will be rejected as unknown_tool");
     }
 
-    let workers = Arc::new(workers::WorkerRegistry::default());
-    let dispatcher = Arc::new(dispatch::Dispatcher::new(tools, workers.clone()));
+    let timing = manager.timing().map_err(anyhow::Error::msg)?;
+    let registry = Arc::new(workers::WorkerRegistry::default());
+    let published = Arc::new(std::sync::Mutex::new(driver::Published::default()));
+    let _gauges = metrics::gauges(published.clone(), registry.clone());
+    let (driver, handle) = driver::Driver::new(
+        tools.clone(),
+        timing,
+        registry.clone(),
+        Arc::new(metrics::Metrics::new()),
+        published,
+    );
+    let driving = tokio::spawn(driver.run());
+
     let interval = Duration::from_millis(u64::from(manager.heartbeat_interval_ms.max(50)));
     let reaper = {
-        let workers = workers.clone();
+        let registry = registry.clone();
+        let handle = handle.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             loop {
                 tick.tick().await;
-                for id in workers.reap(interval * 3) {
-                    tracing::warn!(worker_id = %id, "worker missed its heartbeats: dropped");
+                for worker in registry.reap(interval * 3) {
+                    tracing::warn!(worker_id = %worker.id, "worker missed its heartbeats: dropped");
+                    handle
+                        .worker_down(worker.generation, "it stopped heartbeating".into())
+                        .await;
                 }
             }
         })
@@ -90,11 +104,28 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     server
         .routes()
         .add_service(SchedulerServer::new(service::SchedulerService {
-            dispatcher,
-            workers,
+            tools,
+            driver: handle.clone(),
+            workers: registry,
             heartbeat_interval_ms: manager.heartbeat_interval_ms.max(50),
         }));
-    server.serve(listener, nomad_rpc::shutdown_signal()).await?;
+    // On SIGINT/SIGTERM: refuse new requests (manager_closed), let accepted ones finish, then
+    // stop serving once the in-flight calls have their answers.
+    let closing = handle.clone();
+    server
+        .serve(listener, async move {
+            nomad_rpc::shutdown_signal().await;
+            tracing::info!("stopping: finishing accepted requests");
+            closing.close().await;
+        })
+        .await?;
+    handle.close().await;
+    if tokio::time::timeout(Duration::from_secs(30), driving)
+        .await
+        .is_err()
+    {
+        tracing::warn!("requests still open after 30 s; stopping anyway");
+    }
     reaper.abort();
     tracing::info!("shutting down");
     telemetry.shutdown(Duration::from_secs(5)).await;

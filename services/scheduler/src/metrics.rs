@@ -1,22 +1,33 @@
-//! The scheduler's instruments, built from the shared definition table.
+//! The scheduler's instruments, built from the shared definition table, and the observable
+//! gauges that read the driver's published snapshot and the workers' reports.
+
+use std::sync::{Arc, Mutex};
 
 use nomad_telemetry::KeyValue;
 use nomad_telemetry::metrics as defs;
-use opentelemetry::metrics::{Counter, Histogram};
+use opentelemetry::metrics::{Counter, Histogram, ObservableGauge, ObservableUpDownCounter};
 
-use nomad_proto::v1::DeviceInfo;
+use crate::driver::Published;
+use crate::workers::{Worker, WorkerRegistry};
 
 pub struct Metrics {
     pub requests: Counter<u64>,
     pub request_errors: Counter<u64>,
+    pub request_cancellations: Counter<u64>,
     pub request_rejections: Counter<u64>,
     pub request_duration: Histogram<f64>,
     pub request_queue_wait: Histogram<f64>,
     pub batch_duration: Histogram<f64>,
     pub batch_size: Histogram<u64>,
+    pub batch_oom_reductions: Counter<u64>,
     pub device_load_duration: Histogram<f64>,
+    pub device_offloads: Counter<u64>,
+    pub device_idle_evictions: Counter<u64>,
     pub disk_loads: Counter<u64>,
     pub disk_load_duration: Histogram<f64>,
+    pub disk_unloads: Counter<u64>,
+    pub cache_clears: Counter<u64>,
+    pub cache_clear_duration: Histogram<f64>,
 }
 
 impl Metrics {
@@ -24,24 +35,134 @@ impl Metrics {
         Self {
             requests: defs::TOOL_REQUESTS.u64_counter(),
             request_errors: defs::TOOL_REQUEST_ERRORS.u64_counter(),
+            request_cancellations: defs::TOOL_REQUEST_CANCELLATIONS.u64_counter(),
             request_rejections: defs::TOOL_REQUEST_REJECTIONS.u64_counter(),
             request_duration: defs::TOOL_REQUEST_DURATION.f64_histogram(),
             request_queue_wait: defs::TOOL_REQUEST_QUEUE_WAIT.f64_histogram(),
             batch_duration: defs::TOOL_BATCH_DURATION.f64_histogram(),
             batch_size: defs::TOOL_BATCH_SIZE.u64_histogram(),
+            batch_oom_reductions: defs::TOOL_BATCH_OOM_REDUCTIONS.u64_counter(),
             device_load_duration: defs::TOOL_DEVICE_LOAD_DURATION.f64_histogram(),
+            device_offloads: defs::TOOL_DEVICE_OFFLOADS.u64_counter(),
+            device_idle_evictions: defs::TOOL_DEVICE_IDLE_EVICTIONS.u64_counter(),
             disk_loads: defs::TOOL_DISK_LOADS.u64_counter(),
             disk_load_duration: defs::TOOL_DISK_LOAD_DURATION.f64_histogram(),
+            disk_unloads: defs::TOOL_DISK_UNLOADS.u64_counter(),
+            cache_clears: defs::DEVICE_CACHE_CLEARS.u64_counter(),
+            cache_clear_duration: defs::DEVICE_CACHE_CLEAR_DURATION.f64_histogram(),
         }
     }
 }
 
-/// `tool`, `device`, `device.type`, `device.index` for batch and device metrics.
-pub fn device_attributes(tool: &str, device: &DeviceInfo) -> Vec<KeyValue> {
+/// `tool`, `device`, `device.type`, `device.index` (and the worker's id, which tells two
+/// workers' `cpu:0` apart) for batch and device metrics.
+pub fn device_attributes(tool: &str, worker: &Worker) -> Vec<KeyValue> {
     vec![
         KeyValue::new("tool", tool.to_owned()),
-        KeyValue::new("device", format!("{}:{}", device.r#type, device.index)),
-        KeyValue::new("device.type", device.r#type.clone()),
-        KeyValue::new("device.index", i64::from(device.index)),
+        KeyValue::new(
+            "device",
+            format!("{}:{}", worker.device.r#type, worker.device.index),
+        ),
+        KeyValue::new("device.type", worker.device.r#type.clone()),
+        KeyValue::new("device.index", i64::from(worker.device.index)),
+        KeyValue::new("nomad.worker.id", worker.id.clone()),
     ]
+}
+
+/// The observable instruments; they report for as long as this value lives.
+pub struct Gauges {
+    _up_down: Vec<ObservableUpDownCounter<i64>>,
+    _gauges: Vec<ObservableGauge<f64>>,
+}
+
+fn read<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Registers every observable instrument of the model-serving table. Callbacks run on the
+/// metric reader's thread and only read published state.
+pub fn gauges(published: Arc<Mutex<Published>>, registry: Arc<WorkerRegistry>) -> Gauges {
+    let tool = |name: &str| [KeyValue::new("tool", name.to_owned())];
+    let p = published.clone();
+    let queue = defs::TOOL_QUEUE_LENGTH.i64_observable_up_down_counter(move |o| {
+        for t in &read(&p).core.tools {
+            o.observe(t.queue_length as i64, &tool(&t.name));
+        }
+    });
+    let p = published.clone();
+    let inflight = defs::TOOL_INFLIGHT_REQUESTS.i64_observable_up_down_counter(move |o| {
+        for t in &read(&p).core.tools {
+            o.observe(i64::from(t.inflight), &tool(&t.name));
+        }
+    });
+    let p = published.clone();
+    let configured = defs::TOOL_BATCH_CONFIGURED_SIZE.i64_observable_up_down_counter(move |o| {
+        for t in &read(&p).core.tools {
+            o.observe(i64::from(t.batch_size), &tool(&t.name));
+        }
+    });
+    let p = published.clone();
+    let pending = defs::TOOL_PENDING_TOOLS.i64_observable_up_down_counter(move |o| {
+        o.observe(read(&p).core.pending_tools as i64, &[]);
+    });
+    let p = published.clone();
+    let resident = defs::TOOL_RESIDENT.i64_observable_up_down_counter(move |o| {
+        for t in &read(&p).core.tools {
+            o.observe(i64::from(t.resident), &tool(&t.name));
+        }
+    });
+    let p = published.clone();
+    let loaded = defs::DEVICE_TOOL_LOADED.i64_observable_up_down_counter(move |o| {
+        let published = read(&p);
+        for slot in &published.core.slots {
+            let Some(device) = published.devices.get(&slot.slot) else {
+                continue;
+            };
+            for t in &published.core.tools {
+                let mut attributes = device.clone();
+                attributes.push(KeyValue::new("tool", t.name.clone()));
+                let on = slot.on_device.as_deref() == Some(t.name.as_str());
+                o.observe(i64::from(on), &attributes);
+            }
+        }
+    });
+    let p = published;
+    let busy = defs::DEVICE_SLOT_BUSY.f64_observable_gauge(move |o| {
+        let published = read(&p);
+        for slot in &published.core.slots {
+            if let Some(device) = published.devices.get(&slot.slot) {
+                o.observe(if slot.busy { 1.0 } else { 0.0 }, device);
+            }
+        }
+    });
+    // Device figures come from the workers' heartbeats; a figure a worker does not report is
+    // left out, never shown as zero.
+    let r = registry.clone();
+    let allocated = defs::DEVICE_MEMORY_ALLOCATED.f64_observable_gauge(move |o| {
+        for (attributes, stats) in r.stats() {
+            if let Some(v) = stats.memory_allocated_bytes {
+                o.observe(v as f64, &attributes);
+            }
+        }
+    });
+    let r = registry.clone();
+    let reserved = defs::DEVICE_MEMORY_RESERVED.f64_observable_gauge(move |o| {
+        for (attributes, stats) in r.stats() {
+            if let Some(v) = stats.memory_reserved_bytes {
+                o.observe(v as f64, &attributes);
+            }
+        }
+    });
+    let r = registry;
+    let utilization = defs::DEVICE_UTILIZATION.f64_observable_gauge(move |o| {
+        for (attributes, stats) in r.stats() {
+            if let Some(v) = stats.utilization {
+                o.observe(v, &attributes);
+            }
+        }
+    });
+    Gauges {
+        _up_down: vec![queue, inflight, configured, pending, resident, loaded],
+        _gauges: vec![busy, allocated, reserved, utilization],
+    }
 }

@@ -10,11 +10,13 @@ use nomad_proto::v1::{
 };
 use tonic::{Request, Response, Status};
 
-use crate::dispatch::Dispatcher;
+use crate::config::ToolConfig;
+use crate::driver::Handle;
 use crate::workers::WorkerRegistry;
 
 pub struct SchedulerService {
-    pub dispatcher: Arc<Dispatcher>,
+    pub tools: Vec<ToolConfig>,
+    pub driver: Handle,
     pub workers: Arc<WorkerRegistry>,
     pub heartbeat_interval_ms: u32,
 }
@@ -26,9 +28,8 @@ impl Scheduler for SchedulerService {
         _request: Request<ListToolsRequest>,
     ) -> Result<Response<ListToolsResponse>, Status> {
         let tools = self
-            .dispatcher
-            .tools()
-            .into_iter()
+            .tools
+            .iter()
             .map(|t| ToolInfo {
                 name: t.name.clone(),
                 kind: t.kind.clone(),
@@ -50,7 +51,13 @@ impl Scheduler for SchedulerService {
             return Err(Status::invalid_argument("`tool` is required"));
         }
         let input = input.ok_or_else(|| Status::invalid_argument("`input` is required"))?;
-        self.dispatcher.call(&tool, input).await.map(Response::new)
+        let served = self.driver.call(&tool, input).await?;
+        Ok(Response::new(CallToolResponse {
+            output: Some(served.output),
+            worker_id: served.worker_id,
+            queue_wait_seconds: served.queue_wait.as_secs_f64(),
+            batch_size: served.batch_size,
+        }))
     }
 
     async fn register_worker(
@@ -68,9 +75,16 @@ impl Scheduler for SchedulerService {
             ));
         }
         let device = device.ok_or_else(|| Status::invalid_argument("`device` is required"))?;
-        self.workers
+        let (worker, replaced) = self
+            .workers
             .register(&worker_id, &address, device)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if let Some(old) = replaced {
+            self.driver
+                .worker_down(old, "the worker registered again".into())
+                .await;
+        }
+        self.driver.worker_up(worker).await;
         tracing::info!(%worker_id, %address, "worker registered");
         Ok(Response::new(RegisterWorkerResponse {
             heartbeat_interval_ms: self.heartbeat_interval_ms,

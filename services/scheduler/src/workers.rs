@@ -34,13 +34,14 @@ impl WorkerRegistry {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Adds or replaces a worker. Fails only on an address that cannot be dialled.
+    /// Adds or replaces a worker; returns it and the generation it replaced, if any. Fails only
+    /// on an address that cannot be dialled.
     pub fn register(
         &self,
         id: &str,
         address: &str,
         device: DeviceInfo,
-    ) -> Result<Worker, nomad_rpc::RpcError> {
+    ) -> Result<(Worker, Option<u64>), nomad_rpc::RpcError> {
         let worker = Worker {
             id: id.to_owned(),
             address: nomad_rpc::normalize_address(address),
@@ -50,7 +51,7 @@ impl WorkerRegistry {
                 .next_generation
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         };
-        self.lock().insert(
+        let replaced = self.lock().insert(
             id.to_owned(),
             Entry {
                 worker: worker.clone(),
@@ -58,7 +59,31 @@ impl WorkerRegistry {
                 stats: None,
             },
         );
-        Ok(worker)
+        Ok((worker, replaced.map(|e| e.worker.generation)))
+    }
+
+    /// Forgets `id` if it is still the given generation (its next heartbeat then asks it to
+    /// register again).
+    pub fn forget(&self, id: &str, generation: u64) {
+        let mut entries = self.lock();
+        if entries
+            .get(id)
+            .is_some_and(|e| e.worker.generation == generation)
+        {
+            entries.remove(id);
+        }
+    }
+
+    /// Each worker's device attributes and latest reported stats.
+    pub fn stats(&self) -> Vec<(Vec<nomad_telemetry::KeyValue>, WorkerStats)> {
+        self.lock()
+            .values()
+            .filter_map(|e| {
+                e.stats
+                    .clone()
+                    .map(|s| (crate::driver::slot_attributes(&e.worker), s))
+            })
+            .collect()
     }
 
     /// Records a heartbeat; false when the worker is unknown (it must register again).
@@ -75,25 +100,18 @@ impl WorkerRegistry {
         }
     }
 
-    /// Drops workers silent for longer than `timeout`; returns their ids.
-    pub fn reap(&self, timeout: Duration) -> Vec<String> {
+    /// Drops workers silent for longer than `timeout`; returns them.
+    pub fn reap(&self, timeout: Duration) -> Vec<Worker> {
         let now = Instant::now();
         let mut gone = Vec::new();
-        self.lock().retain(|id, e| {
+        self.lock().retain(|_, e| {
             let alive = now.duration_since(e.last_seen) <= timeout;
             if !alive {
-                gone.push(id.clone());
+                gone.push(e.worker.clone());
             }
             alive
         });
         gone
-    }
-
-    /// Workers in a stable order (by id).
-    pub fn workers(&self) -> Vec<Worker> {
-        let mut workers: Vec<_> = self.lock().values().map(|e| e.worker.clone()).collect();
-        workers.sort_by(|a, b| a.id.cmp(&b.id));
-        workers
     }
 
     pub fn infos(&self) -> Vec<WorkerInfo> {

@@ -14,7 +14,7 @@ mod tests;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-pub use snapshot::{SlotSnapshot, Snapshot, ToolSnapshot};
+pub use snapshot::Snapshot;
 
 pub type RequestId = u64;
 pub type BatchId = u64;
@@ -250,14 +250,6 @@ impl Core {
 
     pub fn tool_id(&self, name: &str) -> Option<ToolId> {
         self.names.get(name).copied()
-    }
-
-    pub fn tool_name(&self, tool: ToolId) -> &str {
-        &self.tools[tool].spec.name
-    }
-
-    pub fn tool_specs(&self) -> impl Iterator<Item = &ToolSpec> {
-        self.tools.iter().map(|t| &t.spec)
     }
 
     /// Requests accepted and not yet completed.

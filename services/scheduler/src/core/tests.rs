@@ -3,6 +3,7 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 
+use super::snapshot::SlotSnapshot;
 use super::*;
 
 const DELAY: Duration = Duration::from_millis(5);
