@@ -73,6 +73,11 @@ pub struct FleetOptions {
     pub service_env: HashMap<Service, Vec<(String, String)>>,
     /// YAML appended to the generated config file (e.g. a `telemetry:` block).
     pub config_yaml: String,
+    /// Replaces the default `tools:` and `tool_manager:` sections (an `mlp` tool).
+    pub tools_yaml: Option<String>,
+    /// Run this many simulated workers (`--backend sim`, `sim:` from `config_yaml`) instead of
+    /// one candle worker.
+    pub sim_workers: usize,
 }
 
 impl FleetOptions {
@@ -171,16 +176,14 @@ impl Fleet {
             .unwrap();
         assert!(made.success(), "make-mlp failed");
         let config_path = dir.join("nomad.yaml");
-        std::fs::write(
-            &config_path,
+        let tools = options.tools_yaml.clone().unwrap_or_else(|| {
             format!(
                 "tools:\n  - name: mlp\n    kind: mlp\n    source: {}\n    batch_size: 4\n\
-                 tool_manager:\n  heartbeat_interval_ms: 200\n{}",
-                model_dir.display(),
-                options.config_yaml
-            ),
-        )
-        .unwrap();
+                 tool_manager:\n  heartbeat_interval_ms: 200\n",
+                model_dir.display()
+            )
+        });
+        std::fs::write(&config_path, format!("{tools}{}", options.config_yaml)).unwrap();
         let mut fleet = Fleet {
             dir,
             model_dir,
@@ -192,14 +195,56 @@ impl Fleet {
         };
         fleet.scheduler_addr = fleet.spawn(Service::Scheduler, &[]).await;
         let scheduler = fleet.scheduler_addr.clone();
-        fleet
-            .spawn(Service::DeviceWorker, &["--scheduler", &scheduler])
-            .await;
+        let workers = fleet.options.sim_workers.max(1);
+        for i in 0..workers {
+            let id = format!("worker-{i}");
+            let mut args = vec![
+                "--scheduler",
+                scheduler.as_str(),
+                "--worker-id",
+                id.as_str(),
+            ];
+            if fleet.options.sim_workers > 0 {
+                args.extend(["--backend", "sim"]);
+            }
+            fleet.spawn(Service::DeviceWorker, &args).await;
+        }
         fleet.gateway_addr = fleet
             .spawn(Service::Gateway, &["--scheduler", &scheduler])
             .await;
-        fleet.wait_for_workers(1).await;
+        fleet.wait_for_workers(workers).await;
         fleet
+    }
+
+    /// A plain client for the scheduler's API.
+    pub async fn scheduler_client(&self) -> SchedulerClient<tonic::transport::Channel> {
+        SchedulerClient::connect(format!("http://{}", self.scheduler_addr))
+            .await
+            .unwrap()
+    }
+
+    /// SIGKILLs the `index`th device worker (no flush, no goodbye).
+    pub fn kill_worker(&mut self, index: usize) {
+        let (_, child) = self
+            .children
+            .iter_mut()
+            .filter(|(s, _)| *s == Service::DeviceWorker)
+            .nth(index)
+            .expect("no such worker");
+        child.start_kill().unwrap();
+    }
+
+    /// Removes exited children so `terminate` only signals live ones.
+    pub async fn reap_killed(&mut self) {
+        let mut live = Vec::new();
+        for (service, mut child) in self.children.drain(..) {
+            if child.try_wait().unwrap().is_none() {
+                live.push((service, child));
+            } else {
+                let _ = child.wait().await;
+            }
+        }
+        self.children = live;
     }
 
     fn log(&self, service: Service, stream: &str) -> PathBuf {
@@ -214,9 +259,16 @@ impl Fleet {
 
     /// Starts `service` and returns its bound address.
     async fn spawn(&mut self, service: Service, args: &[&str]) -> String {
-        let addr_file = self.dir.join(format!("{}.addr", service.name()));
-        let stdout = std::fs::File::create(self.log(service, "stdout")).unwrap();
-        let stderr = std::fs::File::create(self.log(service, "stderr")).unwrap();
+        // The n-th process of a kind gets its own files: worker, worker-1, ...
+        let n = self.children.iter().filter(|(s, _)| *s == service).count();
+        let stem = if n == 0 {
+            service.name().to_owned()
+        } else {
+            format!("{}-{n}", service.name())
+        };
+        let addr_file = self.dir.join(format!("{stem}.addr"));
+        let stdout = std::fs::File::create(self.dir.join(format!("{stem}.stdout"))).unwrap();
+        let stderr = std::fs::File::create(self.dir.join(format!("{stem}.stderr"))).unwrap();
         let mut cmd = command(service, &self.options.env_for(service));
         if service == Service::Head {
             cmd.arg("serve");
@@ -236,7 +288,7 @@ impl Fleet {
             &addr_file,
             &mut child,
             service.binary(),
-            &self.log(service, "stderr"),
+            &self.dir.join(format!("{stem}.stderr")),
         )
         .await;
         self.children.push((service, child));

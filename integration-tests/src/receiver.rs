@@ -19,16 +19,22 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
+use opentelemetry_proto::tonic::common::v1::KeyValue;
 use prost::Message as _;
 
 use crate::spans::{SpanRecord, from_otlp};
 
-/// A metric data point's identity: which service sent which metric.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One exported metric data point.
+#[derive(Debug, Clone, PartialEq)]
 pub struct MetricRecord {
     pub service_name: String,
     pub name: String,
     pub unit: String,
+    /// `counter` (monotonic sum), `updowncounter` (non-monotonic sum), `gauge` or `histogram`.
+    pub kind: &'static str,
+    pub attributes: std::collections::BTreeMap<String, String>,
+    /// The value (sums, gauges) or the count (histograms); cumulative.
+    pub value: f64,
 }
 
 #[derive(Default)]
@@ -66,11 +72,46 @@ impl State {
                 .unwrap_or_default();
             for sm in &rm.scope_metrics {
                 for m in &sm.metrics {
-                    metrics.push(MetricRecord {
-                        service_name: service_name.clone(),
-                        name: m.name.clone(),
-                        unit: m.unit.clone(),
-                    });
+                    use opentelemetry_proto::tonic::metrics::v1::metric::Data;
+                    use opentelemetry_proto::tonic::metrics::v1::number_data_point::Value;
+                    let number = |v: &Option<Value>| match v {
+                        Some(Value::AsDouble(d)) => *d,
+                        Some(Value::AsInt(i)) => *i as f64,
+                        None => f64::NAN,
+                    };
+                    let mut push = |kind, attributes: &[KeyValue], value| {
+                        metrics.push(MetricRecord {
+                            service_name: service_name.clone(),
+                            name: m.name.clone(),
+                            unit: m.unit.clone(),
+                            kind,
+                            attributes: crate::spans::kv_map(attributes),
+                            value,
+                        })
+                    };
+                    match &m.data {
+                        Some(Data::Sum(sum)) => {
+                            let kind = if sum.is_monotonic {
+                                "counter"
+                            } else {
+                                "updowncounter"
+                            };
+                            for p in &sum.data_points {
+                                push(kind, &p.attributes, number(&p.value));
+                            }
+                        }
+                        Some(Data::Gauge(g)) => {
+                            for p in &g.data_points {
+                                push("gauge", &p.attributes, number(&p.value));
+                            }
+                        }
+                        Some(Data::Histogram(h)) => {
+                            for p in &h.data_points {
+                                push("histogram", &p.attributes, p.count as f64);
+                            }
+                        }
+                        _ => {}
+                    }
                 }
             }
         }
@@ -198,8 +239,24 @@ impl OtlpReceiver {
         self.state.spans.lock().unwrap().clone()
     }
 
+    /// Every data point received, in arrival order.
     pub fn metrics(&self) -> Vec<MetricRecord> {
         self.state.metrics.lock().unwrap().clone()
+    }
+
+    /// The latest point of each (service, metric, attributes): exports are cumulative.
+    pub fn latest_metrics(&self) -> Vec<MetricRecord> {
+        let mut latest: std::collections::BTreeMap<(String, String, String), MetricRecord> =
+            Default::default();
+        for m in self.metrics() {
+            let key = (
+                m.service_name.clone(),
+                m.name.clone(),
+                format!("{:?}", m.attributes),
+            );
+            latest.insert(key, m);
+        }
+        latest.into_values().collect()
     }
 
     /// TCP connections accepted (gRPC receiver only).

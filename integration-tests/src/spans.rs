@@ -34,7 +34,7 @@ fn any_to_string(v: &Option<AnyValue>) -> String {
     }
 }
 
-fn kv_map(kvs: &[KeyValue]) -> BTreeMap<String, String> {
+pub(crate) fn kv_map(kvs: &[KeyValue]) -> BTreeMap<String, String> {
     kvs.iter()
         .map(|kv| (kv.key.clone(), any_to_string(&kv.value)))
         .collect()

@@ -113,10 +113,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let backend = match args.backend {
         BackendKind::Candle => models::Backend::Candle,
-        BackendKind::Sim => models::Backend::Sim(file.section("sim")?),
+        BackendKind::Sim => {
+            models::Backend::Sim(Arc::new(models::sim::SimDevice::new(file.section("sim")?)))
+        }
     };
     let device = args.device.open()?;
     tracing::info!(device = %args.device, backend = ?args.backend, "device ready");
+    let backend = Arc::new(backend);
     let store = Arc::new(store::ModelStore::new(device));
     let on_accelerator = args.device != DeviceSpec::Cpu;
 
@@ -140,6 +143,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         address,
         device: args.device.info(),
         store: store.clone(),
+        backend: backend.clone(),
         on_accelerator,
     };
     let registering = tokio::spawn(registration.run());
@@ -149,7 +153,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .routes()
         .add_service(DeviceWorkerServer::new(service::WorkerService {
             store,
-            backend: Arc::new(backend),
+            backend,
             device_name: args.device.to_string(),
             on_accelerator,
         }));

@@ -7,6 +7,7 @@ use std::time::Duration;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{DeviceInfo, HeartbeatRequest, RegisterWorkerRequest};
 
+use crate::models::Backend;
 use crate::store::ModelStore;
 
 pub struct Registration {
@@ -15,6 +16,7 @@ pub struct Registration {
     pub address: String,
     pub device: DeviceInfo,
     pub store: Arc<ModelStore>,
+    pub backend: Arc<Backend>,
     pub on_accelerator: bool,
 }
 
@@ -62,7 +64,11 @@ impl Registration {
             tokio::time::sleep(interval).await;
             let request = HeartbeatRequest {
                 worker_id: self.worker_id.clone(),
-                stats: Some(crate::stats::collect(&self.store, self.on_accelerator)),
+                stats: Some(crate::stats::collect(
+                    &self.store,
+                    &self.backend,
+                    self.on_accelerator,
+                )),
             };
             match self.scheduler.heartbeat(request).await {
                 Ok(reply) if reply.get_ref().registered => failures = 0,

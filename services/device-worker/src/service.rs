@@ -221,10 +221,14 @@ impl DeviceWorker for WorkerService {
         _request: Request<ClearCacheRequest>,
     ) -> Result<Response<ClearCacheResponse>, Status> {
         let _span = self.device_span("nomad.device.cache_clear", "");
-        // The CPU backend keeps no allocator cache; accelerator backends report what they free.
-        Ok(Response::new(ClearCacheResponse {
-            released_bytes: None,
-        }))
+        // The CPU backend keeps no allocator cache; the simulated device releases its reserve.
+        let released_bytes = match self.backend.as_ref() {
+            models::Backend::Sim(device) => {
+                Some(device.clear_cache(crate::stats::placed_bytes(&self.store)))
+            }
+            models::Backend::Candle => None,
+        };
+        Ok(Response::new(ClearCacheResponse { released_bytes }))
     }
 
     async fn stats(
@@ -233,6 +237,7 @@ impl DeviceWorker for WorkerService {
     ) -> Result<Response<WorkerStats>, Status> {
         Ok(Response::new(crate::stats::collect(
             &self.store,
+            &self.backend,
             self.on_accelerator,
         )))
     }

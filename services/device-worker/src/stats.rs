@@ -3,6 +3,7 @@
 
 use nomad_proto::v1::WorkerStats;
 
+use crate::models::Backend;
 use crate::store::ModelStore;
 
 /// Resident set size of this process from `/proc/self/statm` (Linux only).
@@ -14,16 +15,34 @@ pub fn process_rss_bytes() -> Option<u64> {
     u64::try_from(page).ok().map(|p| pages * p)
 }
 
-pub fn collect(store: &ModelStore, on_accelerator: bool) -> WorkerStats {
+/// Bytes of the models placed on the device.
+pub fn placed_bytes(store: &ModelStore) -> u64 {
+    store
+        .models()
+        .iter()
+        .filter(|m| m.on_device)
+        .map(|m| m.bytes)
+        .sum()
+}
+
+pub fn collect(store: &ModelStore, backend: &Backend, on_accelerator: bool) -> WorkerStats {
     let models = store.models();
+    let placed = placed_bytes(store);
     // On CPU the "device memory" is the bytes of the models placed for execution; an
-    // accelerator's allocator figures come with its backend (not measured here).
-    let allocated =
-        (!on_accelerator).then(|| models.iter().filter(|m| m.on_device).map(|m| m.bytes).sum());
+    // accelerator's allocator figures come with its backend (not measured here). The simulated
+    // device reports what an accelerator backend would.
+    let (allocated, reserved, utilization) = match backend {
+        Backend::Sim(device) => (
+            Some(placed),
+            Some(device.reserved(placed)),
+            Some(device.utilization()),
+        ),
+        Backend::Candle => ((!on_accelerator).then_some(placed), None, None),
+    };
     WorkerStats {
         memory_allocated_bytes: allocated,
-        memory_reserved_bytes: None,
-        utilization: None,
+        memory_reserved_bytes: reserved,
+        utilization,
         process_rss_bytes: process_rss_bytes(),
         models,
     }

@@ -54,13 +54,13 @@ impl From<candle_core::Error> for ExecError {
 #[derive(Debug, Clone)]
 pub enum Backend {
     Candle,
-    Sim(sim::SimConfig),
+    Sim(Arc<sim::SimDevice>),
 }
 
 /// Reads a model from `spec.source` into host memory.
 pub fn load(spec: &ModelSpec, backend: &Backend) -> Result<Arc<dyn Model>, LoadError> {
-    if let Backend::Sim(config) = backend {
-        return Ok(Arc::new(sim::SimModel::load(&spec.tool, config)));
+    if let Backend::Sim(device) = backend {
+        return Ok(Arc::new(sim::SimModel::load(&spec.tool, device)));
     }
     let path = Path::new(&spec.source);
     if !path.exists() {

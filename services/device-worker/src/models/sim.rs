@@ -4,8 +4,9 @@
 //! from a candle one: same process, same gRPC API.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use nomad_proto::v1::{ItemResult, ToolInput, ToolOutput, item_result, tool_input, tool_output};
@@ -55,8 +56,58 @@ pub struct SimModelConfig {
     pub per_item_latency_ms: Option<f64>,
 }
 
+/// The simulated device: its memory high-water mark and busy time, which it reports as an
+/// accelerator backend would (reserved memory, utilization).
+#[derive(Debug)]
+pub struct SimDevice {
+    pub config: SimConfig,
+    /// Peak bytes in use since the last cache clear (a caching allocator's reserve).
+    peak: AtomicU64,
+    busy_nanos: AtomicU64,
+    /// (when, busy_nanos) at the last utilization sample.
+    last_sample: Mutex<(Instant, u64)>,
+}
+
+impl SimDevice {
+    pub fn new(config: SimConfig) -> Self {
+        Self {
+            config,
+            peak: AtomicU64::new(0),
+            busy_nanos: AtomicU64::new(0),
+            last_sample: Mutex::new((Instant::now(), 0)),
+        }
+    }
+
+    /// Reserved bytes: at least what is allocated now.
+    pub fn reserved(&self, allocated: u64) -> u64 {
+        self.peak.load(Ordering::Relaxed).max(allocated)
+    }
+
+    /// Fraction of wall time spent executing since the previous sample.
+    pub fn utilization(&self) -> f64 {
+        let busy = self.busy_nanos.load(Ordering::Relaxed);
+        let now = Instant::now();
+        let mut last = self.last_sample.lock().unwrap_or_else(|e| e.into_inner());
+        let wall = now.duration_since(last.0).as_nanos() as f64;
+        let ratio = if wall > 0.0 {
+            (busy.saturating_sub(last.1) as f64 / wall).min(1.0)
+        } else {
+            0.0
+        };
+        *last = (now, busy);
+        ratio
+    }
+
+    /// Releases the reserve above `allocated`; returns the bytes released.
+    pub fn clear_cache(&self, allocated: u64) -> u64 {
+        let before = self.peak.swap(allocated, Ordering::Relaxed);
+        before.saturating_sub(allocated)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SimModel {
+    device: Arc<SimDevice>,
     model_bytes: u64,
     activation_bytes_per_item: u64,
     memory_bytes: u64,
@@ -66,12 +117,14 @@ pub struct SimModel {
 
 impl SimModel {
     /// "Loads" `tool`: sleeps for the configured load time.
-    pub fn load(tool: &str, config: &SimConfig) -> Self {
+    pub fn load(tool: &str, device: &Arc<SimDevice>) -> Self {
+        let config = &device.config;
         if config.load_ms > 0.0 {
             std::thread::sleep(Duration::from_secs_f64(config.load_ms / 1000.0));
         }
         let o = config.models.get(tool).cloned().unwrap_or_default();
         SimModel {
+            device: device.clone(),
             model_bytes: o.model_bytes.unwrap_or(config.model_bytes),
             activation_bytes_per_item: o
                 .activation_bytes_per_item
@@ -121,10 +174,15 @@ impl Model for SimModel {
                 self.memory_bytes
             )));
         }
+        let started = Instant::now();
+        self.device.peak.fetch_max(need, Ordering::Relaxed);
         let latency = self.base_latency + self.per_item_latency * inputs.len() as f64;
         if latency > 0.0 {
             std::thread::sleep(Duration::from_secs_f64(latency / 1000.0));
         }
+        self.device
+            .busy_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(inputs
             .iter()
             .enumerate()
@@ -151,7 +209,7 @@ mod tests {
 
     #[test]
     fn echoes_each_input_in_order() {
-        let model = SimModel::load("t", &SimConfig::default());
+        let model = SimModel::load("t", &Arc::new(SimDevice::new(SimConfig::default())));
         let out = model
             .execute(&[text("a"), text("b"), ToolInput::default()])
             .unwrap();
@@ -176,13 +234,34 @@ mod tests {
             activation_bytes_per_item: 100,
             ..Default::default()
         };
-        let model = SimModel::load("t", &config);
+        let device = Arc::new(SimDevice::new(config));
+        let model = SimModel::load("t", &device);
         let batch: Vec<_> = (0..10).map(|i| text(&i.to_string())).collect();
         assert!(matches!(
             model.execute(&batch),
             Err(ExecError::OutOfMemory(_))
         ));
         assert_eq!(model.execute(&batch[..8]).unwrap().len(), 8);
+        // The 8-batch peaked at 1000 bytes; clearing the cache keeps what is allocated.
+        assert_eq!(device.reserved(200), 1000);
+        assert_eq!(device.clear_cache(200), 800);
+        assert_eq!(device.reserved(200), 200);
+    }
+
+    #[test]
+    fn utilization_is_the_busy_fraction_since_the_last_sample() {
+        let config = SimConfig {
+            base_latency_ms: 30.0,
+            ..Default::default()
+        };
+        let device = Arc::new(SimDevice::new(config));
+        device.utilization();
+        let model = SimModel::load("t", &device);
+        model.execute(&[text("a")]).unwrap();
+        let busy = device.utilization();
+        assert!(busy > 0.5 && busy <= 1.0, "{busy}");
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(device.utilization(), 0.0);
     }
 
     #[test]
@@ -195,13 +274,14 @@ mod tests {
                 ..Default::default()
             },
         );
-        let big = SimModel::load("big", &config);
+        let device = Arc::new(SimDevice::new(config));
+        let big = SimModel::load("big", &device);
         assert!(matches!(
             big.to_device(&Device::Cpu),
             Err(ExecError::OutOfMemory(_))
         ));
         assert!(
-            SimModel::load("small", &config)
+            SimModel::load("small", &device)
                 .to_device(&Device::Cpu)
                 .is_ok()
         );
