@@ -41,16 +41,25 @@ impl Service {
 /// The workspace's built binary `name`. The test command builds them first
 /// (`cargo build --workspace --bins`).
 pub fn binary(name: &str) -> PathBuf {
-    // Test executables live in target/<profile>/deps; the binaries one level up.
+    // Test executables live in target/<profile>/deps, the service binaries one level up; a
+    // harness binary (nomad-bench) lives beside them.
     let exe = std::env::current_exe().expect("current_exe");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
-    let path = dir.join(name);
-    assert!(
-        path.is_file(),
-        "{} is missing: build the services first with `cargo build --workspace --bins`",
-        path.display()
-    );
-    path
+    let here = exe.parent().expect("exe dir");
+    let candidates = [
+        here.join(name),
+        here.parent().expect("target dir").join(name),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| {
+            panic!(
+                "{name} is missing beside {}: build the services first with \
+                 `cargo build --workspace --bins` (add --release for nomad-bench)",
+                here.display()
+            )
+        })
 }
 
 /// A fresh command for `service` with an environment free of the caller's OTEL_/NOMAD_ settings.

@@ -15,6 +15,8 @@ pub struct SpanRecord {
     pub parent_span_id: Option<String>,
     pub name: String,
     pub attributes: BTreeMap<String, String>,
+    /// Linked span ids.
+    pub links: Vec<String>,
 }
 
 impl SpanRecord {
@@ -65,6 +67,7 @@ pub fn from_otlp(resource_spans: &[ResourceSpans]) -> Vec<SpanRecord> {
                     parent_span_id: parent,
                     name: span.name.clone(),
                     attributes: kv_map(&span.attributes),
+                    links: span.links.iter().map(|l| hex(&l.span_id)).collect(),
                 });
             }
         }
@@ -109,6 +112,15 @@ pub fn from_console(stdout: &str) -> Vec<SpanRecord> {
                 parent_span_id: v["parent_span_id"].as_str().map(str::to_owned),
                 name: v["name"].as_str().unwrap_or_default().to_owned(),
                 attributes: json_map(&v["attributes"]),
+                links: v["links"]
+                    .as_array()
+                    .map(|links| {
+                        links
+                            .iter()
+                            .filter_map(|l| l["span_id"].as_str().map(str::to_owned))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
             }
         })
         .collect()
@@ -202,6 +214,47 @@ pub fn check_rollout_traces(spans: &[SpanRecord], results: &[Value], run_id: &st
             services,
             BTreeSet::from(ALL_SERVICES),
             "trace {trace_id} services"
+        );
+    }
+}
+
+/// Checks batch linking for every request span: its `nomad.tool.execute` share links to a
+/// `nomad.tool.batch` span, and that batch span links back to the request.
+pub fn check_batch_links(spans: &[SpanRecord]) {
+    let by_id: HashMap<&str, &SpanRecord> = spans.iter().map(|s| (s.span_id.as_str(), s)).collect();
+    let requests: Vec<&SpanRecord> = spans
+        .iter()
+        .filter(|s| s.name == "nomad.tool.request")
+        .collect();
+    assert!(!requests.is_empty(), "no nomad.tool.request spans");
+    for request in requests {
+        let share = spans
+            .iter()
+            .find(|s| {
+                s.name == "nomad.tool.execute"
+                    && s.parent_span_id.as_deref() == Some(&request.span_id)
+            })
+            .unwrap_or_else(|| {
+                panic!(
+                    "request {} has no nomad.tool.execute child",
+                    request.span_id
+                )
+            });
+        let batch = share
+            .links
+            .iter()
+            .filter_map(|id| by_id.get(id.as_str()))
+            .find(|s| s.name == "nomad.tool.batch")
+            .unwrap_or_else(|| panic!("share {} links to no nomad.tool.batch span", share.span_id));
+        assert!(
+            batch.links.contains(&request.span_id),
+            "batch {} does not link back to request {}",
+            batch.span_id,
+            request.span_id
+        );
+        assert_ne!(
+            batch.trace_id, request.trace_id,
+            "a batch span is its own trace"
         );
     }
 }

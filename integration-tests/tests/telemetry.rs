@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use nomad_integration_tests::fleet::{binary, mlp_tasks};
 use nomad_integration_tests::reference::mlp_forward;
-use nomad_integration_tests::spans::{check_rollout_traces, from_console};
+use nomad_integration_tests::spans::{check_batch_links, check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, FleetOptions, HeadRun, OtlpReceiver, Service, SpanRecord};
 use serde_json::Value;
 
@@ -64,6 +64,7 @@ async fn twenty_concurrent_rollouts_are_twenty_whole_traces_after_sigterm() {
 
     let spans = receiver.spans();
     check_rollout_traces(&spans, &run.results, &run.run_id());
+    check_batch_links(&spans);
     let jobs: Vec<&SpanRecord> = spans.iter().filter(|s| s.name == "nomad.job").collect();
     assert_eq!(jobs.len(), 1, "one nomad.job span per run");
     assert_eq!(jobs[0].attr("nomad.run.id"), Some(run.run_id().as_str()));
