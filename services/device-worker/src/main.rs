@@ -50,6 +50,10 @@ struct ServeArgs {
     /// `candle` runs real models; `sim` simulates them from the config's `sim:` section.
     #[arg(long, default_value = "candle")]
     backend: BackendKind,
+    /// Memory one batch may use on this worker (weights plus estimated activations); a batch
+    /// over it is refused as out of memory, as a GPU would fail it. Default: no limit.
+    #[arg(long)]
+    memory_budget_bytes: Option<u64>,
     /// Worker id (default: host-pid-device).
     #[arg(long)]
     worker_id: Option<String>,
@@ -154,6 +158,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .add_service(DeviceWorkerServer::new(service::WorkerService {
             store,
             backend,
+            limits: models::ExecLimits {
+                memory_budget: args.memory_budget_bytes,
+            },
             device_name: args.device.to_string(),
             on_accelerator,
         }));

@@ -20,6 +20,7 @@ use crate::store::{ModelStore, StoreError};
 pub struct WorkerService {
     pub store: Arc<ModelStore>,
     pub backend: Arc<models::Backend>,
+    pub limits: models::ExecLimits,
     pub device_name: String,
     pub on_accelerator: bool,
 }
@@ -194,7 +195,8 @@ impl DeviceWorker for WorkerService {
                 span
             })
             .collect();
-        let outcome = match blocking(move || model.execute(&inputs)).await? {
+        let limits = self.limits;
+        let outcome = match blocking(move || model.execute(&inputs, &limits)).await? {
             Ok(items) => execute_batch_response::Outcome::Results(BatchResults { items }),
             Err(ExecError::OutOfMemory(detail)) => {
                 execute_batch_response::Outcome::OutOfMemory(OutOfMemory { detail })

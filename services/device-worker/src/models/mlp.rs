@@ -11,7 +11,7 @@ use nomad_proto::v1::{ItemResult, ToolInput, ToolOutput, item_result, tool_input
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use super::{ExecError, LoadError, Model, invalid};
+use super::{ExecError, ExecLimits, LoadError, Model, invalid};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MlpConfig {
@@ -181,7 +181,11 @@ impl Model for Mlp {
         }))
     }
 
-    fn execute(&self, inputs: &[ToolInput]) -> Result<Vec<ItemResult>, ExecError> {
+    fn execute(
+        &self,
+        inputs: &[ToolInput],
+        limits: &ExecLimits,
+    ) -> Result<Vec<ItemResult>, ExecError> {
         let mut results: Vec<Option<ItemResult>> = vec![None; inputs.len()];
         let mut rows = Vec::new();
         let mut positions = Vec::new();
@@ -195,6 +199,12 @@ impl Model for Mlp {
             }
         }
         if !rows.is_empty() {
+            let widest = self.dims.iter().copied().max().unwrap_or(0);
+            limits.check(
+                self.bytes(),
+                (rows.len() * widest * 2 * 4) as u64,
+                rows.len(),
+            )?;
             let width = self.output_width() as u64;
             for (pos, out) in positions.into_iter().zip(self.forward(&rows)?) {
                 results[pos] = Some(ItemResult {
@@ -257,11 +267,20 @@ mod tests {
         };
         let wrong = tensor_input(&[1.0, 2.0], vec![2]);
         let batch = mlp
-            .execute(&[a.clone(), text, b.clone(), wrong, ToolInput::default()])
+            .execute(
+                &[a.clone(), text, b.clone(), wrong, ToolInput::default()],
+                &ExecLimits::default(),
+            )
             .unwrap();
         assert_eq!(batch.len(), 5);
-        assert_eq!(output(&batch[0]), output(&mlp.execute(&[a]).unwrap()[0]));
-        assert_eq!(output(&batch[2]), output(&mlp.execute(&[b]).unwrap()[0]));
+        assert_eq!(
+            output(&batch[0]),
+            output(&mlp.execute(&[a], &ExecLimits::default()).unwrap()[0])
+        );
+        assert_eq!(
+            output(&batch[2]),
+            output(&mlp.execute(&[b], &ExecLimits::default()).unwrap()[0])
+        );
         for (i, expected) in [
             (1, "got text"),
             (3, "expected shape [3]"),
@@ -290,7 +309,13 @@ mod tests {
             .to_vec1::<f32>()
             .unwrap();
         let b = t["layers.0.bias"].to_vec1::<f32>().unwrap();
-        let got = output(&mlp.execute(&[tensor_input(&[2.0, -3.0], vec![2])]).unwrap()[0]);
+        let got = output(
+            &mlp.execute(
+                &[tensor_input(&[2.0, -3.0], vec![2])],
+                &ExecLimits::default(),
+            )
+            .unwrap()[0],
+        );
         let want = w[0] * 2.0 + w[1] * -3.0 + b[0];
         assert!((got[0] - want).abs() < 1e-6, "{got:?} vs {want}");
     }
@@ -301,8 +326,11 @@ mod tests {
         let (_b, m2) = temp_model(&[4, 3], 11);
         let x = tensor_input(&[1.0, 2.0, 3.0, 4.0], vec![4]);
         assert_eq!(
-            output(&m1.execute(std::slice::from_ref(&x)).unwrap()[0]),
-            output(&m2.execute(&[x]).unwrap()[0])
+            output(
+                &m1.execute(std::slice::from_ref(&x), &ExecLimits::default())
+                    .unwrap()[0]
+            ),
+            output(&m2.execute(&[x], &ExecLimits::default()).unwrap()[0])
         );
 
         let (dir, _) = temp_model(&[4, 3], 1);

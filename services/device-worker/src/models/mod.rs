@@ -1,7 +1,10 @@
 //! Models a worker can run, behind one small trait, and the errors loading and running them
 //! can give.
 
+pub mod embed;
+pub mod generate;
 pub mod mlp;
+mod options;
 pub mod sim;
 
 use std::path::{Path, PathBuf};
@@ -17,7 +20,40 @@ pub trait Model: Send + Sync + 'static {
     /// A copy of this model on `device`.
     fn to_device(&self, device: &Device) -> Result<Arc<dyn Model>, ExecError>;
     /// Runs one batch; invalid inputs get their own `invalid_input` result, the rest run together.
-    fn execute(&self, inputs: &[ToolInput]) -> Result<Vec<ItemResult>, ExecError>;
+    fn execute(
+        &self,
+        inputs: &[ToolInput],
+        limits: &ExecLimits,
+    ) -> Result<Vec<ItemResult>, ExecError>;
+}
+
+/// Limits a batch runs under.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExecLimits {
+    /// Memory a slot may use (weights plus estimated activations). Past it a batch is refused as
+    /// out of memory before it runs, as a device would fail it, so the scheduler's batch halving
+    /// runs on CPU too.
+    pub memory_budget: Option<u64>,
+}
+
+impl ExecLimits {
+    pub fn check(
+        &self,
+        model_bytes: u64,
+        activation_bytes: u64,
+        batch: usize,
+    ) -> Result<(), ExecError> {
+        match self.memory_budget {
+            Some(budget) if model_bytes.saturating_add(activation_bytes) > budget => {
+                Err(ExecError::OutOfMemory(format!(
+                    "a batch of {batch} needs about {} bytes (weights {model_bytes} + activations \
+                     {activation_bytes}), over the slot's memory budget of {budget}",
+                    model_bytes.saturating_add(activation_bytes)
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -26,7 +62,7 @@ pub enum LoadError {
     NotFound { path: PathBuf },
     #[error("model source {path}: {reason}")]
     Invalid { path: PathBuf, reason: String },
-    #[error("unknown model kind {0:?} (this worker runs: mlp)")]
+    #[error("unknown model kind {0:?} (this worker runs: embed, generate, mlp)")]
     UnknownKind(String),
 }
 
@@ -70,6 +106,8 @@ pub fn load(spec: &ModelSpec, backend: &Backend) -> Result<Arc<dyn Model>, LoadE
     }
     match spec.kind.as_str() {
         "mlp" => Ok(Arc::new(mlp::Mlp::load(path)?)),
+        "embed" => Ok(Arc::new(embed::Embedder::load(path, &Device::Cpu)?)),
+        "generate" => Ok(Arc::new(generate::Generator::load(path, &Device::Cpu)?)),
         other => Err(LoadError::UnknownKind(other.to_owned())),
     }
 }
@@ -80,4 +118,18 @@ pub(crate) fn invalid(index: usize, message: impl std::fmt::Display) -> ItemResu
             "request {index}: {message}"
         ))),
     }
+}
+
+/// The fetched default models (`scripts/fetch-models`), for tests that need them.
+#[cfg(test)]
+pub(crate) fn test_models_dir() -> PathBuf {
+    let dir = std::env::var_os("NOMAD_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"));
+    assert!(
+        dir.join("all-minilm-l6-v2/model.safetensors").is_file(),
+        "the default models are missing from {}: run scripts/fetch-models first",
+        dir.display()
+    );
+    dir
 }

@@ -12,7 +12,7 @@ use candle_core::Device;
 use nomad_proto::v1::{ItemResult, ToolInput, ToolOutput, item_result, tool_input, tool_output};
 use serde::Deserialize;
 
-use super::{ExecError, Model, invalid};
+use super::{ExecError, ExecLimits, Model, invalid};
 
 /// The `sim:` config section.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -165,7 +165,11 @@ impl Model for SimModel {
         Ok(Arc::new(self.clone()))
     }
 
-    fn execute(&self, inputs: &[ToolInput]) -> Result<Vec<ItemResult>, ExecError> {
+    fn execute(
+        &self,
+        inputs: &[ToolInput],
+        _limits: &ExecLimits,
+    ) -> Result<Vec<ItemResult>, ExecError> {
         let need = self.needs(inputs.len());
         if need > self.memory_bytes {
             return Err(ExecError::OutOfMemory(format!(
@@ -211,7 +215,10 @@ mod tests {
     fn echoes_each_input_in_order() {
         let model = SimModel::load("t", &Arc::new(SimDevice::new(SimConfig::default())));
         let out = model
-            .execute(&[text("a"), text("b"), ToolInput::default()])
+            .execute(
+                &[text("a"), text("b"), ToolInput::default()],
+                &ExecLimits::default(),
+            )
             .unwrap();
         let texts: Vec<_> = out
             .iter()
@@ -238,10 +245,16 @@ mod tests {
         let model = SimModel::load("t", &device);
         let batch: Vec<_> = (0..10).map(|i| text(&i.to_string())).collect();
         assert!(matches!(
-            model.execute(&batch),
+            model.execute(&batch, &ExecLimits::default()),
             Err(ExecError::OutOfMemory(_))
         ));
-        assert_eq!(model.execute(&batch[..8]).unwrap().len(), 8);
+        assert_eq!(
+            model
+                .execute(&batch[..8], &ExecLimits::default())
+                .unwrap()
+                .len(),
+            8
+        );
         // The 8-batch peaked at 1000 bytes; clearing the cache keeps what is allocated.
         assert_eq!(device.reserved(200), 1000);
         assert_eq!(device.clear_cache(200), 800);
@@ -257,7 +270,7 @@ mod tests {
         let device = Arc::new(SimDevice::new(config));
         device.utilization();
         let model = SimModel::load("t", &device);
-        model.execute(&[text("a")]).unwrap();
+        model.execute(&[text("a")], &ExecLimits::default()).unwrap();
         let busy = device.utilization();
         assert!(busy > 0.5 && busy <= 1.0, "{busy}");
         std::thread::sleep(Duration::from_millis(20));

@@ -1,0 +1,390 @@
+//! Sentence embeddings (`embed`): a BERT-family encoder (all-MiniLM-L6-v2 by default) run by
+//! candle-transformers, mean-pooled over the attention mask and L2-normalised, as
+//! sentence-transformers computes them.
+//!
+//! The model directory holds `config.json`, `model.safetensors` (no `bert.` prefix),
+//! `tokenizer.json` and `sentence_bert_config.json` (`max_seq_length`).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::bert::{BertModel, Config};
+use nomad_proto::v1::{ItemResult, ToolInput, ToolOutput, item_result, tool_input, tool_output};
+use tokenizers::{Tokenizer, TruncationParams};
+
+use super::{ExecError, ExecLimits, LoadError, Model, invalid, options};
+
+pub struct Embedder {
+    dir: PathBuf,
+    config: Config,
+    model: BertModel,
+    tokenizer: Tokenizer,
+    max_seq_length: usize,
+    bytes: u64,
+    device: Device,
+}
+
+fn load_error(dir: &Path, reason: impl std::fmt::Display) -> LoadError {
+    LoadError::Invalid {
+        path: dir.to_owned(),
+        reason: reason.to_string(),
+    }
+}
+
+impl Embedder {
+    pub fn load(dir: &Path, device: &Device) -> Result<Self, LoadError> {
+        let read = |name: &str| {
+            std::fs::read_to_string(dir.join(name)).map_err(|e| {
+                load_error(
+                    dir,
+                    format!("reading {name}: {e} (fetch the models with scripts/fetch-models)"),
+                )
+            })
+        };
+        let config: Config = serde_json::from_str(&read("config.json")?)
+            .map_err(|e| load_error(dir, format!("config.json: {e}")))?;
+        let max_seq_length = match read("sentence_bert_config.json") {
+            Ok(text) => serde_json::from_str::<serde_json::Value>(&text)
+                .ok()
+                .and_then(|v| v["max_seq_length"].as_u64())
+                .unwrap_or(256) as usize,
+            Err(_) => 256,
+        }
+        .min(config.max_position_embeddings);
+        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
+            .map_err(|e| load_error(dir, format!("tokenizer.json: {e}")))?;
+        // The packaged tokenizer pads and truncates at 128; padding is done per batch here, and
+        // truncation at the model's max_seq_length (a longer input is refused unless asked).
+        tokenizer.with_padding(None);
+        tokenizer
+            .with_truncation(Some(TruncationParams {
+                max_length: max_seq_length,
+                ..Default::default()
+            }))
+            .map_err(|e| load_error(dir, format!("tokenizer truncation: {e}")))?;
+        let weights = dir.join("model.safetensors");
+        let bytes = std::fs::metadata(&weights)
+            .map_err(|e| load_error(dir, format!("model.safetensors: {e}")))?
+            .len();
+        // SAFETY: the weights file is mapped read-only and not modified while the model lives.
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device) }
+            .map_err(|e| load_error(dir, format!("model.safetensors: {e}")))?;
+        let model = BertModel::load(vb, &config)
+            .map_err(|e| load_error(dir, format!("loading the BERT weights: {e}")))?;
+        Ok(Self {
+            dir: dir.to_owned(),
+            config,
+            model,
+            tokenizer,
+            max_seq_length,
+            bytes,
+            device: device.clone(),
+        })
+    }
+
+    /// Token ids of request `index`, or why it cannot run.
+    fn encode(&self, index: usize, input: &ToolInput) -> Result<Vec<u32>, ItemResult> {
+        let text = match &input.value {
+            Some(tool_input::Value::Text(t)) if !t.trim().is_empty() => t,
+            Some(tool_input::Value::Text(_)) | None => {
+                return Err(invalid(index, "empty text; embed takes a non-empty text"));
+            }
+            Some(tool_input::Value::Tensor(_)) => {
+                return Err(invalid(index, "embed takes a text input, got a tensor"));
+            }
+        };
+        let opts = options::parse(index, &input.options_json, &["truncate"])?;
+        let truncate = options::bool_option(index, &opts, "truncate", false)?;
+        let encoding = self
+            .tokenizer
+            .encode(text.as_str(), true)
+            .map_err(|e| invalid(index, format!("tokenizing: {e}")))?;
+        if !encoding.get_overflowing().is_empty() && !truncate {
+            let total = encoding.get_ids().len()
+                + encoding
+                    .get_overflowing()
+                    .iter()
+                    .map(|o| o.get_ids().len())
+                    .sum::<usize>();
+            return Err(invalid(
+                index,
+                format!(
+                    "the text is about {total} tokens, more than this model's max_seq_length of {}; \
+                     shorten it or pass the option \"truncate\": true",
+                    self.max_seq_length
+                ),
+            ));
+        }
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Memory the encoder's activations need for `n` sequences of `len` tokens (attention scores
+    /// dominate, plus a few hidden-size buffers per layer).
+    fn activation_bytes(&self, n: usize, len: usize) -> u64 {
+        let c = &self.config;
+        let scores = n * c.num_attention_heads * len * len;
+        let hidden = n * len * (c.hidden_size * 6 + c.intermediate_size);
+        ((scores + hidden) * 4) as u64
+    }
+
+    fn forward(&self, rows: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        let n = rows.len();
+        let len = rows.iter().map(Vec::len).max().unwrap_or(0);
+        let mut ids = Vec::with_capacity(n * len);
+        let mut mask = Vec::with_capacity(n * len);
+        for row in rows {
+            ids.extend(
+                row.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(0, len - row.len())),
+            );
+            mask.extend((0..len).map(|i| u32::from(i < row.len())));
+        }
+        let ids = Tensor::from_vec(ids, (n, len), &self.device)?;
+        let mask = Tensor::from_vec(mask, (n, len), &self.device)?;
+        let types = ids.zeros_like()?;
+        let hidden = self.model.forward(&ids, &types, Some(&mask))?;
+        // Mean over real tokens, then unit length.
+        let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
+        let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
+        let counts = mask.sum(1)?;
+        let mean = summed.broadcast_div(&counts)?;
+        let norm = mean.sqr()?.sum_keepdim(1)?.sqrt()?;
+        let normalized = mean.broadcast_div(&norm)?;
+        Ok(normalized.to_device(&Device::Cpu)?.to_vec2::<f32>()?)
+    }
+}
+
+impl Model for Embedder {
+    fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    fn to_device(&self, device: &Device) -> Result<Arc<dyn Model>, ExecError> {
+        Embedder::load(&self.dir, device)
+            .map(|m| Arc::new(m) as Arc<dyn Model>)
+            .map_err(|e| ExecError::Failed(e.to_string()))
+    }
+
+    fn execute(
+        &self,
+        inputs: &[ToolInput],
+        limits: &ExecLimits,
+    ) -> Result<Vec<ItemResult>, ExecError> {
+        let mut results: Vec<Option<ItemResult>> = vec![None; inputs.len()];
+        let mut rows = Vec::new();
+        let mut positions = Vec::new();
+        for (i, input) in inputs.iter().enumerate() {
+            match self.encode(i, input) {
+                Ok(ids) => {
+                    rows.push(ids);
+                    positions.push(i);
+                }
+                Err(refused) => results[i] = Some(refused),
+            }
+        }
+        if !rows.is_empty() {
+            let len = rows.iter().map(Vec::len).max().unwrap_or(0);
+            limits.check(
+                self.bytes,
+                self.activation_bytes(rows.len(), len),
+                rows.len(),
+            )?;
+            let width = self.config.hidden_size as u64;
+            for (pos, embedding) in positions.into_iter().zip(self.forward(&rows)?) {
+                results[pos] = Some(ItemResult {
+                    result: Some(item_result::Result::Output(ToolOutput {
+                        value: Some(tool_output::Value::Tensor(
+                            nomad_proto::v1::Tensor::from_f32(&embedding, vec![width]),
+                        )),
+                    })),
+                });
+            }
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| r.expect("every input has a result"))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(s: &str, options: &str) -> ToolInput {
+        ToolInput {
+            value: Some(tool_input::Value::Text(s.to_owned())),
+            options_json: options.to_owned(),
+        }
+    }
+
+    fn vector(r: &ItemResult) -> Vec<f32> {
+        match &r.result {
+            Some(item_result::Result::Output(ToolOutput {
+                value: Some(tool_output::Value::Tensor(t)),
+            })) => t.to_f32_vec().unwrap(),
+            other => panic!("expected an embedding, got {other:?}"),
+        }
+    }
+
+    fn refusal(r: &ItemResult) -> &str {
+        match &r.result {
+            Some(item_result::Result::InvalidInput(m)) => m,
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    fn model() -> Embedder {
+        Embedder::load(
+            &super::super::test_models_dir().join("all-minilm-l6-v2"),
+            &Device::Cpu,
+        )
+        .unwrap()
+    }
+
+    fn max_diff(a: &[f32], b: &[f64]) -> f64 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (f64::from(*x) - y).abs())
+            .fold(0.0, f64::max)
+    }
+
+    /// Parity with sentence-transformers (fixture made by scripts/reference/embeddings.py).
+    #[test]
+    fn embeddings_match_the_sentence_transformers_reference() {
+        let fixture: serde_json::Value =
+            serde_json::from_str(include_str!("../../tests/fixtures/embeddings.json")).unwrap();
+        let model = model();
+        let sentences: Vec<&str> = fixture["sentences"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap())
+            .collect();
+        let inputs: Vec<ToolInput> = sentences.iter().map(|s| text(s, "")).collect();
+        // One batch, padded to the longest: padding must not change any embedding.
+        let results = model.execute(&inputs, &ExecLimits::default()).unwrap();
+        for (i, reference) in fixture["embeddings"].as_array().unwrap().iter().enumerate() {
+            let reference: Vec<f64> = reference
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
+            let diff = max_diff(&vector(&results[i]), &reference);
+            assert!(
+                diff <= 1e-5,
+                "sentence {i} {:?}: max abs diff {diff:e}",
+                sentences[i]
+            );
+        }
+        let truncated = &fixture["truncated"];
+        let got = model
+            .execute(
+                &[text(
+                    truncated["text"].as_str().unwrap(),
+                    r#"{"truncate": true}"#,
+                )],
+                &ExecLimits::default(),
+            )
+            .unwrap();
+        let reference: Vec<f64> = truncated["embedding"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let diff = max_diff(&vector(&got[0]), &reference);
+        assert!(diff <= 1e-5, "truncated text: max abs diff {diff:e}");
+    }
+
+    #[test]
+    fn embeddings_are_unit_length_and_the_same_alone_or_batched() {
+        let model = model();
+        let alone = vector(
+            &model
+                .execute(&[text("short", "")], &ExecLimits::default())
+                .unwrap()[0],
+        );
+        let batched = model
+            .execute(
+                &[
+                    text(
+                        "a much longer sentence than the other one in this batch",
+                        "",
+                    ),
+                    text("short", ""),
+                ],
+                &ExecLimits::default(),
+            )
+            .unwrap();
+        let norm: f32 = alone.iter().map(|v| v * v).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "{norm}");
+        let diff = alone
+            .iter()
+            .zip(vector(&batched[1]))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(diff < 1e-5, "padding changed the embedding by {diff}");
+    }
+
+    #[test]
+    fn bad_inputs_are_refused_by_request_and_a_long_text_needs_truncate() {
+        let model = model();
+        let long = "word ".repeat(400);
+        let tensor = ToolInput {
+            value: Some(tool_input::Value::Tensor(
+                nomad_proto::v1::Tensor::from_f32(&[1.0], vec![1]),
+            )),
+            options_json: String::new(),
+        };
+        let results = model
+            .execute(
+                &[
+                    text("fine", ""),
+                    text("  ", ""),
+                    tensor,
+                    text(&long, ""),
+                    text("x", r#"{"normalize": false}"#),
+                    text("x", r#"{"truncate": "yes"}"#),
+                ],
+                &ExecLimits::default(),
+            )
+            .unwrap();
+        vector(&results[0]);
+        assert!(refusal(&results[1]).starts_with("request 1: empty text"));
+        assert!(refusal(&results[2]).contains("got a tensor"));
+        let long_refusal = refusal(&results[3]);
+        assert!(
+            long_refusal.starts_with("request 3:")
+                && long_refusal.contains("max_seq_length of 256")
+                && long_refusal.contains("\"truncate\": true"),
+            "{long_refusal}"
+        );
+        assert!(refusal(&results[4]).contains("unknown option \"normalize\""));
+        assert!(refusal(&results[5]).contains("true or false"));
+    }
+
+    #[test]
+    fn a_batch_over_the_memory_budget_is_out_of_memory() {
+        let model = model();
+        let batch: Vec<ToolInput> = (0..32)
+            .map(|i| text(&format!("sentence number {i} {}", "pad ".repeat(40)), ""))
+            .collect();
+        let tight = ExecLimits {
+            memory_budget: Some(model.bytes() + (4 << 20)),
+        };
+        assert!(matches!(
+            model.execute(&batch, &tight),
+            Err(ExecError::OutOfMemory(_))
+        ));
+        assert!(
+            model.execute(&batch[..1], &tight).is_ok(),
+            "a batch of one fits"
+        );
+    }
+}
