@@ -121,8 +121,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             models::Backend::Sim(Arc::new(models::sim::SimDevice::new(file.section("sim")?)))
         }
     };
+    tracing::info!("{}", device::capabilities());
     let device = args.device.open()?;
-    tracing::info!(device = %args.device, backend = ?args.backend, "device ready");
+    let mut device_info = args.device.info();
+    device_info.memory_total_bytes = device::memory_info(&device).map(|(_, total)| total);
+    tracing::info!(device = %args.device, backend = ?args.backend, memory_total_bytes = ?device_info.memory_total_bytes, "device ready");
     let backend = Arc::new(backend);
     let store = Arc::new(store::ModelStore::new(device));
     let on_accelerator = args.device != DeviceSpec::Cpu;
@@ -145,7 +148,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         scheduler: SchedulerClient::new(nomad_rpc::channel(&args.scheduler)?),
         worker_id,
         address,
-        device: args.device.info(),
+        device: device_info,
         store: store.clone(),
         backend: backend.clone(),
         on_accelerator,

@@ -28,16 +28,22 @@ pub fn placed_bytes(store: &ModelStore) -> u64 {
 pub fn collect(store: &ModelStore, backend: &Backend, on_accelerator: bool) -> WorkerStats {
     let models = store.models();
     let placed = placed_bytes(store);
-    // On CPU the "device memory" is the bytes of the models placed for execution; an
-    // accelerator's allocator figures come with its backend (not measured here). The simulated
-    // device reports what an accelerator backend would.
+    // On CPU the "device memory" is the bytes of the models placed for execution. On CUDA it is
+    // what the driver reports in use on the device (best effort: every process's allocations);
+    // candle keeps no allocator cache, so nothing is "reserved", and utilization needs NVML.
+    // The simulated device reports what an accelerator backend would.
     let (allocated, reserved, utilization) = match backend {
         Backend::Sim(device) => (
             Some(placed),
             Some(device.reserved(placed)),
             Some(device.utilization()),
         ),
-        Backend::Candle => ((!on_accelerator).then_some(placed), None, None),
+        Backend::Candle if on_accelerator => (
+            crate::device::memory_info(store.device()).map(|(free, total)| total - free),
+            None,
+            None,
+        ),
+        Backend::Candle => (Some(placed), None, None),
     };
     WorkerStats {
         memory_allocated_bytes: allocated,

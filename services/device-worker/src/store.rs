@@ -42,6 +42,10 @@ impl ModelStore {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     pub fn contains(&self, tool: &str) -> bool {
         self.lock().contains_key(tool)
     }

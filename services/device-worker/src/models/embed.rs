@@ -387,4 +387,38 @@ mod tests {
             "a batch of one fits"
         );
     }
+
+    /// A real accelerator out-of-memory error becomes the distinct OOM outcome. Needs a GPU:
+    /// `NOMAD_TEST_DEVICE=cuda:0 cargo test --features cuda -- --ignored` (scripts/gpu-check.sh).
+    #[test]
+    #[ignore = "needs an accelerator (NOMAD_TEST_DEVICE)"]
+    fn an_accelerator_allocation_failure_is_out_of_memory() {
+        let device = super::super::test_device();
+        assert!(!device.is_cpu(), "set NOMAD_TEST_DEVICE to an accelerator");
+        let total = crate::device::memory_info(&device).map_or(1 << 40, |(_, t)| t);
+        // More f32 elements than the device has bytes for.
+        let error = Tensor::zeros(((total / 4 + 1) as usize,), DType::F32, &device).unwrap_err();
+        let mapped = ExecError::from(error);
+        assert!(matches!(mapped, ExecError::OutOfMemory(_)), "{mapped:?}");
+    }
+
+    /// Prints the driver's memory figures around loading the model (scripts/gpu-check.sh).
+    #[test]
+    #[ignore = "needs an accelerator (NOMAD_TEST_DEVICE)"]
+    fn loading_the_model_shows_in_the_drivers_memory_figures() {
+        let device = super::super::test_device();
+        let (free_before, total) = crate::device::memory_info(&device).expect("memory figures");
+        let model = model();
+        let (free_after, _) = crate::device::memory_info(&device).unwrap();
+        eprintln!(
+            "device memory: total {total} B, in use before load {} B, after {} B (weights {} B)",
+            total - free_before,
+            total - free_after,
+            model.bytes()
+        );
+        assert!(
+            free_after < free_before,
+            "loading the weights used no device memory"
+        );
+    }
 }

@@ -336,7 +336,7 @@ mod tests {
     fn model() -> Generator {
         Generator::load(
             &super::super::test_models_dir().join("smollm2-135m-instruct"),
-            &Device::Cpu,
+            &super::super::test_device(),
         )
         .unwrap()
     }

@@ -133,3 +133,13 @@ pub(crate) fn test_models_dir() -> PathBuf {
     );
     dir
 }
+
+/// The device tests run models on: `NOMAD_TEST_DEVICE` (e.g. `cuda:0`), CPU by default.
+#[cfg(test)]
+pub(crate) fn test_device() -> Device {
+    let spec: crate::device::DeviceSpec = std::env::var("NOMAD_TEST_DEVICE")
+        .unwrap_or_else(|_| "cpu".into())
+        .parse()
+        .expect("NOMAD_TEST_DEVICE");
+    spec.open().expect("opening NOMAD_TEST_DEVICE")
+}
