@@ -83,6 +83,33 @@ impl std::fmt::Display for DeviceSpec {
     }
 }
 
+/// `(free, total)` device memory as the driver reports it; `None` where the backend cannot say.
+pub fn memory_info(device: &Device) -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        return match cuda.cuda_stream().context().mem_get_info() {
+            Ok((free, total)) => Some((free as u64, total as u64)),
+            Err(e) => {
+                tracing::debug!("cuMemGetInfo failed: {e}");
+                None
+            }
+        };
+    }
+    let _ = device;
+    None
+}
+
+/// One line on what this build and machine offer, for the start-up log.
+pub fn capabilities() -> String {
+    format!(
+        "compiled with cuda={} metal={}; cpu avx={} threads={}",
+        candle_core::utils::cuda_is_available(),
+        candle_core::utils::metal_is_available(),
+        candle_core::utils::with_avx(),
+        candle_core::utils::get_num_threads(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,31 +136,4 @@ mod tests {
         let msg = DeviceSpec::Cuda(0).open().unwrap_err().to_string();
         assert!(msg.contains("--features cuda"), "{msg}");
     }
-}
-
-/// `(free, total)` device memory as the driver reports it; `None` where the backend cannot say.
-pub fn memory_info(device: &Device) -> Option<(u64, u64)> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(cuda) = device {
-        return match cuda.cuda_stream().context().mem_get_info() {
-            Ok((free, total)) => Some((free as u64, total as u64)),
-            Err(e) => {
-                tracing::debug!("cuMemGetInfo failed: {e}");
-                None
-            }
-        };
-    }
-    let _ = device;
-    None
-}
-
-/// One line on what this build and machine offer, for the start-up log.
-pub fn capabilities() -> String {
-    format!(
-        "compiled with cuda={} metal={}; cpu avx={} threads={}",
-        candle_core::utils::cuda_is_available(),
-        candle_core::utils::metal_is_available(),
-        candle_core::utils::with_avx(),
-        candle_core::utils::get_num_threads(),
-    )
 }
