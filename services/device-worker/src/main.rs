@@ -1,6 +1,7 @@
 //! `nomad-device-worker`: one per accelerator (or one CPU worker). Serves the DeviceWorker gRPC
 //! API and registers itself with the scheduler.
 
+mod bench;
 mod device;
 mod models;
 mod registration;
@@ -84,15 +85,34 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Measure the real models' throughput on this machine (JSON lines).
+    Bench(bench::BenchArgs),
+}
+
+/// On CPU, candle's f32 matmuls scale poorly across threads at these model sizes; the worker
+/// instead runs them single-threaded and splits a batch's sequences across the cores (see
+/// `models::embed`). Set before any thread exists; an explicit RAYON_NUM_THREADS wins.
+fn single_threaded_matmuls_on_cpu(device: DeviceSpec) {
+    if device == DeviceSpec::Cpu && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // SAFETY: called first thing in main, before any other thread is started.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // `bench` measures the CPU models as a CPU worker runs them.
+    let device = match cli.command {
+        Some(Command::Bench(_)) => DeviceSpec::Cpu,
+        _ => cli.serve.device,
+    };
+    single_threaded_matmuls_on_cpu(device);
     let result = match cli.command {
         Some(Command::MakeMlp { out, layers, seed }) => {
             models::mlp::Mlp::write_random(&out, &layers, seed)
                 .with_context(|| format!("writing an mlp to {}", out.display()))
         }
+        Some(Command::Bench(args)) => bench::run(args),
         None => nomad_rpc::runtime()
             .context("starting the runtime")
             .and_then(|rt| rt.block_on(serve(cli.serve))),

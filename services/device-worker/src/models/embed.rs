@@ -24,6 +24,8 @@ pub struct Embedder {
     max_seq_length: usize,
     bytes: u64,
     device: Device,
+    /// One single-threaded pool per core, for splitting batches (CPU only).
+    pools: Vec<rayon::ThreadPool>,
 }
 
 fn load_error(dir: &Path, reason: impl std::fmt::Display) -> LoadError {
@@ -73,7 +75,22 @@ impl Embedder {
             .map_err(|e| load_error(dir, format!("model.safetensors: {e}")))?;
         let model = BertModel::load(vb, &config)
             .map_err(|e| load_error(dir, format!("loading the BERT weights: {e}")))?;
+        let cores = if device.is_cpu() {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            0
+        };
+        let pools = (0..cores)
+            .map(|i| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .thread_name(move |_| format!("embed-{i}"))
+                    .build()
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| load_error(dir, format!("starting compute threads: {e}")))?;
         Ok(Self {
+            pools,
             dir: dir.to_owned(),
             config,
             model,
@@ -127,6 +144,35 @@ impl Embedder {
         let scores = n * c.num_attention_heads * len * len;
         let hidden = n * len * (c.hidden_size * 6 + c.intermediate_size);
         ((scores + hidden) * 4) as u64
+    }
+
+    /// Splits a batch over one single-threaded pool per core: BERT's matmuls at these sizes
+    /// scale poorly across threads, whole sequences scale well.
+    fn forward_parallel(&self, rows: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        if rows.len() < 2 || self.pools.len() < 2 || !self.device.is_cpu() {
+            return self.forward(rows);
+        }
+        let chunk = rows.len().div_ceil(self.pools.len());
+        let parts: Vec<Result<Vec<Vec<f32>>, ExecError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = rows
+                .chunks(chunk)
+                .zip(&self.pools)
+                .map(|(part, pool)| scope.spawn(move || pool.install(|| self.forward(part))))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(ExecError::Failed("a forward pass panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        let mut out = Vec::with_capacity(rows.len());
+        for part in parts {
+            out.extend(part?);
+        }
+        Ok(out)
     }
 
     fn forward(&self, rows: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ExecError> {
@@ -193,7 +239,7 @@ impl Model for Embedder {
                 rows.len(),
             )?;
             let width = self.config.hidden_size as u64;
-            for (pos, embedding) in positions.into_iter().zip(self.forward(&rows)?) {
+            for (pos, embedding) in positions.into_iter().zip(self.forward_parallel(&rows)?) {
                 results[pos] = Some(ItemResult {
                     result: Some(item_result::Result::Output(ToolOutput {
                         value: Some(tool_output::Value::Tensor(

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::gguf_file;
+use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use candle_transformers::models::quantized_llama::ModelWeights;
@@ -26,6 +26,7 @@ use super::{ExecError, ExecLimits, LoadError, Model, invalid, options};
 const SYSTEM: &str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
 
 pub struct Generator {
+    q4_1_to_q8_0: bool,
     path: PathBuf,
     weights: ModelWeights,
     tokenizer: Tokenizer,
@@ -136,15 +137,65 @@ pub fn tokenizer_from_gguf(ct: &gguf_file::Content) -> Result<Tokenizer, String>
     Ok(tokenizer)
 }
 
+/// Rewrites every `from` tensor as `to`, in memory; returns the new GGUF's content and bytes.
+fn requantized(
+    ct: &gguf_file::Content,
+    file: &mut std::fs::File,
+    from: GgmlDType,
+    to: GgmlDType,
+) -> candle_core::Result<(gguf_file::Content, std::io::Cursor<Vec<u8>>)> {
+    let mut tensors = Vec::with_capacity(ct.tensor_infos.len());
+    for name in ct.tensor_infos.keys() {
+        let tensor = ct.tensor(file, name, &Device::Cpu)?;
+        let tensor = if tensor.dtype() == from {
+            QTensor::quantize(&tensor.dequantize(&Device::Cpu)?, to)?
+        } else {
+            tensor
+        };
+        tensors.push((name.as_str(), tensor));
+    }
+    let metadata: Vec<(&str, &gguf_file::Value)> =
+        ct.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+    let mut buffer = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut buffer, &metadata, &refs)?;
+    buffer.set_position(0);
+    let content = gguf_file::Content::read(&mut buffer)?;
+    Ok((content, buffer))
+}
+
 impl Generator {
-    pub fn load(path: &Path, device: &Device) -> Result<Self, LoadError> {
+    /// Loads the GGUF at `path`, rewriting Q4_1 weights as Q8_0 when `q4_1_to_q8_0` is set.
+    pub fn load_with(path: &Path, device: &Device, q4_1_to_q8_0: bool) -> Result<Self, LoadError> {
         let path = gguf_path(path)?;
-        let bytes = std::fs::metadata(&path)
-            .map_err(|e| load_error(&path, e))?
-            .len();
         let mut file = std::fs::File::open(&path).map_err(|e| load_error(&path, e))?;
         let ct = gguf_file::Content::read(&mut file)
             .map_err(|e| load_error(&path, format!("not a readable GGUF: {e}")))?;
+        if q4_1_to_q8_0
+            && ct
+                .tensor_infos
+                .values()
+                .any(|t| t.ggml_dtype == GgmlDType::Q4_1)
+        {
+            let (ct, mut buffer) = requantized(&ct, &mut file, GgmlDType::Q4_1, GgmlDType::Q8_0)
+                .map_err(|e| load_error(&path, format!("re-quantizing to Q8_0: {e}")))?;
+            let bytes = buffer.get_ref().len() as u64;
+            return Self::from_content(path, ct, &mut buffer, bytes, device, q4_1_to_q8_0);
+        }
+        let bytes = std::fs::metadata(&path)
+            .map_err(|e| load_error(&path, e))?
+            .len();
+        Self::from_content(path, ct, &mut file, bytes, device, q4_1_to_q8_0)
+    }
+
+    fn from_content<R: std::io::Read + std::io::Seek>(
+        path: PathBuf,
+        ct: gguf_file::Content,
+        file: &mut R,
+        bytes: u64,
+        device: &Device,
+        q4_1_to_q8_0: bool,
+    ) -> Result<Self, LoadError> {
         let tokenizer = tokenizer_from_gguf(&ct).map_err(|e| load_error(&path, e))?;
         let number = |key: &str| {
             metadata(&ct, key)
@@ -166,9 +217,10 @@ impl Generator {
                 stop.push(id);
             }
         }
-        let weights = ModelWeights::from_gguf(ct, &mut file, device)
+        let weights = ModelWeights::from_gguf(ct, file, device)
             .map_err(|e| load_error(&path, format!("loading the weights: {e}")))?;
         Ok(Self {
+            q4_1_to_q8_0,
             path,
             weights,
             tokenizer,
@@ -231,6 +283,27 @@ impl Generator {
         Ok(generated)
     }
 
+    /// Times the prompt pass and `tokens` greedy decode steps (ignoring end-of-turn), for
+    /// benchmarks.
+    pub fn time_decode(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+    ) -> candle_core::Result<(std::time::Duration, std::time::Duration)> {
+        let mut model = self.weights.clone();
+        let started = std::time::Instant::now();
+        let input = Tensor::new(prompt, &self.device)?.unsqueeze(0)?;
+        let mut logits = model.forward(&input, 0)?.squeeze(0)?;
+        let prompt_time = started.elapsed();
+        let started = std::time::Instant::now();
+        for step in 0..tokens {
+            let next = logits.argmax(0)?.to_scalar::<u32>()?;
+            let input = Tensor::new(&[next], &self.device)?.unsqueeze(0)?;
+            logits = model.forward(&input, prompt.len() + step)?.squeeze(0)?;
+        }
+        Ok((prompt_time, started.elapsed()))
+    }
+
     fn request(
         &self,
         index: usize,
@@ -281,7 +354,7 @@ impl Model for Generator {
     }
 
     fn to_device(&self, device: &Device) -> Result<Arc<dyn Model>, ExecError> {
-        Generator::load(&self.path, device)
+        Generator::load_with(&self.path, device, self.q4_1_to_q8_0)
             .map(|m| Arc::new(m) as Arc<dyn Model>)
             .map_err(|e| ExecError::Failed(e.to_string()))
     }
@@ -333,10 +406,16 @@ impl Model for Generator {
 mod tests {
     use super::*;
 
+    /// The model as served: Q4_1 weights re-quantized to Q8_0 at load.
     fn model() -> Generator {
-        Generator::load(
+        model_with(true)
+    }
+
+    fn model_with(q4_1_to_q8_0: bool) -> Generator {
+        Generator::load_with(
             &super::super::test_models_dir().join("smollm2-135m-instruct"),
             &super::super::test_device(),
+            q4_1_to_q8_0,
         )
         .unwrap()
     }
@@ -378,52 +457,57 @@ mod tests {
     #[test]
     fn first_greedy_tokens_match_llama_cpp() {
         const TIE: f32 = 0.25;
-        let m = model();
-        let (mut exact, mut ties) = (0, 0);
-        for case in fixture()["greedy"].as_array().unwrap() {
-            let prompt = ids(&case["prompt_ids"]);
-            let reference = ids(&case["tokens"]);
-            let mut model = m.weights.clone();
-            let logits_of = |t: Tensor| t.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
-            let input = Tensor::new(prompt.as_slice(), &m.device)
-                .unwrap()
-                .unsqueeze(0)
-                .unwrap();
-            let mut logits = logits_of(model.forward(&input, 0).unwrap());
-            let margins: Vec<f32> = case["top2_margins"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_f64().unwrap() as f32)
-                .collect();
-            for (step, &want) in reference.iter().enumerate() {
-                let (best, top) = logits
-                    .iter()
-                    .enumerate()
-                    .max_by(|a, b| a.1.total_cmp(b.1))
-                    .map(|(i, v)| (i as u32, *v))
-                    .unwrap();
-                if best == want {
-                    exact += 1;
-                } else {
-                    let ours = top - logits[want as usize];
-                    assert!(
-                        margins[step] < TIE && ours < TIE,
-                        "{}: step {step}: we pick {best}, llama.cpp {want} (its margin {}, ours {ours})",
-                        case["prompt"],
-                        margins[step]
-                    );
-                    ties += 1;
-                }
-                let input = Tensor::new(&[want], &m.device)
+        // Both the weights as shipped (Q4_1) and as served (re-quantized to Q8_0).
+        for q8 in [false, true] {
+            let m = model_with(q8);
+            let (mut exact, mut ties) = (0, 0);
+            for case in fixture()["greedy"].as_array().unwrap() {
+                let prompt = ids(&case["prompt_ids"]);
+                let reference = ids(&case["tokens"]);
+                let mut model = m.weights.clone();
+                let logits_of = |t: Tensor| t.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+                let input = Tensor::new(prompt.as_slice(), &m.device)
                     .unwrap()
                     .unsqueeze(0)
                     .unwrap();
-                logits = logits_of(model.forward(&input, prompt.len() + step).unwrap());
+                let mut logits = logits_of(model.forward(&input, 0).unwrap());
+                let margins: Vec<f32> = case["top2_margins"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap() as f32)
+                    .collect();
+                for (step, &want) in reference.iter().enumerate() {
+                    let (best, top) = logits
+                        .iter()
+                        .enumerate()
+                        .max_by(|a, b| a.1.total_cmp(b.1))
+                        .map(|(i, v)| (i as u32, *v))
+                        .unwrap();
+                    if best == want {
+                        exact += 1;
+                    } else {
+                        let ours = top - logits[want as usize];
+                        assert!(
+                            margins[step] < TIE && ours < TIE,
+                            "{}: step {step}: we pick {best}, llama.cpp {want} (its margin {}, ours {ours})",
+                            case["prompt"],
+                            margins[step]
+                        );
+                        ties += 1;
+                    }
+                    let input = Tensor::new(&[want], &m.device)
+                        .unwrap()
+                        .unsqueeze(0)
+                        .unwrap();
+                    logits = logits_of(model.forward(&input, prompt.len() + step).unwrap());
+                }
             }
+            eprintln!(
+                "greedy steps (q8_0 {q8}): {exact} identical, {ties} near-ties decided differently"
+            );
+            assert!(ties <= 2, "{ties} near-ties: more than rounding explains");
         }
-        eprintln!("greedy steps: {exact} identical, {ties} near-ties decided differently");
-        assert!(ties <= 2, "{ties} near-ties: more than rounding explains");
     }
 
     #[test]

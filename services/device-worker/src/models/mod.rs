@@ -107,7 +107,11 @@ pub fn load(spec: &ModelSpec, backend: &Backend) -> Result<Arc<dyn Model>, LoadE
     match spec.kind.as_str() {
         "mlp" => Ok(Arc::new(mlp::Mlp::load(path)?)),
         "embed" => Ok(Arc::new(embed::Embedder::load(path, &Device::Cpu)?)),
-        "generate" => Ok(Arc::new(generate::Generator::load(path, &Device::Cpu)?)),
+        "generate" => Ok(Arc::new(generate::Generator::load_with(
+            path,
+            &Device::Cpu,
+            true,
+        )?)),
         other => Err(LoadError::UnknownKind(other.to_owned())),
     }
 }

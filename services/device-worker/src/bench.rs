@@ -1,0 +1,126 @@
+//! `nomad-device-worker bench`: throughput of the real models on this machine, one JSON object
+//! per measurement (scripts/bench-models puts them next to PyTorch's).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use nomad_proto::v1::{ToolInput, tool_input};
+
+use crate::models::embed::Embedder;
+use crate::models::generate::Generator;
+use crate::models::{ExecLimits, Model};
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// `embed` or `generate`.
+    #[arg(long)]
+    what: String,
+    /// Directory holding the fetched models.
+    #[arg(long, env = "NOMAD_MODELS_DIR", default_value = "models")]
+    models: PathBuf,
+    /// One sentence per line (embed).
+    #[arg(long, default_value = "scripts/reference/bench_sentences.txt")]
+    sentences: PathBuf,
+    /// Batch sizes (embed).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    batches: Vec<usize>,
+    /// Tokens to decode per run (generate).
+    #[arg(long, default_value_t = 64)]
+    tokens: usize,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.what.as_str() {
+        "embed" => embed(&args),
+        "generate" => generate(&args),
+        other => anyhow::bail!("unknown --what {other:?}: use embed or generate"),
+    }
+}
+
+fn embed(args: &BenchArgs) -> anyhow::Result<()> {
+    let model = Embedder::load(&args.models.join("all-minilm-l6-v2"), &Device::Cpu)?;
+    let sentences: Vec<String> = std::fs::read_to_string(&args.sentences)?
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect();
+    anyhow::ensure!(
+        !sentences.is_empty(),
+        "{} has no sentences",
+        args.sentences.display()
+    );
+    let inputs: Vec<ToolInput> = sentences
+        .iter()
+        .map(|s| ToolInput {
+            value: Some(tool_input::Value::Text(s.clone())),
+            options_json: String::new(),
+        })
+        .collect();
+    for &batch in &args.batches {
+        let batches: Vec<&[ToolInput]> =
+            inputs.chunks(batch).filter(|c| c.len() == batch).collect();
+        anyhow::ensure!(
+            !batches.is_empty(),
+            "fewer sentences than a batch of {batch}"
+        );
+        for b in batches.iter().take(3) {
+            model.execute(b, &ExecLimits::default())?;
+        }
+        let (mut done, mut i, started) = (0, 0, Instant::now());
+        while started.elapsed() < Duration::from_secs_f64(args.seconds) {
+            model.execute(batches[i % batches.len()], &ExecLimits::default())?;
+            done += batch;
+            i += 1;
+        }
+        println!(
+            "{}",
+            serde_json::json!({
+                "runtime": "candle",
+                "batch": batch,
+                "sentences_per_second": done as f64 / started.elapsed().as_secs_f64(),
+            })
+        );
+    }
+    Ok(())
+}
+
+fn generate(args: &BenchArgs) -> anyhow::Result<()> {
+    for q8 in [false, true] {
+        let loading = Instant::now();
+        let model =
+            Generator::load_with(&args.models.join("smollm2-135m-instruct"), &Device::Cpu, q8)?;
+        let load = loading.elapsed();
+        let prompt = model
+            .encode(&Generator::prompt(
+                "Write a short story about a robot who learns to paint.",
+                true,
+            ))
+            .map_err(anyhow::Error::msg)?;
+        model.time_decode(&prompt, 4)?; // warm-up
+        let (mut prompt_time, mut decode_time, mut runs) = (Duration::ZERO, Duration::ZERO, 0);
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs_f64(args.seconds) || runs == 0 {
+            let (p, d) = model.time_decode(&prompt, args.tokens)?;
+            prompt_time += p;
+            decode_time += d;
+            runs += 1;
+        }
+        println!(
+            "{}",
+            serde_json::json!({
+                "runtime": "candle",
+                "weights": if q8 { "Q8_0 (re-quantized from Q4_1 at load)" } else { "Q4_1 (as shipped)" },
+                "load_seconds": load.as_secs_f64(),
+                "weights_bytes": model.bytes(),
+                "prompt_tokens": prompt.len(),
+                "prompt_tokens_per_second": (prompt.len() * runs) as f64 / prompt_time.as_secs_f64(),
+                "decode_tokens_per_second": (args.tokens * runs) as f64 / decode_time.as_secs_f64(),
+            })
+        );
+    }
+    Ok(())
+}
