@@ -218,11 +218,29 @@ impl Fleet {
             }
             fleet.spawn(Service::DeviceWorker, &args).await;
         }
+        let mcp_addr_file = fleet.dir.join("gateway-mcp.addr");
+        let mcp_addr_file = mcp_addr_file.to_str().expect("utf-8 temp path").to_owned();
         fleet.gateway_addr = fleet
-            .spawn(Service::Gateway, &["--scheduler", &scheduler])
+            .spawn(
+                Service::Gateway,
+                &[
+                    "--scheduler",
+                    &scheduler,
+                    "--mcp-listen",
+                    "127.0.0.1:0",
+                    "--mcp-addr-file",
+                    &mcp_addr_file,
+                ],
+            )
             .await;
         fleet.wait_for_workers(workers).await;
         fleet
+    }
+
+    /// The gateway's MCP endpoint (`http://ADDR/mcp`).
+    pub fn gateway_mcp_url(&self) -> String {
+        let addr = std::fs::read_to_string(self.dir.join("gateway-mcp.addr")).unwrap();
+        format!("http://{}/mcp", addr.trim())
     }
 
     /// A plain client for the scheduler's API.

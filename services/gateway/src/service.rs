@@ -1,155 +1,65 @@
-//! The Gateway gRPC service (for the head). Code execution arrives with the sandbox; until then
-//! ExecuteCode and ExecuteScript answer UNIMPLEMENTED and say so.
+//! The Gateway gRPC service (for the head): a thin adapter over [`Gateway`].
 
-use std::time::Instant;
+use std::sync::Arc;
 
-use nomad_proto::v1::gateway_server::Gateway;
-use nomad_proto::v1::scheduler_client::SchedulerClient;
+use nomad_proto::v1::gateway_server::Gateway as GatewayApi;
 use nomad_proto::v1::{
-    CallToolRequest, ExecuteCodeRequest, ExecuteResponse, ExecuteScriptRequest,
-    GatewayCallToolRequest, GatewayCallToolResponse, ListToolsRequest, SearchToolsRequest,
-    SearchToolsResponse, UpstreamTool,
+    ExecuteCodeRequest, ExecuteResponse, ExecuteScriptRequest, GatewayCallToolRequest,
+    GatewayCallToolResponse, SearchToolsRequest, SearchToolsResponse, UpstreamTool,
 };
-use nomad_telemetry::metrics as defs;
-use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
-use opentelemetry::metrics::{Counter, Histogram};
-use opentelemetry::trace::FutureExt as _;
+use nomad_telemetry::Context;
 use tonic::{Request, Response, Status};
 
-use crate::nomad_tools;
-
-/// The built-in upstream's name.
-pub const NOMAD_SERVER: &str = "nomad";
+use crate::execute::{ExecuteReply, Gateway};
+use crate::upstream::nomad;
 
 pub struct GatewayService {
-    scheduler: SchedulerClient<nomad_rpc::Channel>,
-    requests: Counter<u64>,
-    request_duration: Histogram<f64>,
-    upstream_calls: Counter<u64>,
-    upstream_duration: Histogram<f64>,
+    pub gateway: Arc<Gateway>,
 }
 
-impl GatewayService {
-    pub fn new(scheduler: SchedulerClient<nomad_rpc::Channel>) -> Self {
-        Self {
-            scheduler,
-            requests: defs::GATEWAY_REQUESTS.u64_counter(),
-            request_duration: defs::GATEWAY_REQUEST_DURATION.f64_histogram(),
-            upstream_calls: defs::GATEWAY_UPSTREAM_TOOL_CALLS.u64_counter(),
-            upstream_duration: defs::GATEWAY_UPSTREAM_TOOL_DURATION.f64_histogram(),
-        }
-    }
-
-    /// Calls one upstream tool, recording the `upstream` span and metrics.
-    async fn call_upstream(
-        &self,
-        server: &str,
-        tool: &str,
-        arguments_json: &str,
-    ) -> Result<serde_json::Value, Status> {
-        let span = GroupSpan::start(
-            SpanGroup::Upstream,
-            "nomad.gateway.upstream_tool",
-            &Context::current(),
-        );
-        span.set_attributes([
-            KeyValue::new("nomad.gateway.server", server.to_owned()),
-            KeyValue::new("nomad.gateway.tool", tool.to_owned()),
-        ]);
-        let started = Instant::now();
-        let result = self
-            .call_nomad_tool(server, tool, arguments_json)
-            .with_context(span.context().clone())
-            .await;
-        let status = if result.is_ok() { "ok" } else { "error" };
-        span.set_attribute(KeyValue::new("nomad.gateway.status", status));
-        if let Err(e) = &result {
-            span.set_error(format!("{:?}", e.code()), e.message().to_owned());
-        }
-        let attributes = [
-            KeyValue::new("server", server.to_owned()),
-            KeyValue::new("tool", tool.to_owned()),
-            KeyValue::new("status", status),
-        ];
-        self.upstream_calls.add(1, &attributes);
-        self.upstream_duration
-            .record(started.elapsed().as_secs_f64(), &attributes);
-        result
-    }
-
-    async fn call_nomad_tool(
-        &self,
-        server: &str,
-        tool: &str,
-        arguments_json: &str,
-    ) -> Result<serde_json::Value, Status> {
-        if server != NOMAD_SERVER {
-            return Err(Status::not_found(format!(
-                "unknown upstream server {server:?}; configured: {NOMAD_SERVER}"
-            )));
-        }
-        let input = nomad_tools::input_from_json(arguments_json)
-            .map_err(|e| Status::invalid_argument(format!("{server}.{tool}: {e}")))?;
-        let reply = self
-            .scheduler
-            .clone()
-            .call_tool(CallToolRequest {
-                tool: tool.to_owned(),
-                input: Some(input),
-            })
-            .await?
-            .into_inner();
-        let output = reply.output.ok_or_else(|| {
-            Status::internal(format!("{server}.{tool}: the scheduler returned no output"))
-        })?;
-        nomad_tools::output_to_json(&output)
-            .map_err(|e| Status::internal(format!("{server}.{tool}: {e}")))
+fn response(reply: ExecuteReply) -> ExecuteResponse {
+    ExecuteResponse {
+        result_json: reply.result.to_string(),
+        stdout: reply.stdout,
+        stderr: reply.stderr,
+        returncode: reply.returncode,
+        error: reply.error,
     }
 }
 
 #[tonic::async_trait]
-impl Gateway for GatewayService {
+impl GatewayApi for GatewayService {
     async fn search_tools(
         &self,
         request: Request<SearchToolsRequest>,
     ) -> Result<Response<SearchToolsResponse>, Status> {
-        let SearchToolsRequest {
-            query,
-            server_filter,
-            limit,
-            ..
-        } = request.into_inner();
-        if !server_filter.is_empty() && server_filter != NOMAD_SERVER {
-            return Ok(Response::new(SearchToolsResponse { tools: vec![] }));
-        }
-        let listed = self
-            .scheduler
-            .clone()
-            .list_tools(ListToolsRequest {})
-            .await?
-            .into_inner();
-        let query = query.to_lowercase();
-        let limit = if limit == 0 {
-            usize::MAX
-        } else {
-            limit as usize
+        let r = request.into_inner();
+        let full = match r.detail_level.as_str() {
+            "" | "brief" => false,
+            "full" => true,
+            other => {
+                return Err(Status::invalid_argument(format!(
+                    "detail_level {other:?}: use brief or full"
+                )));
+            }
         };
-        let tools = listed
-            .tools
+        let limit = if r.limit == 0 { 20 } else { r.limit as usize };
+        let found = self
+            .gateway
+            .search(&r.query, &r.server_filter, full, limit)
+            .await
+            .map_err(Status::not_found)?;
+        let tools = found
             .into_iter()
-            .filter(|t| {
-                query.is_empty()
-                    || t.name.to_lowercase().contains(&query)
-                    || t.description.to_lowercase().contains(&query)
-                    || t.kind.to_lowercase().contains(&query)
-            })
-            .take(limit)
             .map(|t| UpstreamTool {
-                server: NOMAD_SERVER.to_owned(),
-                description: t.description,
-                input_schema_json: String::new(),
-                python_signature: String::new(),
-                name: t.name,
+                server: t["server"].as_str().unwrap_or_default().to_owned(),
+                name: t["name"].as_str().unwrap_or_default().to_owned(),
+                description: t["description"].as_str().unwrap_or_default().to_owned(),
+                input_schema_json: t
+                    .get("input_schema")
+                    .map(|s| s.to_string())
+                    .unwrap_or_default(),
+                python_signature: t["signature"].as_str().unwrap_or_default().to_owned(),
             })
             .collect();
         Ok(Response::new(SearchToolsResponse { tools }))
@@ -157,20 +67,30 @@ impl Gateway for GatewayService {
 
     async fn execute_code(
         &self,
-        _request: Request<ExecuteCodeRequest>,
+        request: Request<ExecuteCodeRequest>,
     ) -> Result<Response<ExecuteResponse>, Status> {
-        Err(Status::unimplemented(
-            "execute_mcp_code needs the sandbox runner, which this gateway does not have yet",
-        ))
+        let ExecuteCodeRequest { code, env } = request.into_inner();
+        if code.trim().is_empty() {
+            return Err(Status::invalid_argument("`code` is empty"));
+        }
+        let reply = self
+            .gateway
+            .execute_code(code, env.into_iter().collect(), &Context::current())
+            .await;
+        Ok(Response::new(response(reply)))
     }
 
     async fn execute_script(
         &self,
-        _request: Request<ExecuteScriptRequest>,
+        request: Request<ExecuteScriptRequest>,
     ) -> Result<Response<ExecuteResponse>, Status> {
-        Err(Status::unimplemented(
-            "execute_mcp_script needs the sandbox runner, which this gateway does not have yet",
-        ))
+        let ExecuteScriptRequest { script_path, env } = request.into_inner();
+        let reply = self
+            .gateway
+            .execute_script(&script_path, env.into_iter().collect(), &Context::current())
+            .await
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        Ok(Response::new(response(reply)))
     }
 
     async fn call_tool(
@@ -186,23 +106,25 @@ impl Gateway for GatewayService {
             return Err(Status::invalid_argument("`tool` is required"));
         }
         let server = if server.is_empty() {
-            NOMAD_SERVER.to_owned()
+            nomad::NAME.to_owned()
         } else {
             server
         };
-        let started = Instant::now();
-        let kind = [KeyValue::new("request.kind", "call_tool")];
-        self.requests.add(1, &kind);
-        let result = self.call_upstream(&server, &tool, &arguments_json).await;
-        let status = if result.is_ok() { "ok" } else { "error" };
-        self.request_duration.record(
-            started.elapsed().as_secs_f64(),
-            &[kind[0].clone(), KeyValue::new("status", status)],
-        );
-        result.map(|value| {
-            Response::new(GatewayCallToolResponse {
-                result_json: value.to_string(),
-            })
-        })
+        let arguments: serde_json::Value = if arguments_json.trim().is_empty() {
+            serde_json::json!({})
+        } else {
+            serde_json::from_str(&arguments_json).map_err(|e| {
+                Status::invalid_argument(format!(
+                    "{server}.{tool}: arguments must be a JSON object: {e}"
+                ))
+            })?
+        };
+        let value = self
+            .gateway
+            .call_tool(&Context::current(), &server, &tool, &arguments)
+            .await?;
+        Ok(Response::new(GatewayCallToolResponse {
+            result_json: value.to_string(),
+        }))
     }
 }

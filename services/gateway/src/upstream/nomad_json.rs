@@ -5,12 +5,10 @@
 //! `max_tokens`). Results: `{"text": "..."}` or `{"output": [numbers], "shape": [dims]}`.
 
 use nomad_proto::v1::{Tensor, ToolInput, ToolOutput, tool_input, tool_output};
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ArgumentError {
-    #[error("arguments must be a JSON object: {0}")]
-    NotJson(String),
     #[error("arguments must be a JSON object, got {0}")]
     NotObject(&'static str),
     #[error("give either `text` or `input`, not both")]
@@ -45,15 +43,11 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 /// Converts JSON arguments to the scheduler's `ToolInput`.
-pub fn input_from_json(arguments: &str) -> Result<ToolInput, ArgumentError> {
-    let value: Value = if arguments.trim().is_empty() {
-        Value::Object(Map::new())
-    } else {
-        serde_json::from_str(arguments).map_err(|e| ArgumentError::NotJson(e.to_string()))?
+pub fn input_from_value(value: &Value) -> Result<ToolInput, ArgumentError> {
+    let Value::Object(object) = value else {
+        return Err(ArgumentError::NotObject(type_name(value)));
     };
-    let Value::Object(mut object) = value else {
-        return Err(ArgumentError::NotObject(type_name(&value)));
-    };
+    let mut object = object.clone();
     let text = object.remove("text");
     let input = object.remove("input");
     let shape = object.remove("shape");
@@ -122,12 +116,16 @@ pub fn output_to_json(output: &ToolOutput) -> Result<Value, String> {
 mod tests {
     use super::*;
 
+    fn parse(text: &str) -> Result<ToolInput, ArgumentError> {
+        input_from_value(&serde_json::from_str(text).unwrap())
+    }
+
     #[test]
     fn text_and_tensor_arguments_convert_and_extra_keys_become_options() {
-        let t = input_from_json(r#"{"text":"hi","max_tokens":4}"#).unwrap();
+        let t = parse(r#"{"text":"hi","max_tokens":4}"#).unwrap();
         assert_eq!(t.value, Some(tool_input::Value::Text("hi".into())));
         assert_eq!(t.options_json, r#"{"max_tokens":4}"#);
-        let t = input_from_json(r#"{"input":[1,2.5,3,4],"shape":[2,2]}"#).unwrap();
+        let t = parse(r#"{"input":[1,2.5,3,4],"shape":[2,2]}"#).unwrap();
         match t.value {
             Some(tool_input::Value::Tensor(t)) => {
                 assert_eq!(t.shape, vec![2, 2]);
@@ -141,7 +139,6 @@ mod tests {
     fn bad_arguments_name_the_field() {
         let cases = [
             ("[1]", "got an array"),
-            ("{", "JSON object"),
             (r#"{"text":1}"#, "`text` must be a string"),
             (r#"{"input":[1,"x"]}"#, "`input[1]`"),
             (
@@ -153,7 +150,7 @@ mod tests {
             (r#"{"input":[1],"shape":[-1]}"#, "`shape`"),
         ];
         for (args, expected) in cases {
-            let msg = input_from_json(args).unwrap_err().to_string();
+            let msg = parse(args).unwrap_err().to_string();
             assert!(msg.contains(expected), "{args}: {msg}");
         }
     }

@@ -1,0 +1,112 @@
+//! The gateway's config sections: `gateway:` (policy, workspace root, MCP endpoint), `servers:`
+//! (external MCP upstreams) and `sandbox:` (see `sandbox::SandboxConfig`).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewayConfig {
+    /// Scripts `execute_mcp_script` may run live under this directory.
+    pub workspace_root: Option<PathBuf>,
+    /// `server:tool` globs the sandbox may call (`*` matches anything); empty allows all.
+    pub allowlist: Vec<String>,
+    /// `basic` masks secrets in logged tool arguments and results; `none` logs them as they are.
+    pub redaction: Redaction,
+    /// Bearer token the Streamable HTTP endpoint requires (also `NOMAD_GATEWAY_TOKEN`).
+    pub token: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Redaction {
+    #[default]
+    Basic,
+    None,
+}
+
+/// One external MCP server: a command over stdio, or a Streamable HTTP URL.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    pub command: Option<String>,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub url: Option<String>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+}
+
+impl ServerConfig {
+    /// Exactly one of `command` and `url`.
+    pub fn check(&self, name: &str) -> Result<(), String> {
+        match (&self.command, &self.url) {
+            (Some(_), None) | (None, Some(_)) => Ok(()),
+            (Some(_), Some(_)) => Err(format!("servers.{name}: give `command` or `url`, not both")),
+            (None, None) => Err(format!(
+                "servers.{name}: give `command` (stdio) or `url` (Streamable HTTP)"
+            )),
+        }
+    }
+}
+
+/// Matches `text` against a glob where `*` matches any run of characters.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), text.chars().collect());
+    let (mut pi, mut ti, mut star, mut mark) = (0, 0, None, 0);
+    while ti < t.len() {
+        if pi < p.len() && p[pi] != '*' && p[pi] == t[ti] {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            pi += 1;
+            mark = ti;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ti = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_match_server_and_tool() {
+        assert!(glob_match("nomad:*", "nomad:embed"));
+        assert!(glob_match("*:search_*", "web:search_docs"));
+        assert!(!glob_match("nomad:*", "nomadx:embed"));
+        assert!(glob_match("a*b*c", "aXXbYYc"));
+        assert!(!glob_match("a*b*c", "aXXbYY"));
+        assert!(glob_match("*", ""));
+        assert!(!glob_match("", "x"));
+    }
+
+    #[test]
+    fn a_server_needs_exactly_one_transport() {
+        let both = ServerConfig {
+            command: Some("x".into()),
+            args: vec![],
+            env: Default::default(),
+            url: Some("http://x".into()),
+            headers: Default::default(),
+        };
+        assert!(both.check("s").unwrap_err().contains("not both"));
+        let none = ServerConfig {
+            command: None,
+            url: None,
+            ..both.clone()
+        };
+        assert!(none.check("s").unwrap_err().contains("give `command`"));
+    }
+}

@@ -1,0 +1,195 @@
+//! The gateway as an MCP server (official Rust SDK): `search_code_tools`, `execute_mcp_code`,
+//! `execute_mcp_script`, over Streamable HTTP (with an optional bearer token) or stdio. The
+//! trace context of a `tools/call` comes from `params._meta` (`traceparent`, `tracestate`,
+//! `baggage`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ListToolsResult,
+    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
+use serde_json::{Map, Value, json};
+
+use crate::execute::Gateway;
+
+#[derive(Clone)]
+pub struct McpFrontEnd {
+    pub gateway: Arc<Gateway>,
+}
+
+fn schema(value: Value) -> Arc<Map<String, Value>> {
+    match value {
+        Value::Object(map) => Arc::new(map),
+        _ => unreachable!("tool schemas are objects"),
+    }
+}
+
+fn tools() -> Vec<Tool> {
+    let env = json!({"type": "object", "additionalProperties": {"type": "string"},
+                     "description": "Environment variables for the code."});
+    vec![
+        Tool::new(
+            "search_code_tools",
+            "Find upstream tools by name or description, with how to call each from code: \
+             `from mcp_tools.<server> import <tool>` and its Python signature.",
+            schema(json!({
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string", "description": "Words to match; empty lists every tool."},
+                    "server_filter": {"type": "string", "description": "Only this upstream server."},
+                    "detail_level": {"type": "string", "enum": ["brief", "full"], "default": "brief"},
+                    "limit": {"type": "integer", "minimum": 1, "default": 20}
+                }
+            })),
+        ),
+        Tool::new(
+            "execute_mcp_code",
+            "Run Python in a sandbox. Call tools as `from mcp_tools.<server> import <tool>` \
+             (sync, or `<tool>_async` to await). Set `RESULT` to what you want back (JSON). \
+             Returns result, stdout, stderr, returncode and error.",
+            schema(json!({
+                "type": "object",
+                "properties": {"code": {"type": "string"}, "env": env},
+                "required": ["code"]
+            })),
+        ),
+        Tool::new(
+            "execute_mcp_script",
+            "Run a Python script file from the gateway's workspace root in the sandbox, as \
+             execute_mcp_code runs code.",
+            schema(json!({
+                "type": "object",
+                "properties": {"script_path": {"type": "string"}, "env": env},
+                "required": ["script_path"]
+            })),
+        ),
+    ]
+}
+
+fn string(args: &Map<String, Value>, key: &str) -> Result<Option<String>, McpError> {
+    match args.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(McpError::invalid_params(
+            format!("`{key}` must be a string"),
+            None,
+        )),
+    }
+}
+
+fn env(args: &Map<String, Value>) -> Result<BTreeMap<String, String>, McpError> {
+    match args.get("env") {
+        None | Some(Value::Null) => Ok(BTreeMap::new()),
+        Some(Value::Object(map)) => map
+            .iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => Ok((k.clone(), s.clone())),
+                _ => Err(McpError::invalid_params(
+                    format!("env.{k} must be a string"),
+                    None,
+                )),
+            })
+            .collect(),
+        Some(_) => Err(McpError::invalid_params(
+            "`env` must be an object of strings",
+            None,
+        )),
+    }
+}
+
+fn complete(value: Value, failed: bool) -> CallToolResponse {
+    CallToolResponse::Complete(if failed {
+        CallToolResult::structured_error(value)
+    } else {
+        CallToolResult::structured(value)
+    })
+}
+
+impl ServerHandler for McpFrontEnd {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
+            "Nomad's code-mode gateway: search the upstream tools, then run Python that calls them.",
+        )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, McpError> {
+        Ok(ListToolsResult::with_all_items(tools()))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        let carrier: HashMap<String, String> = request
+            .meta
+            .as_ref()
+            .map(|m| &m.0.0)
+            .into_iter()
+            .chain(std::iter::once(&context.meta.0.0))
+            .flat_map(|m| m.iter())
+            .filter(|(k, _)| matches!(k.as_str(), "traceparent" | "tracestate" | "baggage"))
+            .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_owned())))
+            .collect();
+        let cx = nomad_telemetry::propagation::extract_map(&carrier);
+        let args = request.arguments.clone().unwrap_or_default();
+        match request.name.as_ref() {
+            "search_code_tools" => {
+                let query = string(&args, "query")?.unwrap_or_default();
+                let server = string(&args, "server_filter")?.unwrap_or_default();
+                let full = match string(&args, "detail_level")?.as_deref() {
+                    None | Some("brief") => false,
+                    Some("full") => true,
+                    Some(other) => {
+                        return Err(McpError::invalid_params(
+                            format!("detail_level {other:?}: use brief or full"),
+                            None,
+                        ));
+                    }
+                };
+                let limit = match args.get("limit") {
+                    None | Some(Value::Null) => 20,
+                    Some(v) => v.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
+                        McpError::invalid_params(
+                            "`limit` must be a whole number of at least 1",
+                            None,
+                        )
+                    })? as usize,
+                };
+                match self.gateway.search(&query, &server, full, limit).await {
+                    Ok(found) => Ok(complete(json!({ "tools": found }), false)),
+                    Err(e) => Ok(complete(json!({ "error": e }), true)),
+                }
+            }
+            "execute_mcp_code" => {
+                let code = string(&args, "code")?
+                    .filter(|c| !c.trim().is_empty())
+                    .ok_or_else(|| McpError::invalid_params("`code` is required", None))?;
+                let reply = self.gateway.execute_code(code, env(&args)?, &cx).await;
+                Ok(complete(reply.to_json(), !reply.error.is_empty()))
+            }
+            "execute_mcp_script" => {
+                let path = string(&args, "script_path")?
+                    .ok_or_else(|| McpError::invalid_params("`script_path` is required", None))?;
+                match self.gateway.execute_script(&path, env(&args)?, &cx).await {
+                    Ok(reply) => Ok(complete(reply.to_json(), !reply.error.is_empty())),
+                    Err(e) => Ok(complete(json!({ "error": e.to_string() }), true)),
+                }
+            }
+            other => Err(McpError::invalid_params(
+                format!(
+                    "unknown tool {other:?}; tools: search_code_tools, execute_mcp_code, execute_mcp_script"
+                ),
+                None,
+            )),
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! The bridge between sandboxed code and the gateway: length-prefixed JSON frames (4-byte
+//! big-endian length, then UTF-8 JSON) over a socketpair the sandbox inherits as a file
+//! descriptor. No TCP listener exists for sandboxed code to find.
+//!
+//! Requests from the runner carry an `id` and get a response with the same `id`:
+//! `list_servers`, `list_tools {server}`, `call_tool {server, tool, arguments}`. The runner's
+//! last message is `done {result | error}`.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Largest frame either side accepts.
+pub const MAX_FRAME: usize = 16 << 20;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum FrameError {
+    #[error("bridge frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
+    TooLarge(usize),
+    #[error("bridge frame is not JSON: {0}")]
+    NotJson(String),
+}
+
+/// Encodes one frame.
+pub fn encode(value: &impl Serialize) -> Result<Vec<u8>, FrameError> {
+    let body = serde_json::to_vec(value).map_err(|e| FrameError::NotJson(e.to_string()))?;
+    if body.len() > MAX_FRAME {
+        return Err(FrameError::TooLarge(body.len()));
+    }
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&body);
+    Ok(frame)
+}
+
+/// Incremental decoder: feed bytes, take complete frames.
+#[derive(Debug, Default)]
+pub struct Decoder {
+    buffer: Vec<u8>,
+}
+
+impl Decoder {
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buffer.extend_from_slice(bytes);
+    }
+
+    /// The next complete frame, if one is buffered. A length over `MAX_FRAME` is an error
+    /// before any of its body is buffered, so a hostile peer cannot make the gateway allocate it.
+    pub fn next_frame(&mut self) -> Result<Option<Message>, FrameError> {
+        if self.buffer.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes(self.buffer[..4].try_into().expect("4 bytes")) as usize;
+        if len > MAX_FRAME {
+            return Err(FrameError::TooLarge(len));
+        }
+        if self.buffer.len() < 4 + len {
+            return Ok(None);
+        }
+        let body: Vec<u8> = self.buffer.drain(..4 + len).skip(4).collect();
+        serde_json::from_slice(&body)
+            .map(Some)
+            .map_err(|e| FrameError::NotJson(e.to_string()))
+    }
+}
+
+/// A message from the runner.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Message {
+    #[serde(default)]
+    pub id: Option<u64>,
+    pub method: String,
+    #[serde(default)]
+    pub params: Value,
+}
+
+/// The gateway's answer to a request.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Response {
+    pub id: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<ResponseError>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ResponseError {
+    pub message: String,
+}
+
+impl Response {
+    pub fn ok(id: u64, result: Value) -> Self {
+        Self {
+            id,
+            result: Some(result),
+            error: None,
+        }
+    }
+
+    pub fn error(id: u64, message: impl Into<String>) -> Self {
+        Self {
+            id,
+            result: None,
+            error: Some(ResponseError {
+                message: message.into(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn frames_round_trip_across_arbitrary_splits() {
+        let mut bytes =
+            encode(&json!({"id": 1, "method": "call_tool", "params": {"tool": "x"}})).unwrap();
+        bytes.extend(encode(&json!({"method": "done", "params": {"result": [1, 2]}})).unwrap());
+        for split in 0..bytes.len() {
+            let mut d = Decoder::default();
+            d.push(&bytes[..split]);
+            let mut got = vec![];
+            while let Some(m) = d.next_frame().unwrap() {
+                got.push(m);
+            }
+            d.push(&bytes[split..]);
+            while let Some(m) = d.next_frame().unwrap() {
+                got.push(m);
+            }
+            assert_eq!(got.len(), 2, "split at {split}");
+            assert_eq!(got[0].id, Some(1));
+            assert_eq!(got[1].method, "done");
+        }
+    }
+
+    #[test]
+    fn an_oversized_length_is_refused_before_its_body_arrives() {
+        let mut d = Decoder::default();
+        d.push(&((MAX_FRAME + 1) as u32).to_be_bytes());
+        assert_eq!(d.next_frame(), Err(FrameError::TooLarge(MAX_FRAME + 1)));
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        let mut d = Decoder::default();
+        d.push(&3u32.to_be_bytes());
+        d.push(b"{x}");
+        assert!(matches!(d.next_frame(), Err(FrameError::NotJson(_))));
+        let mut d = Decoder::default();
+        d.push(&2u32.to_be_bytes());
+        d.push(b"[]");
+        assert!(
+            matches!(d.next_frame(), Err(FrameError::NotJson(_))),
+            "a frame must be a message object"
+        );
+    }
+}

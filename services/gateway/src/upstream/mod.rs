@@ -1,0 +1,161 @@
+//! Every tool the gateway can reach: the built-in `nomad` server and the configured MCP
+//! servers, behind one call path that applies the allowlist, records the `upstream` span and
+//! metrics, logs (redacted) and carries the caller's trace context.
+
+pub mod mcp;
+pub mod nomad;
+pub mod nomad_json;
+pub mod policy;
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use nomad_telemetry::metrics as defs;
+use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
+use opentelemetry::metrics::{Counter, Histogram};
+use opentelemetry::trace::FutureExt as _;
+use serde_json::Value;
+
+use self::policy::Policy;
+use crate::sandbox::{ToolHost, ToolSpec};
+
+pub struct Upstreams {
+    nomad: nomad::Nomad,
+    servers: BTreeMap<String, mcp::McpServer>,
+    policy: Policy,
+    calls: Counter<u64>,
+    duration: Histogram<f64>,
+}
+
+impl Upstreams {
+    pub fn new(
+        nomad: nomad::Nomad,
+        servers: BTreeMap<String, mcp::McpServer>,
+        policy: Policy,
+    ) -> Self {
+        Self {
+            nomad,
+            servers,
+            policy,
+            calls: defs::GATEWAY_UPSTREAM_TOOL_CALLS.u64_counter(),
+            duration: defs::GATEWAY_UPSTREAM_TOOL_DURATION.f64_histogram(),
+        }
+    }
+
+    pub fn server_names(&self) -> Vec<String> {
+        std::iter::once(nomad::NAME.to_owned())
+            .chain(self.servers.keys().cloned())
+            .collect()
+    }
+
+    /// `server`'s tools that the allowlist lets through.
+    pub async fn tools(&self, server: &str) -> Result<Vec<ToolSpec>, String> {
+        let tools = if server == nomad::NAME {
+            self.nomad.tools().await?
+        } else {
+            match self.servers.get(server) {
+                Some(s) => s.tools().await?,
+                None => return Err(self.unknown_server(server)),
+            }
+        };
+        Ok(tools
+            .into_iter()
+            .filter(|t| self.policy.allows(server, &t.name))
+            .collect())
+    }
+
+    fn unknown_server(&self, server: &str) -> String {
+        format!(
+            "unknown upstream server {server:?}; configured: {}",
+            self.server_names().join(", ")
+        )
+    }
+
+    /// Calls `server.tool` in context `cx`, recording the span and metrics.
+    pub async fn call(
+        &self,
+        cx: &Context,
+        server: &str,
+        tool: &str,
+        arguments: &Value,
+    ) -> Result<Value, tonic::Status> {
+        let span = GroupSpan::start(SpanGroup::Upstream, "nomad.gateway.upstream_tool", cx);
+        span.set_attributes([
+            KeyValue::new("nomad.gateway.server", server.to_owned()),
+            KeyValue::new("nomad.gateway.tool", tool.to_owned()),
+        ]);
+        let started = Instant::now();
+        let result = self
+            .dispatch(span.context(), server, tool, arguments)
+            .with_context(span.context().clone())
+            .await;
+        let status = if result.is_ok() { "ok" } else { "error" };
+        span.set_attribute(KeyValue::new("nomad.gateway.status", status));
+        match &result {
+            Ok(value) => tracing::debug!(server, tool, arguments = %self.policy.redact(arguments),
+                result = %self.policy.redact(value), "upstream call"),
+            Err(e) => {
+                span.set_error(format!("{:?}", e.code()), e.message());
+                tracing::info!(server, tool, arguments = %self.policy.redact(arguments),
+                    error = e.message(), "upstream call failed");
+            }
+        }
+        let attributes = [
+            KeyValue::new("server", server.to_owned()),
+            KeyValue::new("tool", tool.to_owned()),
+            KeyValue::new("status", status),
+        ];
+        self.calls.add(1, &attributes);
+        self.duration
+            .record(started.elapsed().as_secs_f64(), &attributes);
+        result
+    }
+
+    async fn dispatch(
+        &self,
+        cx: &Context,
+        server: &str,
+        tool: &str,
+        arguments: &Value,
+    ) -> Result<Value, tonic::Status> {
+        if !self.policy.allows(server, tool) {
+            return Err(tonic::Status::permission_denied(format!(
+                "{server}:{tool} is not in the gateway's allowlist"
+            )));
+        }
+        if server == nomad::NAME {
+            return self.nomad.call(tool, arguments).await;
+        }
+        let Some(upstream) = self.servers.get(server) else {
+            return Err(tonic::Status::not_found(self.unknown_server(server)));
+        };
+        let trace = nomad_telemetry::propagation::inject_map(cx);
+        upstream
+            .call(tool, arguments, &trace)
+            .await
+            .map_err(tonic::Status::unavailable)
+    }
+}
+
+/// The tool host one sandboxed run sees: every call runs in that run's context.
+pub struct RunTools<'a> {
+    pub upstreams: &'a Upstreams,
+    pub cx: Context,
+}
+
+impl ToolHost for RunTools<'_> {
+    fn servers(&self) -> Vec<String> {
+        self.upstreams.server_names()
+    }
+
+    async fn tools(&self, server: &str) -> Result<Vec<ToolSpec>, String> {
+        self.upstreams.tools(server).await
+    }
+
+    async fn call(&self, server: &str, tool: &str, arguments: Value) -> Result<Value, String> {
+        self.upstreams
+            .call(&self.cx, server, tool, &arguments)
+            .await
+            .map_err(|s| s.message().to_owned())
+    }
+}
