@@ -250,6 +250,15 @@ impl Fleet {
             .unwrap()
     }
 
+    /// The process id of the first running `service`.
+    pub fn pid(&self, service: Service) -> u32 {
+        self.children
+            .iter()
+            .find(|(s, _)| *s == service)
+            .and_then(|(_, c)| c.id())
+            .expect("the service is running")
+    }
+
     /// SIGKILLs the `index`th device worker (no flush, no goodbye).
     pub fn kill_worker(&mut self, index: usize) {
         let (_, child) = self

@@ -260,7 +260,6 @@ impl ChildSetup {
             check(libc::setsid())?;
             limit(libc::RLIMIT_AS, self.limits.address_space_bytes)?;
             limit(libc::RLIMIT_CPU, self.limits.cpu_seconds)?;
-            limit(libc::RLIMIT_NPROC, self.limits.processes)?;
             limit(libc::RLIMIT_FSIZE, self.limits.file_size_bytes)?;
             limit(libc::RLIMIT_NOFILE, self.limits.open_files)?;
             limit(libc::RLIMIT_CORE, 0)?;
@@ -273,6 +272,10 @@ impl ChildSetup {
                 check(libc::unshare(
                     libc::CLONE_NEWUSER | libc::CLONE_NEWNET | libc::CLONE_NEWPID,
                 ))?;
+                // After the namespace exists: a new user namespace caps its parent level at the
+                // creator's limit, so setting it before would count every sandbox's processes
+                // together and let one fork bomb starve the others. Now it counts this one's.
+                limit(libc::RLIMIT_NPROC, self.limits.processes)?;
                 // The runner must be PID 1 of the new namespace: fork once more and let this
                 // process only wait and pass on the exit status.
                 match libc::fork() {
@@ -302,6 +305,9 @@ impl ChildSetup {
                         libc::_exit(code);
                     }
                 }
+            }
+            if !self.namespaces {
+                limit(libc::RLIMIT_NPROC, self.limits.processes)?;
             }
             if let Some(ruleset) = self.landlock {
                 check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;

@@ -1,0 +1,38 @@
+"""Calls an MCP endpoint with the official Python SDK client, for the gateway's tests.
+
+    mcp_client.py URL MODE [TOKEN] < calls.json
+
+MODE is `auto` (newest protocol, falling back to the initialize handshake) or `legacy`
+(the initialize handshake). calls.json is a list of {"tool", "arguments", "meta"?}. Prints one
+JSON line per call: {"is_error", "structured", "text"} or {"exception": "..."}.
+"""
+
+import asyncio
+import json
+import sys
+
+from mcp import Client
+from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
+
+
+async def main():
+    url, mode = sys.argv[1], sys.argv[2]
+    token = sys.argv[3] if len(sys.argv) > 3 else None
+    calls = json.load(sys.stdin)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    transport = streamable_http_client(url, http_client=create_mcp_http_client(headers=headers))
+    try:
+        async with Client(transport, mode=mode) as client:
+            for call in calls:
+                try:
+                    result = await client.call_tool(call["tool"], call.get("arguments") or {}, meta=call.get("meta"))
+                    text = "".join(getattr(c, "text", "") for c in result.content)
+                    print(json.dumps({"is_error": bool(result.is_error), "structured": result.structured_content, "text": text}))
+                except Exception as e:  # noqa: BLE001
+                    print(json.dumps({"exception": repr(e)}))
+                sys.stdout.flush()
+    except BaseException as e:  # noqa: BLE001 - connection failures are the test's to judge
+        print(json.dumps({"exception": repr(e)}))
+
+
+asyncio.run(main())

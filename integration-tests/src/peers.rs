@@ -1,0 +1,115 @@
+//! Real protocol peers for tests, from the official MCP Python SDK (`.venv-test`, made by
+//! scripts/test): an upstream MCP server and an MCP client.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The Python with the MCP SDK: `NOMAD_TEST_PYTHON`, or the repository's `.venv-test`.
+pub fn python_sdk() -> PathBuf {
+    let python = std::env::var_os("NOMAD_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-test/bin/python"));
+    assert!(
+        python.exists(),
+        "{} is missing: run scripts/test (it makes .venv-test with the MCP Python SDK)",
+        python.display()
+    );
+    python
+}
+
+pub fn script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(name)
+}
+
+/// An upstream MCP server over Streamable HTTP; killed on drop.
+pub struct HttpUpstream {
+    pub url: String,
+    child: tokio::process::Child,
+}
+
+impl HttpUpstream {
+    pub async fn start(dir: &Path, record: &Path) -> Self {
+        let port_file = dir.join(format!("upstream-{}.port", uuid::Uuid::new_v4().simple()));
+        let child = tokio::process::Command::new(python_sdk())
+            .arg(script("upstream_server.py"))
+            .args(["--transport", "http", "--record"])
+            .arg(record)
+            .arg("--port-file")
+            .arg(&port_file)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let port = loop {
+            if let Ok(p) = std::fs::read_to_string(&port_file) {
+                break p.trim().to_owned();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the Python upstream did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        // Wait until it accepts connections.
+        let addr = format!("127.0.0.1:{port}");
+        while tokio::net::TcpStream::connect(&addr).await.is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "the Python upstream does not listen"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Self {
+            url: format!("http://{addr}/mcp"),
+            child,
+        }
+    }
+}
+
+impl Drop for HttpUpstream {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+/// Runs `calls` against `url` with the Python SDK client; one JSON value per call.
+pub async fn mcp_client(url: &str, mode: &str, token: Option<&str>, calls: &Value) -> Vec<Value> {
+    let mut command = tokio::process::Command::new(python_sdk());
+    command.arg(script("mcp_client.py")).args([url, mode]);
+    if let Some(t) = token {
+        command.arg(t);
+    }
+    let mut child = command
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    use tokio::io::AsyncWriteExt as _;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(calls.to_string().as_bytes()).await.unwrap();
+    drop(stdin);
+    let output = tokio::time::timeout(Duration::from_secs(120), child.wait_with_output())
+        .await
+        .expect("the MCP client hung")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let lines: Vec<Value> = stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        !lines.is_empty(),
+        "the MCP client printed nothing; stderr:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    lines
+}

@@ -1,0 +1,515 @@
+//! The code-mode gateway end to end: the official MCP Python SDK as client and as upstream
+//! servers, the sandbox's containment, spans and metrics through the OTLP receiver.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use nomad_integration_tests::peers::{HttpUpstream, mcp_client, python_sdk, script};
+use nomad_integration_tests::receiver::MetricRecord;
+use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, Service};
+use nomad_proto::v1::ExecuteCodeRequest;
+use nomad_proto::v1::ExecuteScriptRequest;
+use nomad_proto::v1::gateway_client::GatewayClient;
+use serde_json::{Value, json};
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+
+fn models_dir() -> std::path::PathBuf {
+    let dir = std::env::var_os("NOMAD_MODELS_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    assert!(
+        dir.join("all-minilm-l6-v2").is_dir(),
+        "the default models are missing from {}: run scripts/fetch-models first",
+        dir.display()
+    );
+    dir.canonicalize().unwrap()
+}
+
+/// Tools (embed), the two Python upstreams, a workspace root and a 3 s sandbox timeout.
+fn options(dir: &Path, http_upstream: &str, extra: &str) -> FleetOptions {
+    let record = dir.join("stdio-record.jsonl");
+    let root = dir.join("scripts");
+    std::fs::create_dir_all(&root).unwrap();
+    FleetOptions {
+        tools_yaml: Some(format!(
+            "tools:\n  - {{name: embed, kind: embed, source: {}, batch_size: 8}}\n\
+             tool_manager:\n  heartbeat_interval_ms: 200\n",
+            models_dir().join("all-minilm-l6-v2").display()
+        )),
+        config_yaml: format!(
+            "servers:\n\
+             \x20 echo_stdio: {{command: {python}, args: [{server}, --transport, stdio, --record, {record}]}}\n\
+             \x20 echo_http: {{url: \"{http_upstream}\"}}\n\
+             gateway:\n  workspace_root: {root}\n{extra}\
+             sandbox:\n  timeout_seconds: 3\n",
+            python = python_sdk().display(),
+            server = script("upstream_server.py").display(),
+            record = record.display(),
+            root = root.display(),
+        ),
+        ..Default::default()
+    }
+}
+
+fn records(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+const CODE: &str = "\
+from mcp_tools.echo_stdio import shout as shout_stdio
+from mcp_tools.echo_http import shout_async
+from mcp_tools.nomad import embed
+secret_argument = 'hello-sandbox'
+loud = shout_stdio(secret_argument)
+louder = await shout_async(text=secret_argument)
+vector = embed('Nomad runs code near its tools.')['output']
+RESULT = {'stdio': loud, 'http': louder, 'dims': len(vector)}
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxed_code_calls_every_kind_of_upstream_inside_the_callers_trace() {
+    let dir = Fleet::new_dir();
+    let http_record = dir.join("http-record.jsonl");
+    let upstream = HttpUpstream::start(&dir, &http_record).await;
+    let receiver = OtlpReceiver::grpc().await;
+    let options = options(&dir, &upstream.url, "")
+        .env("NOMAD_OTEL_ENABLED", "true")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone())
+        .env("OTEL_BSP_SCHEDULE_DELAY", "600000");
+    let mut fleet = Fleet::start(options).await;
+
+    // The same call from a client on the newest protocol and from one on the initialize handshake.
+    let calls = json!([{
+        "tool": "execute_mcp_code",
+        "arguments": {"code": CODE},
+        "meta": {
+            "traceparent": format!("00-{TRACE_ID}-00f067aa0ba902b7-01"),
+            "baggage": "nomad.run.id=run-gw,nomad.rollout.id=rollout-gw",
+        },
+    }]);
+    for mode in ["auto", "legacy"] {
+        let replies = mcp_client(&fleet.gateway_mcp_url(), mode, None, &calls).await;
+        let reply = &replies[0];
+        assert_eq!(reply["is_error"], false, "{mode}: {reply}");
+        assert_eq!(
+            reply["structured"]["result"],
+            // The Python SDK wraps a returned string as structured content {"result": ...}, and
+            // the gateway passes structured content on as the server sent it.
+            json!({"stdio": {"result": "HELLO-SANDBOX"}, "http": {"result": "HELLO-SANDBOX"}, "dims": 384}),
+            "{mode}: {reply}"
+        );
+        assert_eq!(reply["structured"]["returncode"], 0);
+    }
+
+    // Both Python upstreams saw the caller's trace and its run id.
+    let stdio_record = dir.join("stdio-record.jsonl");
+    for (name, record) in [("stdio", &stdio_record), ("http", &http_record)] {
+        let seen = records(record);
+        assert_eq!(seen.len(), 2, "{name}: {seen:?}");
+        for s in &seen {
+            let traceparent = s["traceparent"].as_str().unwrap_or_default();
+            assert!(traceparent.contains(TRACE_ID), "{name} got {traceparent:?}");
+            assert!(
+                s["baggage"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains("nomad.run.id=run-gw")
+            );
+        }
+    }
+    fleet.terminate().await;
+
+    let spans = receiver.spans();
+    let ours: Vec<_> = spans.iter().filter(|s| s.trace_id == TRACE_ID).collect();
+    let count = |name: &str| ours.iter().filter(|s| s.name == name).count();
+    assert_eq!(count("nomad.gateway.execute_mcp_code"), 2);
+    assert_eq!(count("nomad.gateway.sandbox.run"), 2);
+    assert_eq!(count("nomad.gateway.upstream_tool"), 6);
+    assert!(
+        count("nomad.tool.request") >= 2,
+        "the embed calls reach the scheduler in the same trace"
+    );
+    for s in ours
+        .iter()
+        .filter(|s| s.name == "nomad.gateway.execute_mcp_code")
+    {
+        assert!(
+            s.attr("nomad.gateway.request_id")
+                .is_some_and(|v| !v.is_empty())
+        );
+        assert_eq!(
+            s.attr("nomad.gateway.code_size"),
+            Some(CODE.len().to_string().as_str())
+        );
+        assert_eq!(s.attr("nomad.gateway.tool_call_count"), Some("3"));
+        assert_eq!(s.attr("nomad.gateway.returncode"), Some("0"));
+        assert_eq!(s.attr("nomad.gateway.status"), Some("ok"));
+        assert_eq!(s.attr("nomad.gateway.timeout_seconds"), Some("3"));
+        assert_eq!(s.attr("nomad.rollout.id"), Some("rollout-gw"));
+    }
+    let upstream_calls: BTreeSet<(String, String)> = ours
+        .iter()
+        .filter(|s| s.name == "nomad.gateway.upstream_tool")
+        .map(|s| {
+            (
+                s.attr("nomad.gateway.server").unwrap().to_owned(),
+                s.attr("nomad.gateway.tool").unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        upstream_calls,
+        [
+            ("echo_http", "shout"),
+            ("echo_stdio", "shout"),
+            ("nomad", "embed")
+        ]
+        .map(|(a, b)| (a.to_owned(), b.to_owned()))
+        .into()
+    );
+    // Never the code text or an argument value.
+    for s in spans.iter().filter(|s| s.service_name == "nomad/gateway") {
+        for value in s.attributes.values() {
+            assert!(
+                !value.contains("hello-sandbox") && !value.contains("mcp_tools"),
+                "{}: {value}",
+                s.name
+            );
+        }
+    }
+
+    let metrics = receiver.latest_metrics();
+    for (name, kind, unit) in [
+        ("nomad.gateway.requests", "counter", "{request}"),
+        ("nomad.gateway.request.duration", "histogram", "s"),
+        ("nomad.gateway.sandbox.duration", "histogram", "s"),
+        ("nomad.gateway.upstream_tool.calls", "counter", "{call}"),
+        ("nomad.gateway.upstream_tool.duration", "histogram", "s"),
+    ] {
+        let points: Vec<&MetricRecord> = metrics.iter().filter(|m| m.name == name).collect();
+        assert!(!points.is_empty(), "{name} was never exported");
+        for p in points {
+            assert_eq!(
+                (p.service_name.as_str(), p.kind, p.unit.as_str()),
+                ("nomad/gateway", kind, unit),
+                "{name}"
+            );
+        }
+    }
+    let value = |name: &str, filter: &[(&str, &str)]| -> f64 {
+        metrics
+            .iter()
+            .filter(|m| {
+                m.name == name
+                    && filter
+                        .iter()
+                        .all(|(k, v)| m.attributes.get(*k).map(String::as_str) == Some(*v))
+            })
+            .map(|m| m.value)
+            .sum()
+    };
+    assert_eq!(
+        value(
+            "nomad.gateway.requests",
+            &[("request.kind", "execute_mcp_code")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        value(
+            "nomad.gateway.request.duration",
+            &[
+                ("request.kind", "execute_mcp_code"),
+                ("status", "ok"),
+                ("returncode", "0")
+            ]
+        ),
+        2.0
+    );
+    assert_eq!(
+        value(
+            "nomad.gateway.sandbox.duration",
+            &[("status", "ok"), ("returncode", "0")]
+        ),
+        2.0
+    );
+    for (server, tool) in [
+        ("echo_stdio", "shout"),
+        ("echo_http", "shout"),
+        ("nomad", "embed"),
+    ] {
+        let attrs = [("server", server), ("tool", tool), ("status", "ok")];
+        assert_eq!(
+            value("nomad.gateway.upstream_tool.calls", &attrs),
+            2.0,
+            "{server}.{tool}"
+        );
+        assert_eq!(
+            value("nomad.gateway.upstream_tool.duration", &attrs),
+            2.0,
+            "{server}.{tool}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_endpoint_needs_the_bearer_token() {
+    let dir = Fleet::new_dir();
+    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let mut fleet = Fleet::start(options(&dir, &upstream.url, "  token: s3cret-token\n")).await;
+    let calls = json!([{"tool": "search_code_tools", "arguments": {"query": "shout"}}]);
+    // The endpoint answers 401 with a Bearer challenge, before any MCP processing.
+    let addr = std::fs::read_to_string(fleet.dir.join("gateway-mcp.addr")).unwrap();
+    for auth in ["", "Authorization: Bearer wrong-token\r\n"] {
+        let response = raw_post(addr.trim(), auth).await;
+        assert!(response.starts_with("HTTP/1.1 401"), "{auth:?}: {response}");
+        assert!(
+            response
+                .to_ascii_lowercase()
+                .contains("www-authenticate: bearer"),
+            "{response}"
+        );
+    }
+    for token in [None, Some("wrong-token")] {
+        let replies = mcp_client(&fleet.gateway_mcp_url(), "auto", token, &calls).await;
+        assert!(
+            replies[0].get("exception").is_some(),
+            "{token:?} got through: {}",
+            replies[0]
+        );
+    }
+    let replies = mcp_client(
+        &fleet.gateway_mcp_url(),
+        "auto",
+        Some("s3cret-token"),
+        &calls,
+    )
+    .await;
+    let tools = replies[0]["structured"]["tools"]
+        .as_array()
+        .expect("search results");
+    let names: BTreeSet<&str> = tools
+        .iter()
+        .map(|t| t["server"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, BTreeSet::from(["echo_http", "echo_stdio"]));
+    assert_eq!(tools[0]["signature"], "shout(text: str) -> Any");
+    assert_eq!(
+        tools[0]["import"],
+        format!(
+            "from mcp_tools.{} import shout",
+            tools[0]["server"].as_str().unwrap()
+        )
+    );
+    fleet.terminate().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Processes still running this gateway's sandbox runner.
+fn runner_processes(gateway_pid: u32) -> usize {
+    let runner = format!("nomad-gateway-{gateway_pid}/runtime/runner.py");
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .chars()
+                .all(|c| c.is_ascii_digit())
+        })
+        .filter(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&runner))
+                .unwrap_or(false)
+        })
+        .count()
+}
+
+fn peak_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxed_code_cannot_escape_and_the_gateway_keeps_serving() {
+    let dir = Fleet::new_dir();
+    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let options =
+        options(&dir, &upstream.url, "").service_env(Service::Gateway, "GATEWAY_SECRET", "hunter2");
+    let mut fleet = Fleet::start(options).await;
+    let gateway_pid = fleet.pid(Service::Gateway);
+    let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
+        .await
+        .unwrap();
+
+    // Things outside the sandbox that the code will go after.
+    let outside = dir.join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::set_permissions(
+        &outside,
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let secret = outside.join("secret.txt");
+    std::fs::write(&secret, "top-secret-content").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let before = peak_rss_kib(gateway_pid);
+
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("infinite loop", "while True:\n    pass\n".into(), "timeout"),
+        ("memory bomb", "blob = bytearray(8 * 1024**3)\n".into(), "MemoryError"),
+        ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n".into(), "timeout"),
+        ("100 MB of stdout", "import sys\nline = 'x' * 1023 + '\\n'\nfor _ in range(100 * 1024):\n    sys.stdout.write(line)\nRESULT = 'flooded'\n".into(), ""),
+        ("read a secret file", format!("try:\n    RESULT = open({:?}).read()\nexcept OSError as e:\n    RESULT = 'blocked: ' + type(e).__name__\n", secret), "blocked"),
+        ("write outside the workspace", format!("try:\n    open({:?}, 'w').write('x')\n    RESULT = 'wrote'\nexcept OSError as e:\n    RESULT = 'blocked: ' + type(e).__name__\n", outside.join("escaped.txt")), "blocked"),
+        ("connect to a loopback port", format!("import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    RESULT = 'connected'\nexcept OSError as e:\n    RESULT = 'blocked: ' + type(e).__name__\n"), "blocked"),
+        ("read the gateway's env", format!("import os\nenviron = ''\ntry:\n    environ = open('/proc/{gateway_pid}/environ').read()\nexcept OSError:\n    pass\nRESULT = 'leaked' if ('hunter2' in environ or 'hunter2' in str(os.environ)) else 'blocked'\n"), "blocked"),
+        ("signal the gateway", format!("import os, signal\ntry:\n    os.kill({gateway_pid}, signal.SIGKILL)\n    RESULT = 'signalled'\nexcept OSError as e:\n    RESULT = 'blocked: ' + type(e).__name__\n"), "blocked"),
+    ];
+    for (name, code, expected) in cases {
+        let reply = gateway
+            .execute_code(ExecuteCodeRequest {
+                code,
+                env: Default::default(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .into_inner();
+        let seen = format!("{} {}", reply.result_json, reply.error);
+        match name {
+            "100 MB of stdout" => {
+                assert_eq!(reply.result_json, "\"flooded\"", "{name}: {}", reply.error);
+                assert!(
+                    reply.stdout.len() < 80 << 10,
+                    "{name}: kept {} bytes of stdout",
+                    reply.stdout.len()
+                );
+                assert!(reply.stdout.contains("more bytes dropped"), "{name}");
+            }
+            _ => assert!(
+                seen.contains(expected),
+                "{name}: expected {expected:?}, got {seen}"
+            ),
+        }
+        assert!(
+            !seen.contains("top-secret-content") && !seen.contains("hunter2"),
+            "{name}: {seen}"
+        );
+        if expected == "timeout" {
+            assert_eq!(reply.returncode, -1, "{name}: killed, so no exit status");
+        }
+        // The whole process tree is gone, and the gateway still answers.
+        assert_eq!(
+            runner_processes(gateway_pid),
+            0,
+            "{name}: sandbox processes left behind"
+        );
+        let alive = gateway
+            .execute_code(ExecuteCodeRequest {
+                code: "RESULT = 40 + 2".into(),
+                env: Default::default(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(alive.result_json, "42", "after {name}: {}", alive.error);
+    }
+    assert!(
+        listener.accept().is_err(),
+        "the sandbox reached the loopback listener"
+    );
+    assert!(!outside.join("escaped.txt").exists());
+    let growth_mib = (peak_rss_kib(gateway_pid).saturating_sub(before)) / 1024;
+    assert!(
+        growth_mib < 64,
+        "the gateway's peak RSS grew {growth_mib} MiB during the runs"
+    );
+    fleet.terminate().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_run_only_from_inside_the_workspace_root() {
+    let dir = Fleet::new_dir();
+    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let mut fleet = Fleet::start(options(&dir, &upstream.url, "")).await;
+    let root = dir.join("scripts");
+    std::fs::write(root.join("job.py"), "RESULT = 6 * 7\n").unwrap();
+    std::fs::write(dir.join("outside.py"), "RESULT = 'outside'\n").unwrap();
+    std::os::unix::fs::symlink(dir.join("outside.py"), root.join("link.py")).unwrap();
+    let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
+        .await
+        .unwrap();
+    let run = |path: String| {
+        let mut gateway = gateway.clone();
+        async move {
+            gateway
+                .execute_script(ExecuteScriptRequest {
+                    script_path: path,
+                    env: Default::default(),
+                })
+                .await
+        }
+    };
+    let ok = run("job.py".into()).await.unwrap().into_inner();
+    assert_eq!(ok.result_json, "42", "{}", ok.error);
+    for path in [
+        "../outside.py".to_owned(),
+        dir.join("outside.py").display().to_string(),
+        "link.py".to_owned(),
+        "missing.py".to_owned(),
+    ] {
+        let err = run(path.clone()).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{path}");
+        assert!(
+            err.message()
+                .contains("not a file inside the workspace root"),
+            "{path}: {}",
+            err.message()
+        );
+    }
+    // The gRPC client of this test is still usable.
+    assert!(
+        gateway
+            .search_tools(nomad_proto::v1::SearchToolsRequest::default())
+            .await
+            .is_ok()
+    );
+    fleet.terminate().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// An MCP `initialize` POST over plain HTTP/1.1; returns the raw response head.
+async fn raw_post(addr: &str, auth_header: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let body = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-03-26","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}"#;
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\n{auth_header}Content-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        stream.read_to_end(&mut response),
+    )
+    .await;
+    String::from_utf8_lossy(&response).into_owned()
+}
