@@ -1,6 +1,7 @@
 """Calls an MCP endpoint with the official Python SDK client, for the gateway's tests.
 
     mcp_client.py URL MODE [TOKEN] < calls.json
+    mcp_client.py stdio MODE COMMAND [ARGS...] < calls.json    (spawns a stdio server)
 
 MODE is `auto` (newest protocol, falling back to the initialize handshake) or `legacy`
 (the initialize handshake). calls.json is a list of {"tool", "arguments", "meta"?}. Prints one
@@ -11,16 +12,19 @@ import asyncio
 import json
 import sys
 
-from mcp import Client
+from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
 
 
 async def main():
     url, mode = sys.argv[1], sys.argv[2]
-    token = sys.argv[3] if len(sys.argv) > 3 else None
     calls = json.load(sys.stdin)
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    transport = streamable_http_client(url, http_client=create_mcp_http_client(headers=headers))
+    if url == "stdio":
+        transport = StdioServerParameters(command=sys.argv[3], args=sys.argv[4:])
+    else:
+        token = sys.argv[3] if len(sys.argv) > 3 else None
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        transport = streamable_http_client(url, http_client=create_mcp_http_client(headers=headers))
     try:
         async with Client(transport, mode=mode) as client:
             for call in calls:

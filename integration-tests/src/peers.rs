@@ -80,11 +80,21 @@ impl Drop for HttpUpstream {
 
 /// Runs `calls` against `url` with the Python SDK client; one JSON value per call.
 pub async fn mcp_client(url: &str, mode: &str, token: Option<&str>, calls: &Value) -> Vec<Value> {
+    let mut args = vec![url.to_owned(), mode.to_owned()];
+    args.extend(token.map(str::to_owned));
+    run_client(&args, calls).await
+}
+
+/// Runs `calls` against a stdio MCP server the Python SDK client spawns as `command`.
+pub async fn mcp_client_stdio(command: &[String], calls: &Value) -> Vec<Value> {
+    let mut args = vec!["stdio".to_owned(), "auto".to_owned()];
+    args.extend(command.iter().cloned());
+    run_client(&args, calls).await
+}
+
+async fn run_client(args: &[String], calls: &Value) -> Vec<Value> {
     let mut command = tokio::process::Command::new(python_sdk());
-    command.arg(script("mcp_client.py")).args([url, mode]);
-    if let Some(t) = token {
-        command.arg(t);
-    }
+    command.arg(script("mcp_client.py")).args(args);
     let mut child = command
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())

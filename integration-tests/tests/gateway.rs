@@ -4,7 +4,10 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use nomad_integration_tests::peers::{HttpUpstream, mcp_client, python_sdk, script};
+use nomad_integration_tests::fleet::binary;
+use nomad_integration_tests::peers::{
+    HttpUpstream, mcp_client, mcp_client_stdio, python_sdk, script,
+};
 use nomad_integration_tests::receiver::MetricRecord;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, Service};
 use nomad_proto::v1::ExecuteCodeRequest;
@@ -512,4 +515,74 @@ async fn raw_post(addr: &str, auth_header: &str) -> String {
     )
     .await;
     String::from_utf8_lossy(&response).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist() {
+    let dir = Fleet::new_dir();
+    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let mut fleet = Fleet::start(options(
+        &dir,
+        &upstream.url,
+        "  allowlist: [\"nomad:*\", \"echo_stdio:*\"]\n",
+    ))
+    .await;
+    // A second gateway, spawned by the Python client as a stdio MCP server, same config.
+    let command = vec![
+        binary("nomad-gateway").display().to_string(),
+        "--mcp-stdio".to_owned(),
+        "--config".to_owned(),
+        fleet.config_path.display().to_string(),
+        "--scheduler".to_owned(),
+        fleet.scheduler_addr.clone(),
+    ];
+    let calls = json!([
+        {"tool": "execute_mcp_code", "arguments": {"code": "from mcp_tools.echo_stdio import shout\nRESULT = shout('quiet')"}},
+        {"tool": "execute_mcp_code", "arguments": {"code": "from mcp_tools.echo_http import shout\nRESULT = shout('quiet')"}},
+        {"tool": "search_code_tools", "arguments": {"query": "shout"}},
+    ]);
+    let replies = mcp_client_stdio(&command, &calls).await;
+    assert_eq!(replies.len(), 3, "{replies:?}");
+    assert_eq!(
+        replies[0]["structured"]["result"],
+        json!({"result": "QUIET"}),
+        "{}",
+        replies[0]
+    );
+    // echo_http is configured but not in the allowlist: its tools are not even listed...
+    assert_eq!(replies[1]["is_error"], true);
+    let error = replies[1]["structured"]["error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        error.contains("ImportError") && error.contains("shout"),
+        "{error}"
+    );
+    // ...and a direct call is refused too.
+    let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
+        .await
+        .unwrap();
+    let refused = gateway
+        .call_tool(nomad_proto::v1::GatewayCallToolRequest {
+            server: "echo_http".into(),
+            tool: "shout".into(),
+            arguments_json: r#"{"text": "x"}"#.into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+    assert!(
+        refused.message().contains("not in the gateway's allowlist"),
+        "{}",
+        refused.message()
+    );
+    let servers: BTreeSet<&str> = replies[2]["structured"]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["server"].as_str().unwrap())
+        .collect();
+    assert_eq!(servers, BTreeSet::from(["echo_stdio"]));
+    fleet.terminate().await;
+    let _ = std::fs::remove_dir_all(dir);
 }
