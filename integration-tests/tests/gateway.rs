@@ -576,6 +576,24 @@ async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist(
         "{}",
         refused.message()
     );
+
+    // A dead upstream session is opened again on the next call.
+    let shout = |text: &str| nomad_proto::v1::GatewayCallToolRequest {
+        server: "echo_stdio".into(),
+        tool: "shout".into(),
+        arguments_json: json!({"text": text}).to_string(),
+    };
+    let first = gateway.call_tool(shout("one")).await.unwrap().into_inner();
+    assert_eq!(first.result_json, r#"{"result":"ONE"}"#);
+    let record = dir.join("stdio-record.jsonl").display().to_string();
+    let upstreams = processes_with(&record);
+    assert!(!upstreams.is_empty(), "no stdio upstream running");
+    for pid in upstreams {
+        // SAFETY: kill(2) on a process this test's fleet started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let again = gateway.call_tool(shout("two")).await.unwrap().into_inner();
+    assert_eq!(again.result_json, r#"{"result":"TWO"}"#);
     let servers: BTreeSet<&str> = replies[2]["structured"]["tools"]
         .as_array()
         .unwrap()
@@ -585,4 +603,18 @@ async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist(
     assert_eq!(servers, BTreeSet::from(["echo_stdio"]));
     fleet.terminate().await;
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Pids of processes whose command line contains `needle`.
+fn processes_with(needle: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(needle))
+                .unwrap_or(false)
+        })
+        .collect()
 }
