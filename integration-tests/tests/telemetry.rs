@@ -74,6 +74,27 @@ async fn twenty_concurrent_rollouts_are_twenty_whole_traces_after_sigterm() {
         .into_iter()
         .map(|m| (m.service_name, m.name))
         .collect();
+    for service in [
+        "nomad/head",
+        "nomad/gateway",
+        "nomad/scheduler",
+        "nomad/device-worker",
+    ] {
+        for name in [
+            "process.cpu.time",
+            "process.memory.usage",
+            "process.thread.count",
+            "process.unix.file_descriptor.count",
+            "nomad.server.requests.in_flight",
+            "nomad.runtime.busy_ratio",
+            "nomad.runtime.global_queue.depth",
+        ] {
+            assert!(
+                metrics.contains(&(service.to_owned(), name.to_owned())),
+                "{service} exported no {name}"
+            );
+        }
+    }
     for expected in [
         ("nomad/scheduler", "nomad.tool.requests"),
         ("nomad/scheduler", "nomad.tool.batch.duration"),

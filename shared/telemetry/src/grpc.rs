@@ -19,6 +19,29 @@ use crate::spans::{GroupSpan, SpanOptions};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
+/// gRPC requests this process is serving now (`nomad.server.requests.in_flight`).
+static IN_FLIGHT: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+pub(crate) fn requests_in_flight() -> i64 {
+    IN_FLIGHT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Counts one request in flight until dropped (also when the call is cancelled).
+struct InFlight;
+
+impl InFlight {
+    fn enter() -> Self {
+        IN_FLIGHT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Splits `/nomad.v1.Scheduler/CallTool` into (`nomad.v1.Scheduler`, `CallTool`).
 fn rpc_names(path: &str) -> (String, String) {
     let mut parts = path.trim_start_matches('/').splitn(2, '/');
@@ -112,6 +135,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let in_flight = InFlight::enter();
         let parent = propagation::extract_headers(request.headers());
         let span = start_rpc_span(
             SpanGroup::Server,
@@ -130,6 +154,7 @@ where
                 Ok(response) => record_status(&span, response),
                 Err(_) => span.set_error("transport", "the server failed to answer"),
             }
+            drop(in_flight);
             result
         })
     }

@@ -11,6 +11,7 @@ pub mod console;
 pub mod groups;
 pub mod grpc;
 pub mod metrics;
+mod process;
 pub mod propagation;
 pub mod resource;
 pub mod spans;
@@ -62,6 +63,7 @@ pub struct Telemetry {
     tracer: Option<SdkTracerProvider>,
     meter: Option<SdkMeterProvider>,
     logger: Option<SdkLoggerProvider>,
+    _process: Option<process::ProcessMetrics>,
 }
 
 /// How a process wants telemetry set up beyond its settings.
@@ -233,6 +235,12 @@ pub fn init(
     } else {
         None
     };
+    let process = meter.is_some().then(|| {
+        process::start(
+            settings.runtime_sample_interval,
+            settings.runtime_task_count,
+        )
+    });
     let logger = if settings.logs_on() {
         Some(logger_provider(&settings, resource, &options)?)
     } else {
@@ -274,6 +282,7 @@ pub fn init(
         tracer,
         meter,
         logger,
+        _process: process,
     })
 }
 
@@ -295,8 +304,10 @@ impl Telemetry {
             tracer,
             meter,
             logger,
+            _process: process,
             ..
         } = self;
+        drop(process);
         if tracer.is_none() && meter.is_none() && logger.is_none() {
             return;
         }

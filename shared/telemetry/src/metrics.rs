@@ -13,6 +13,7 @@ use opentelemetry::metrics::{
 pub enum InstrumentKind {
     Counter,
     Histogram,
+    ObservableCounter,
     ObservableUpDownCounter,
     ObservableGauge,
 }
@@ -22,6 +23,7 @@ impl InstrumentKind {
         match self {
             InstrumentKind::Counter => "counter",
             InstrumentKind::Histogram => "histogram",
+            InstrumentKind::ObservableCounter => "observable counter",
             InstrumentKind::ObservableUpDownCounter => "observable up/down counter",
             InstrumentKind::ObservableGauge => "observable gauge",
         }
@@ -51,7 +53,8 @@ const fn def(
 }
 
 use InstrumentKind::{
-    Counter as C, Histogram as H, ObservableGauge as G, ObservableUpDownCounter as U,
+    Counter as C, Histogram as H, ObservableCounter as OC, ObservableGauge as G,
+    ObservableUpDownCounter as U,
 };
 
 pub const TOOL_REQUESTS: MetricDef = def(
@@ -248,6 +251,119 @@ pub const GATEWAY_UPSTREAM_TOOL_DURATION: MetricDef = def(
     "Duration of upstream MCP tool calls made through the gateway.",
 );
 
+pub const PROCESS_CPU_TIME: MetricDef = def(
+    "process.cpu.time",
+    OC,
+    "s",
+    "CPU seconds this process has used, by cpu.mode (user, system).",
+);
+pub const PROCESS_MEMORY_USAGE: MetricDef = def(
+    "process.memory.usage",
+    U,
+    "By",
+    "Resident memory of this process.",
+);
+pub const PROCESS_THREAD_COUNT: MetricDef = def(
+    "process.thread.count",
+    U,
+    "{thread}",
+    "Threads of this process.",
+);
+pub const PROCESS_FD_COUNT: MetricDef = def(
+    "process.unix.file_descriptor.count",
+    U,
+    "{file_descriptor}",
+    "Open file descriptors of this process.",
+);
+pub const SERVER_REQUESTS_IN_FLIGHT: MetricDef = def(
+    "nomad.server.requests.in_flight",
+    U,
+    "{request}",
+    "gRPC requests this server is handling now.",
+);
+pub const RUNTIME_LAG: MetricDef = def(
+    "nomad.runtime.lag",
+    H,
+    "s",
+    "How late a fixed-interval sleep on the async runtime wakes: scheduling delay.",
+);
+pub const RUNTIME_BUSY_RATIO: MetricDef = def(
+    "nomad.runtime.busy_ratio",
+    G,
+    "1",
+    "Share of the runtime workers' time spent running tasks since the last export.",
+);
+pub const RUNTIME_GLOBAL_QUEUE_DEPTH: MetricDef = def(
+    "nomad.runtime.global_queue.depth",
+    U,
+    "{task}",
+    "Tasks waiting in the runtime's global queue.",
+);
+pub const RUNTIME_TASKS_ALIVE: MetricDef = def(
+    "nomad.runtime.tasks.alive",
+    U,
+    "{task}",
+    "Tasks alive on the runtime (only with runtime_task_count).",
+);
+
+pub const SERVER_MEMORY_USAGE: MetricDef = def(
+    "nomad.server.memory.usage",
+    G,
+    "By",
+    "Memory of a server's whole process tree, by memory.type (rss, pss).",
+);
+pub const SERVER_MEMORY_SAMPLED_PEAK: MetricDef = def(
+    "nomad.server.memory.sampled_peak",
+    G,
+    "By",
+    "Highest sampled memory of a server's process tree, by memory.type.",
+);
+pub const SERVER_PROCESSES: MetricDef = def(
+    "nomad.server.processes",
+    G,
+    "{process}",
+    "Processes in a server's process tree.",
+);
+pub const HOST_MEMORY_USAGE: MetricDef = def(
+    "nomad.host.memory.usage",
+    G,
+    "By",
+    "Host memory in use (total minus available).",
+);
+pub const HOST_MEMORY_AVAILABLE: MetricDef = def(
+    "nomad.host.memory.available",
+    G,
+    "By",
+    "Host memory available for new work.",
+);
+pub const HOST_MEMORY_TOTAL: MetricDef =
+    def("nomad.host.memory.total", G, "By", "Host memory in all.");
+pub const HOST_MEMORY_SAMPLED_PEAK: MetricDef = def(
+    "nomad.host.memory.sampled_peak",
+    G,
+    "By",
+    "Highest sampled host memory in use.",
+);
+
+pub const ROLLOUT_DURATION: MetricDef = def(
+    "nomad.rollout.duration",
+    H,
+    "s",
+    "Wall time of one rollout: agent step and verification, by status.",
+);
+pub const VERIFY_DURATION: MetricDef = def(
+    "nomad.verify.duration",
+    H,
+    "s",
+    "Wall time of one rollout's verification, by verify kind.",
+);
+pub const SERVERS_ACTIVE: MetricDef = def(
+    "nomad.servers.active",
+    U,
+    "{server}",
+    "Servers of the fleet that are running, by server type.",
+);
+
 /// The model-serving table, in the original's order.
 pub const MODEL_SERVING: &[MetricDef] = &[
     TOOL_REQUESTS,
@@ -288,6 +404,33 @@ pub const GATEWAY: &[MetricDef] = &[
     GATEWAY_UPSTREAM_TOOL_DURATION,
 ];
 
+/// Every service, while metrics are exported.
+pub const PROCESS: &[MetricDef] = &[
+    PROCESS_CPU_TIME,
+    PROCESS_MEMORY_USAGE,
+    PROCESS_THREAD_COUNT,
+    PROCESS_FD_COUNT,
+    SERVER_REQUESTS_IN_FLIGHT,
+    RUNTIME_LAG,
+    RUNTIME_BUSY_RATIO,
+    RUNTIME_GLOBAL_QUEUE_DEPTH,
+    RUNTIME_TASKS_ALIVE,
+];
+
+/// The head, for the fleet it started (memory_profiling).
+pub const MEMORY: &[MetricDef] = &[
+    SERVER_MEMORY_USAGE,
+    SERVER_MEMORY_SAMPLED_PEAK,
+    SERVER_PROCESSES,
+    HOST_MEMORY_USAGE,
+    HOST_MEMORY_AVAILABLE,
+    HOST_MEMORY_TOTAL,
+    HOST_MEMORY_SAMPLED_PEAK,
+];
+
+/// The head, for runs.
+pub const RUN: &[MetricDef] = &[ROLLOUT_DURATION, VERIFY_DURATION, SERVERS_ACTIVE];
+
 /// Every table, with its docs heading and intro.
 pub const TABLES: &[(&str, &str, &[MetricDef])] = &[
     (
@@ -300,6 +443,25 @@ pub const TABLES: &[(&str, &str, &[MetricDef])] = &[
         "The gateway metrics cover MCP entrypoints, sandbox execution, and upstream MCP tool calls.",
         GATEWAY,
     ),
+    (
+        "Process and runtime metrics",
+        "Every service exports these while metrics are on. The async-runtime figures come from \
+         Tokio's stable runtime metrics; a request only touches an atomic counter.",
+        PROCESS,
+    ),
+    (
+        "Memory metrics",
+        "The head samples the fleet it started (`memory_profiling.enabled`): each server's whole \
+         process tree from /proc (`smaps_rollup` for RSS and PSS, `statm` for RSS when that is \
+         missing; PSS is left out for a tree when any member lacks it), and the host. Attributes: \
+         `server`, `memory.type` (rss, pss).",
+        MEMORY,
+    ),
+    (
+        "Run metrics",
+        "The head records these for `nomad run` and `nomad up`.",
+        RUN,
+    ),
 ];
 
 /// The meter every Nomad instrument comes from (a no-op meter while metrics are off).
@@ -307,12 +469,12 @@ pub fn meter() -> Meter {
     global::meter("nomad")
 }
 
-/// Histogram buckets suited to the unit: seconds span 1 ms to 5 min, counts are powers of two.
+/// Histogram buckets suited to the unit: seconds span 100 µs to 5 min, counts are powers of two.
 fn boundaries(unit: &str) -> Vec<f64> {
     match unit {
         "s" => vec![
-            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-            60.0, 120.0, 300.0,
+            0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+            2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
         ],
         _ => (0..=10).map(|i| f64::from(1u32 << i)).collect(),
     }
@@ -349,6 +511,19 @@ impl MetricDef {
             .with_unit(self.unit)
             .with_description(self.description)
             .with_boundaries(boundaries(self.unit))
+            .build()
+    }
+
+    pub fn f64_observable_counter(
+        &self,
+        callback: impl Fn(&dyn AsyncInstrument<f64>) + Send + Sync + 'static,
+    ) -> opentelemetry::metrics::ObservableCounter<f64> {
+        self.check(InstrumentKind::ObservableCounter);
+        meter()
+            .f64_observable_counter(self.name)
+            .with_unit(self.unit)
+            .with_description(self.description)
+            .with_callback(callback)
             .build()
     }
 
@@ -429,6 +604,7 @@ mod tests {
         for d in MODEL_SERVING.iter().chain(GATEWAY) {
             let ok = match d.kind {
                 InstrumentKind::Histogram => ["s", "{request}"].contains(&d.unit),
+                InstrumentKind::ObservableCounter => false,
                 _ => d.unit.starts_with('{') || d.unit == "1" || d.unit == "By",
             };
             assert!(ok, "{}: unexpected unit {}", d.name, d.unit);
