@@ -1,17 +1,28 @@
 //! The rollout driver: runs each task as one rollout (its own trace, rooted at `nomad.rollout`),
-//! at most `concurrency` at a time, and reports one result per task.
+//! at most `concurrency` at a time: the agent step through the gateway, then verification.
 
+use std::io::IsTerminal as _;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use nomad_proto::v1::GatewayCallToolRequest;
 use nomad_proto::v1::gateway_client::GatewayClient;
+use nomad_proto::v1::{ExecuteCodeRequest, GatewayCallToolRequest};
+use nomad_telemetry::metrics as defs;
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions, baggage};
+use opentelemetry::metrics::Histogram;
 use opentelemetry::trace::{FutureExt as _, Link, SpanKind, TraceContextExt as _};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::tasks::Task;
+use crate::tasks::{Step, Task};
+use crate::verify::{self, Verify};
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Durations {
+    pub agent_seconds: f64,
+    pub verify_seconds: f64,
+    pub total_seconds: f64,
+}
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct RolloutResult {
@@ -20,13 +31,16 @@ pub struct RolloutResult {
     pub run_id: String,
     /// Empty when rollout spans are off.
     pub trace_id: String,
-    /// `ok` or `error`.
+    /// `ok` when the agent step (and verification) ran, `error` when one failed.
     pub status: String,
+    /// None when the task has nothing to verify against, or the rollout failed.
+    pub reward: Option<f64>,
+    pub passed: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub output: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
-    pub duration_seconds: f64,
+    pub durations: Durations,
 }
 
 /// Large numeric outputs (embeddings) are summarised: shape, first values and L2 norm.
@@ -54,13 +68,44 @@ fn summarize(result: Value) -> Value {
     }
 }
 
+fn clip(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... [{} more bytes]", &text[..end], text.len() - end)
+}
+
 pub struct Driver {
     pub gateway: GatewayClient<nomad_rpc::Channel>,
     pub run_id: String,
     pub concurrency: usize,
+    /// The `nomad` tool that embeds texts for `similarity` verification.
+    pub embed_tool: String,
+    rollout_duration: Histogram<f64>,
+    verify_duration: Histogram<f64>,
 }
 
 impl Driver {
+    pub fn new(
+        gateway: GatewayClient<nomad_rpc::Channel>,
+        run_id: String,
+        concurrency: usize,
+        embed_tool: String,
+    ) -> Self {
+        Self {
+            gateway,
+            run_id,
+            concurrency,
+            embed_tool,
+            rollout_duration: defs::ROLLOUT_DURATION.f64_histogram(),
+            verify_duration: defs::VERIFY_DURATION.f64_histogram(),
+        }
+    }
+
     /// Runs every task; `on_result` sees each result as it completes (in completion order).
     pub async fn run(
         &self,
@@ -100,6 +145,10 @@ impl Driver {
     ) -> RolloutResult {
         let rollout_id = uuid::Uuid::new_v4().simple().to_string();
         let cx = baggage::with_ids(&Context::new(), &self.run_id, Some(&rollout_id));
+        let step_kind = match &task.step {
+            Step::Code(_) => "code",
+            Step::Tool { .. } => "tool",
+        };
         let span = GroupSpan::start_with(
             SpanGroup::Rollout,
             "nomad.rollout",
@@ -108,66 +157,188 @@ impl Driver {
                 kind: Some(SpanKind::Internal),
                 attributes: vec![
                     KeyValue::new("nomad.task.id", task.id.clone()),
-                    KeyValue::new("nomad.gateway.server", task.server.clone()),
-                    KeyValue::new("nomad.gateway.tool", task.tool.clone()),
+                    KeyValue::new("nomad.rollout.step", step_kind),
                 ],
                 links: job.into_iter().map(Link::with_context).collect(),
                 new_root: true,
             },
         );
         let started = Instant::now();
-        let request = GatewayCallToolRequest {
-            server: task.server.clone(),
-            tool: task.tool.clone(),
-            arguments_json: task.arguments.to_string(),
-        };
-        let reply = self
-            .gateway
-            .clone()
-            .call_tool(request)
+        let agent = self
+            .agent_step(&task.step)
             .with_context(span.context().clone())
             .await;
-        let (status, output, error) = match reply {
-            Ok(reply) => match serde_json::from_str::<Value>(&reply.get_ref().result_json) {
-                Ok(value) => ("ok", Some(summarize(value)), None),
-                Err(e) => (
-                    "error",
-                    None,
-                    Some(format!("gateway returned invalid JSON: {e}")),
-                ),
+        let agent_seconds = started.elapsed().as_secs_f64();
+        let verify_started = Instant::now();
+        let (output, error, reward, passed) = match agent {
+            Err(e) => (None, Some(e), None, None),
+            Ok(output) => match (&task.verify, &task.expected) {
+                (Verify::None, _) | (_, None) => (Some(output), None, None, None),
+                (kind, Some(expected)) => {
+                    let verdict = self.verify(kind, &output, expected, span.context()).await;
+                    self.verify_duration.record(
+                        verify_started.elapsed().as_secs_f64(),
+                        &[KeyValue::new("nomad.verify.kind", kind.name())],
+                    );
+                    match verdict {
+                        Ok((reward, passed)) => (Some(output), None, Some(reward), Some(passed)),
+                        Err(e) => (
+                            Some(output),
+                            Some(format!("verification failed: {e}")),
+                            None,
+                            None,
+                        ),
+                    }
+                }
             },
-            Err(status) => (
-                "error",
-                None,
-                Some(format!("{:?}: {}", status.code(), status.message())),
-            ),
         };
-        if let Some(e) = &error {
-            span.set_error("rollout_failed", e.clone());
+        let verify_seconds = if reward.is_some() || passed.is_some() {
+            verify_started.elapsed().as_secs_f64()
         } else {
-            span.set_ok();
+            0.0
+        };
+        let status = if error.is_none() { "ok" } else { "error" };
+        match &error {
+            Some(e) => span.set_error("rollout_failed", e.lines().next().unwrap_or_default()),
+            None => span.set_ok(),
         }
+        if let Some(r) = reward {
+            span.set_attribute(KeyValue::new("nomad.rollout.reward", r));
+        }
+        let total = started.elapsed().as_secs_f64();
+        self.rollout_duration
+            .record(total, &[KeyValue::new("status", status)]);
         RolloutResult {
             task_id: task.id,
             rollout_id,
             run_id: self.run_id.clone(),
             trace_id: span.trace_id().unwrap_or_default(),
             status: status.to_owned(),
-            output,
-            error,
-            duration_seconds: started.elapsed().as_secs_f64(),
+            reward,
+            passed,
+            output: output.map(summarize),
+            error: error.map(|e| clip(&e, 4000)),
+            durations: Durations {
+                agent_seconds,
+                verify_seconds,
+                total_seconds: total,
+            },
         }
+    }
+
+    /// The agent step's output, or why it failed.
+    async fn agent_step(&self, step: &Step) -> Result<Value, String> {
+        match step {
+            Step::Code(code) => {
+                let reply = self
+                    .gateway
+                    .clone()
+                    .execute_code(ExecuteCodeRequest {
+                        code: code.clone(),
+                        env: Default::default(),
+                    })
+                    .await
+                    .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+                    .into_inner();
+                if !reply.error.is_empty() {
+                    return Err(reply.error);
+                }
+                serde_json::from_str(&reply.result_json)
+                    .map_err(|e| format!("the gateway returned invalid JSON: {e}"))
+            }
+            Step::Tool {
+                server,
+                tool,
+                arguments,
+            } => self.call_tool(server, tool, arguments).await,
+        }
+    }
+
+    async fn call_tool(
+        &self,
+        server: &str,
+        tool: &str,
+        arguments: &Value,
+    ) -> Result<Value, String> {
+        let reply = self
+            .gateway
+            .clone()
+            .call_tool(GatewayCallToolRequest {
+                server: server.to_owned(),
+                tool: tool.to_owned(),
+                arguments_json: arguments.to_string(),
+            })
+            .await
+            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
+        serde_json::from_str(&reply.get_ref().result_json)
+            .map_err(|e| format!("the gateway returned invalid JSON: {e}"))
+    }
+
+    /// `(reward, passed)` under a `nomad.verify` span.
+    async fn verify(
+        &self,
+        kind: &Verify,
+        output: &Value,
+        expected: &Value,
+        parent: &Context,
+    ) -> Result<(f64, bool), String> {
+        let span = GroupSpan::start(SpanGroup::Verify, "nomad.verify", parent);
+        span.set_attribute(KeyValue::new("nomad.verify.kind", kind.name()));
+        let verdict = match kind {
+            Verify::Similarity { threshold } => self
+                .similarity(output, expected)
+                .with_context(span.context().clone())
+                .await
+                .map(|cos| (cos.clamp(0.0, 1.0), cos >= *threshold)),
+            other => verify::score(other, output, expected),
+        };
+        match &verdict {
+            Ok((reward, passed)) => {
+                span.set_attributes([
+                    KeyValue::new("nomad.verify.reward", *reward),
+                    KeyValue::new("nomad.verify.passed", *passed),
+                ]);
+                span.set_ok();
+            }
+            Err(e) => span.set_error("verify_failed", e.clone()),
+        }
+        verdict
+    }
+
+    /// Cosine similarity of the embeddings of the two texts (through the `embed` tool).
+    async fn similarity(&self, output: &Value, expected: &Value) -> Result<f64, String> {
+        let embed = |value: &Value| {
+            let text = verify::as_text(value);
+            async move {
+                let reply = self
+                    .call_tool(
+                        "nomad",
+                        &self.embed_tool,
+                        &serde_json::json!({ "text": text }),
+                    )
+                    .await?;
+                reply["output"]
+                    .as_array()
+                    .map(|v| v.iter().filter_map(Value::as_f64).collect::<Vec<f64>>())
+                    .filter(|v| !v.is_empty())
+                    .ok_or_else(|| format!("the {} tool returned no vector", self.embed_tool))
+            }
+        };
+        let (a, b) = futures::try_join!(embed(output), embed(expected))?;
+        Ok(verify::cosine(&a, &b))
     }
 }
 
-/// Prints progress to stderr at most once per `every`, and always for the last result.
+/// Progress on stderr: a bar redrawn in place on a terminal, a line a second otherwise.
 pub struct Progress {
     total: usize,
     done: usize,
     failed: usize,
+    reward_sum: f64,
+    rewarded: usize,
     started: Instant,
     last: Option<Instant>,
-    every: Duration,
+    tty: bool,
 }
 
 impl Progress {
@@ -176,36 +347,71 @@ impl Progress {
             total,
             done: 0,
             failed: 0,
+            reward_sum: 0.0,
+            rewarded: 0,
             started: Instant::now(),
             last: None,
-            every: Duration::from_secs(1),
+            tty: std::io::stderr().is_terminal(),
         }
     }
 
     pub fn record(&mut self, result: &RolloutResult) {
         self.done += 1;
+        if let Some(r) = result.reward {
+            self.reward_sum += r;
+            self.rewarded += 1;
+        }
         if result.status != "ok" {
             self.failed += 1;
+            let error = result.error.as_deref().unwrap_or("unknown error");
+            if self.tty {
+                eprint!("\r\x1b[2K");
+            }
             eprintln!(
                 "rollout {} (task {}) failed: {}",
                 result.rollout_id,
                 result.task_id,
-                result.error.as_deref().unwrap_or("unknown error")
+                error.lines().next().unwrap_or_default()
             );
         }
         let now = Instant::now();
-        let due = self
-            .last
-            .is_none_or(|t| now.duration_since(t) >= self.every);
-        if due || self.done == self.total {
+        let every = if self.tty {
+            Duration::from_millis(100)
+        } else {
+            Duration::from_secs(1)
+        };
+        if self.last.is_none_or(|t| now.duration_since(t) >= every) || self.done == self.total {
             self.last = Some(now);
-            let elapsed = self.started.elapsed().as_secs_f64().max(1e-9);
-            let rate = self.done as f64 / elapsed;
-            let eta = (self.total - self.done) as f64 / rate.max(1e-9);
-            eprintln!(
-                "[{}/{}] failed={} rate={rate:.1}/s eta={eta:.0}s",
-                self.done, self.total, self.failed
+            self.draw();
+        }
+    }
+
+    fn draw(&self) {
+        let elapsed = self.started.elapsed().as_secs_f64().max(1e-9);
+        let rate = self.done as f64 / elapsed;
+        let eta = (self.total - self.done) as f64 / rate.max(1e-9);
+        let reward = if self.rewarded > 0 {
+            format!(" mean reward {:.2}", self.reward_sum / self.rewarded as f64)
+        } else {
+            String::new()
+        };
+        let stats = format!(
+            "{}/{} failed {} {rate:.1}/s eta {eta:.0}s{reward}",
+            self.done, self.total, self.failed
+        );
+        if self.tty {
+            let width = 30;
+            let filled = width * self.done / self.total.max(1);
+            eprint!(
+                "\r\x1b[2K[{}{}] {stats}",
+                "#".repeat(filled),
+                "-".repeat(width - filled)
             );
+            if self.done == self.total {
+                eprintln!();
+            }
+        } else {
+            eprintln!("[{stats}]");
         }
     }
 }
@@ -223,5 +429,12 @@ mod tests {
         assert_eq!(s["output"].as_array().unwrap().len(), 8);
         assert_eq!(s["output_truncated"], true);
         assert!((s["l2_norm"].as_f64().unwrap() - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn clipping_keeps_char_boundaries() {
+        assert_eq!(clip("short", 10), "short");
+        let clipped = clip("ééééé", 3);
+        assert!(clipped.starts_with('é') && clipped.contains("more bytes"));
     }
 }

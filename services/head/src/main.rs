@@ -5,6 +5,7 @@ mod run_id;
 mod runs;
 mod server;
 mod tasks;
+mod verify;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -71,6 +72,12 @@ struct RunArgs {
     /// Config file (YAML or TOML); its `telemetry:` block configures export.
     #[arg(long, env = "NOMAD_CONFIG")]
     config: Option<PathBuf>,
+    /// Python script for tasks that give `inputs`: it reads them as `TASK` and sets `RESULT`.
+    #[arg(long)]
+    template: Option<PathBuf>,
+    /// The `nomad` tool that embeds texts for `similarity` verification.
+    #[arg(long, default_value = "embed")]
+    embed_tool: String,
 }
 
 fn main() -> ExitCode {
@@ -100,8 +107,19 @@ async fn run(args: RunArgs) -> anyhow::Result<bool> {
 
     let text = std::fs::read_to_string(&args.tasks)
         .with_context(|| format!("reading tasks file {}", args.tasks.display()))?;
-    let tasks =
-        tasks::parse(&text, &args.tasks.display().to_string()).map_err(anyhow::Error::msg)?;
+    let template = args
+        .template
+        .as_ref()
+        .map(|p| {
+            std::fs::read_to_string(p).with_context(|| format!("reading template {}", p.display()))
+        })
+        .transpose()?;
+    let tasks = tasks::parse(
+        &text,
+        &args.tasks.display().to_string(),
+        template.as_deref(),
+    )
+    .map_err(anyhow::Error::msg)?;
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
 
     let mut out: Box<dyn Write> = if args.out.as_os_str() == "-" {
@@ -121,11 +139,12 @@ async fn run(args: RunArgs) -> anyhow::Result<bool> {
         args.concurrency
     );
 
-    let driver = driver::Driver {
-        gateway: GatewayClient::new(nomad_rpc::channel(&args.gateway)?),
-        run_id: run_id.clone(),
-        concurrency: args.concurrency,
-    };
+    let driver = driver::Driver::new(
+        GatewayClient::new(nomad_rpc::channel(&args.gateway)?),
+        run_id.clone(),
+        args.concurrency,
+        args.embed_tool.clone(),
+    );
     let mut progress = driver::Progress::new(total);
     let mut write_error = None;
     let results = driver

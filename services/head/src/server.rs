@@ -30,18 +30,21 @@ impl Head for HeadService {
                 .iter()
                 .enumerate()
                 .map(|(i, json)| (format!("tasks_json[{i}]"), json.as_str())),
+            None,
         )
         .map_err(Status::invalid_argument)?;
         let run_id = crate::run_id::resolve(None, &[] as &[(&str, &str)]);
-        let driver = Driver {
-            gateway: self.gateway.clone(),
-            run_id: run_id.clone(),
-            concurrency: if concurrency == 0 {
-                self.default_concurrency
-            } else {
-                concurrency as usize
-            },
+        let concurrency = if concurrency == 0 {
+            self.default_concurrency
+        } else {
+            concurrency as usize
         };
+        let driver = Driver::new(
+            self.gateway.clone(),
+            run_id.clone(),
+            concurrency,
+            "embed".into(),
+        );
         self.runs.start(&run_id, tasks.len());
         let runs = self.runs.clone();
         let id = run_id.clone();

@@ -1,54 +1,130 @@
 //! Tasks: one JSON object per line of a tasks JSONL file.
+//!
+//! A task's agent step is one of: `code` (Python the gateway runs in its sandbox), `inputs` (fed
+//! to the `--template` script as `TASK`), or `tool` + `arguments` (one direct tool call). An
+//! `expected` value and a `verify` kind make the rollout's reward.
 
 use serde::Deserialize;
 use serde_json::Value;
 
-/// One task: call `tool` on upstream `server` with `arguments`.
+use crate::verify::Verify;
+
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
+pub struct RawTask {
+    pub id: String,
+    #[serde(default)]
+    pub code: Option<String>,
+    #[serde(default)]
+    pub inputs: Option<Value>,
+    #[serde(default)]
+    pub tool: Option<String>,
+    /// Upstream server for `tool` (default: `nomad`, the scheduler's tools).
+    #[serde(default)]
+    pub server: Option<String>,
+    #[serde(default)]
+    pub arguments: Option<Value>,
+    #[serde(default)]
+    pub expected: Option<Value>,
+    #[serde(default)]
+    pub verify: Option<Verify>,
+}
+
+/// What the agent step does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    Code(String),
+    Tool {
+        server: String,
+        tool: String,
+        arguments: Value,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
 pub struct Task {
     pub id: String,
-    /// Upstream server (default: `nomad`, the scheduler's tools).
-    #[serde(default = "default_server")]
-    pub server: String,
-    pub tool: String,
-    #[serde(default = "empty_object")]
-    pub arguments: Value,
+    pub step: Step,
+    pub expected: Option<Value>,
+    pub verify: Verify,
 }
 
-fn default_server() -> String {
-    "nomad".to_owned()
-}
-
-fn empty_object() -> Value {
-    Value::Object(Default::default())
-}
-
-/// Parses and checks one task given as JSON.
-pub fn parse_task(json: &str) -> Result<Task, String> {
-    let task: Task = serde_json::from_str(json).map_err(|e| e.to_string())?;
-    if task.id.is_empty() {
+/// Turns a raw task into a runnable one; `template` is the `--template` script, if any.
+pub fn resolve(raw: RawTask, template: Option<&str>) -> Result<Task, String> {
+    if raw.id.is_empty() {
         return Err("`id` is empty".into());
     }
-    if task.tool.is_empty() {
-        return Err("`tool` is empty".into());
+    if raw.arguments.is_some() && raw.tool.is_none() {
+        return Err("`arguments` goes with `tool`".into());
     }
-    if !task.arguments.is_object() {
-        return Err("`arguments` must be a JSON object".into());
+    let step = match (raw.code, raw.inputs, raw.tool) {
+        (Some(code), None, None) => {
+            if code.trim().is_empty() {
+                return Err("`code` is empty".into());
+            }
+            Step::Code(code)
+        }
+        (None, Some(inputs), None) => {
+            let template = template.ok_or("`inputs` needs a template: pass --template FILE")?;
+            // The template reads its inputs from TASK; no text is substituted into code.
+            Step::Code(format!("TASK = {}\n{template}", python_literal(&inputs)))
+        }
+        (None, None, Some(tool)) => {
+            if tool.is_empty() {
+                return Err("`tool` is empty".into());
+            }
+            let arguments = raw
+                .arguments
+                .unwrap_or_else(|| Value::Object(Default::default()));
+            if !arguments.is_object() {
+                return Err("`arguments` must be a JSON object".into());
+            }
+            Step::Tool {
+                server: raw.server.unwrap_or_else(|| "nomad".into()),
+                tool,
+                arguments,
+            }
+        }
+        (None, None, None) => {
+            return Err("a task needs `code`, `inputs` (with --template) or `tool`".into());
+        }
+        _ => return Err("give only one of `code`, `inputs` and `tool`".into()),
+    };
+    let verify = match raw.verify {
+        Some(v) => v,
+        None if raw.expected.is_some() => Verify::Exact,
+        None => Verify::None,
+    };
+    if verify != Verify::None && raw.expected.is_none() {
+        return Err("`verify` needs an `expected` value".into());
     }
-    Ok(task)
+    Ok(Task {
+        id: raw.id,
+        step,
+        expected: raw.expected,
+        verify,
+    })
+}
+
+/// JSON as a Python expression (JSON is Python but for true/false/null).
+fn python_literal(value: &Value) -> String {
+    format!("__import__('json').loads({:?})", value.to_string())
 }
 
 /// Parses labelled task texts; on failure lists every bad one (label and reason), not just the
 /// first. Duplicate ids are refused: results are keyed by task id.
 pub fn parse_all<'a>(
     items: impl IntoIterator<Item = (String, &'a str)>,
+    template: Option<&str>,
 ) -> Result<Vec<Task>, String> {
     let mut tasks = Vec::new();
     let mut errors = Vec::new();
     let mut ids = std::collections::HashSet::new();
     for (label, json) in items {
-        match parse_task(json) {
+        let parsed = serde_json::from_str::<RawTask>(json)
+            .map_err(|e| e.to_string())
+            .and_then(|raw| resolve(raw, template));
+        match parsed {
             Ok(task) if !ids.insert(task.id.clone()) => {
                 errors.push(format!("{label}: task id {:?} appears twice", task.id))
             }
@@ -66,12 +142,13 @@ pub fn parse_all<'a>(
 }
 
 /// Parses a tasks JSONL text; `source` names the file in errors (`file:line: reason`).
-pub fn parse(text: &str, source: &str) -> Result<Vec<Task>, String> {
+pub fn parse(text: &str, source: &str, template: Option<&str>) -> Result<Vec<Task>, String> {
     parse_all(
         text.lines()
             .enumerate()
             .filter(|(_, line)| !line.trim().is_empty())
             .map(|(i, line)| (format!("{source}:{}", i + 1), line)),
+        template,
     )
     .map_err(|e| {
         if e.starts_with("no tasks") {
@@ -87,31 +164,68 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_tasks_with_defaults() {
+    fn the_three_kinds_of_agent_step() {
         let tasks = parse(
-            "{\"id\":\"a\",\"tool\":\"mlp\",\"arguments\":{\"input\":[1]}}\n\n{\"id\":\"b\",\"tool\":\"x\"}\n",
+            concat!(
+                r#"{"id":"a","tool":"mlp","arguments":{"input":[1]}}"#, "\n",
+                r#"{"id":"b","code":"RESULT = 1","expected":1}"#, "\n",
+                r#"{"id":"c","inputs":{"x":2},"expected":4,"verify":{"kind":"numeric","tolerance":0.5}}"#, "\n",
+            ),
             "t.jsonl",
+            Some("RESULT = TASK['x'] ** 2"),
         )
         .unwrap();
-        assert_eq!(tasks.len(), 2);
-        assert_eq!(tasks[1].server, "nomad");
-        assert!(tasks[1].arguments.as_object().unwrap().is_empty());
+        assert!(matches!(&tasks[0].step, Step::Tool { server, .. } if server == "nomad"));
+        assert_eq!(tasks[0].verify, Verify::None);
+        assert_eq!(tasks[1].verify, Verify::Exact, "expected alone means exact");
+        let Step::Code(code) = &tasks[2].step else {
+            panic!()
+        };
+        assert!(
+            code.starts_with("TASK = __import__('json').loads(\"{\\\"x\\\":2}\")\n"),
+            "{code}"
+        );
+        assert!(code.ends_with("RESULT = TASK['x'] ** 2"));
     }
 
     #[test]
     fn every_bad_line_is_reported_with_its_number() {
-        let text = "{\"id\":\"a\",\"tool\":\"m\"}\nnot json\n{\"id\":\"a\",\"tool\":\"m\"}\n{\"id\":\"c\",\"tool\":\"m\",\"argz\":{}}\n{\"id\":\"d\",\"tool\":\"m\",\"arguments\":[1]}\n";
-        let err = parse(text, "t.jsonl").unwrap_err();
-        assert!(err.contains("t.jsonl:2:"), "{err}");
-        assert!(
-            err.contains("t.jsonl:3: task id \"a\" appears twice"),
-            "{err}"
+        let text = concat!(
+            r#"{"id":"a","tool":"m"}"#,
+            "\n",
+            "not json\n",
+            r#"{"id":"a","tool":"m"}"#,
+            "\n",
+            r#"{"id":"c","tool":"m","argz":{}}"#,
+            "\n",
+            r#"{"id":"d","tool":"m","arguments":[1]}"#,
+            "\n",
+            r#"{"id":"e","code":"x","tool":"m"}"#,
+            "\n",
+            r#"{"id":"f","inputs":{}}"#,
+            "\n",
+            r#"{"id":"g","code":"x","verify":"exact"}"#,
+            "\n",
+            r#"{"id":"h"}"#,
+            "\n",
         );
-        assert!(err.contains("t.jsonl:4:") && err.contains("argz"), "{err}");
+        let err = parse(text, "t.jsonl", None).unwrap_err();
+        for expected in [
+            "t.jsonl:2:",
+            "t.jsonl:3: task id \"a\" appears twice",
+            "t.jsonl:4:",
+            "t.jsonl:5: `arguments` must be a JSON object",
+            "t.jsonl:6: give only one of",
+            "t.jsonl:7: `inputs` needs a template",
+            "t.jsonl:8: `verify` needs an `expected` value",
+            "t.jsonl:9: a task needs",
+        ] {
+            assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
+        }
         assert!(
-            err.contains("t.jsonl:5: `arguments` must be a JSON object"),
-            "{err}"
+            parse("\n\n", "e.jsonl", None)
+                .unwrap_err()
+                .contains("no tasks")
         );
-        assert!(parse("\n\n", "e.jsonl").unwrap_err().contains("no tasks"));
     }
 }
