@@ -201,8 +201,8 @@ mod tests {
             tolerance: 0.01,
             relative: false,
         };
-        assert_eq!(score(&abs, &json!(3.141), &json!(3.1416)), Ok((1.0, true)));
-        assert_eq!(score(&abs, &json!("3.2"), &json!(3.1416)), Ok((0.0, false)));
+        assert_eq!(score(&abs, &json!(2.501), &json!(2.5004)), Ok((1.0, true)));
+        assert_eq!(score(&abs, &json!("2.6"), &json!(2.5004)), Ok((0.0, false)));
         assert_eq!(
             score(&abs, &json!("not a number"), &json!(1)),
             Ok((0.0, false))
