@@ -7,7 +7,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     let protos = ["common", "scheduler", "worker", "gateway", "head"]
-        .map(|name| root.join(format!("nomad/v1/{name}.proto")));
+        .map(|name| root.join(format!("nomad/v1/{name}.proto")))
+        .into_iter()
+        .chain([root.join("jaeger/api_v3/query.proto")])
+        .collect::<Vec<_>>();
     // The protos live outside this crate, so cargo must be told to watch them.
     for proto in &protos {
         println!("cargo:rerun-if-changed={}", proto.display());

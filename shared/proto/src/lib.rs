@@ -5,6 +5,11 @@ pub mod v1 {
     tonic::include_proto!("nomad.v1");
 }
 
+/// The slice of Jaeger's api_v3 query API that Nomad uses (`nomad traces --jaeger`).
+pub mod jaeger {
+    tonic::include_proto!("jaeger.api_v3");
+}
+
 mod tensor;
 
 pub use tensor::TensorError;

@@ -209,6 +209,88 @@ pub const NOMAD_VARIABLES: &[(&str, &str)] = &[
     ),
 ];
 
+/// Standard OpenTelemetry variables that outrank the config file for a field. A child handed
+/// the field as `NOMAD_OTEL_*` would let it beat them, so [`block_env`] leaves such a field to
+/// the config file when the user set one of them.
+const STANDARD_VARIABLES: &[(&str, &[&str])] = &[
+    ("service_name", &["OTEL_SERVICE_NAME"]),
+    (
+        "exporter",
+        &[
+            "OTEL_TRACES_EXPORTER",
+            "OTEL_METRICS_EXPORTER",
+            "OTEL_LOGS_EXPORTER",
+        ],
+    ),
+    ("traces_enabled", &["OTEL_TRACES_EXPORTER"]),
+    ("metrics_enabled", &["OTEL_METRICS_EXPORTER"]),
+    ("logs_enabled", &["OTEL_LOGS_EXPORTER"]),
+    (
+        "otlp_endpoint",
+        &[
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
+        ],
+    ),
+    ("otlp_protocol", &["OTEL_EXPORTER_OTLP_PROTOCOL"]),
+    ("otlp_headers", &["OTEL_EXPORTER_OTLP_HEADERS"]),
+    (
+        "metric_export_interval_seconds",
+        &["OTEL_METRIC_EXPORT_INTERVAL"],
+    ),
+];
+
+/// The block's fields as the `NOMAD_OTEL_*` variables a child process reads back, set-if-unset:
+/// a field is left out when `env` (the user's) already decides it, through its `NOMAD_OTEL_*`
+/// variable or a standard one that outranks the file. A child given these (on top of `env`)
+/// resolves the same settings as [`resolve`] gives for the block.
+pub fn block_env(block: &TelemetryBlock, env: &(impl Env + ?Sized)) -> Vec<(String, String)> {
+    let memory = block.memory_profiling.clone().unwrap_or_default();
+    let text = |v: Option<String>| v;
+    let flag = |v: Option<bool>| v.map(|b| b.to_string());
+    let number = |v: Option<f64>| v.map(|n| n.to_string());
+    let value = |field: &str| -> Option<String> {
+        match field {
+            "enabled" => flag(block.enabled),
+            "service_name" => text(block.service_name.clone()),
+            "service_name_per_server" => flag(block.service_name_per_server),
+            "span_groups" => text(block.span_groups.clone()),
+            "exporter" => text(block.exporter.clone()),
+            "traces_enabled" => flag(block.traces_enabled),
+            "metrics_enabled" => flag(block.metrics_enabled),
+            "logs_enabled" => flag(block.logs_enabled),
+            "otlp_endpoint" => text(block.otlp_endpoint.clone()),
+            "otlp_protocol" => text(block.otlp_protocol.clone()),
+            "otlp_headers" => block.otlp_headers.as_ref().map(|h| {
+                h.iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            }),
+            "run_id" => text(block.run_id.clone()),
+            "memory_profiling.enabled" => flag(memory.enabled),
+            "memory_profiling.interval_seconds" => number(memory.interval_seconds),
+            "runtime_sample_interval_seconds" => number(block.runtime_sample_interval_seconds),
+            "runtime_task_count" => flag(block.runtime_task_count),
+            "metric_export_interval_seconds" => number(block.metric_export_interval_seconds),
+            _ => None,
+        }
+    };
+    NOMAD_VARIABLES
+        .iter()
+        .filter(|(variable, field)| {
+            let standard = STANDARD_VARIABLES
+                .iter()
+                .find(|(f, _)| f == field)
+                .map_or(&[][..], |(_, vars)| *vars);
+            env.non_empty(variable).is_none() && standard.iter().all(|v| env.non_empty(v).is_none())
+        })
+        .filter_map(|(variable, field)| value(field).map(|v| ((*variable).to_owned(), v)))
+        .collect()
+}
+
 fn invalid(variable: &str, value: &str, reason: &str) -> ConfigError {
     ConfigError::Invalid {
         variable: variable.to_owned(),

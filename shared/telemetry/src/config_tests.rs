@@ -436,3 +436,68 @@ fn readme_documents_every_variable_and_field() {
         );
     }
 }
+
+/// A child that reads the user's env plus [`block_env`] (and the same file) resolves what the
+/// head resolves.
+#[test]
+fn block_env_hands_children_the_heads_settings() {
+    let blocks = [
+        "telemetry: {}",
+        "telemetry: {enabled: true, exporter: console, service_name: fleet, span_groups: all, \
+         traces_enabled: false, metrics_enabled: true, logs_enabled: true, \
+         otlp_endpoint: 'http://collector:4318', otlp_protocol: http/protobuf, \
+         otlp_headers: {a: '1', b: '2'}, run_id: r7, service_name_per_server: false, \
+         memory_profiling: {enabled: true, interval_seconds: 2.5}, \
+         runtime_sample_interval_seconds: 0.25, runtime_task_count: true, \
+         metric_export_interval_seconds: 3}",
+        "telemetry: {enabled: true, exporter: otlp, otlp_endpoint: 'http://c:4317'}",
+    ];
+    let envs: &[&[(&str, &str)]] = &[
+        &[],
+        &[("NOMAD_OTEL_EXPORTER", "otlp")],
+        &[
+            ("OTEL_TRACES_EXPORTER", "none"),
+            ("OTEL_SERVICE_NAME", "mine"),
+        ],
+        &[
+            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4317"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_METRIC_EXPORT_INTERVAL", "500"),
+        ],
+        &[
+            ("NOMAD_OTEL_MEMORY_PROFILING_ENABLED", "off"),
+            ("NOMAD_OTEL_RUN_ID", "user-run"),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "x=y"),
+        ],
+    ];
+    for yaml in blocks {
+        let file = nomad_config::ConfigFile::from_yaml_str(yaml);
+        let block: TelemetryBlock = file.section("telemetry").unwrap();
+        for env in envs {
+            let head = resolve(&block, *env).unwrap();
+            let handed = block_env(&block, *env);
+            let mut child_env: Vec<(&str, &str)> = env.to_vec();
+            child_env.extend(handed.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            // A field the user's standard variable decides is left to the file; otherwise the
+            // variables alone carry the block.
+            if env.iter().all(|(k, _)| k.starts_with("NOMAD_OTEL_")) {
+                assert_eq!(
+                    resolve(&TelemetryBlock::default(), child_env.as_slice()).unwrap(),
+                    head,
+                    "env only: {yaml} under {env:?} (handed {handed:?})"
+                );
+            }
+            assert_eq!(
+                resolve(&block, child_env.as_slice()).unwrap(),
+                head,
+                "env and file: {yaml} under {env:?}"
+            );
+            for (variable, _) in &handed {
+                assert!(
+                    env.iter().all(|(k, _)| k != variable),
+                    "{variable} replaced the user's"
+                );
+            }
+        }
+    }
+}

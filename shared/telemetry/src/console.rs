@@ -19,27 +19,73 @@ use opentelemetry_sdk::metrics::{Temporality, exporter::PushMetricExporter};
 use opentelemetry_sdk::trace::{SpanData, SpanExporter};
 use serde_json::{Map, Value as Json, json};
 
-/// Where console records go. Stdout by default; stderr when stdout carries a protocol (MCP stdio).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Where console records go. Stdout by default; stderr when stdout carries a protocol (MCP
+/// stdio); a file when stdout is someone's terminal (`nomad up` writes the head's to its run
+/// directory).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum ConsoleSink {
     #[default]
     Stdout,
     Stderr,
+    /// Appended to; created if missing.
+    File(std::path::PathBuf),
+}
+
+#[derive(Debug, Clone)]
+enum Target {
+    Stdout,
+    Stderr,
+    File(Arc<Mutex<std::fs::File>>),
 }
 
 /// Writes whole lines so records from concurrent exporters never interleave mid-line.
 #[derive(Debug, Clone)]
 struct LineWriter {
-    sink: ConsoleSink,
+    target: Target,
     lock: Arc<Mutex<()>>,
 }
 
 impl LineWriter {
-    fn new(sink: ConsoleSink) -> Self {
+    fn new(sink: &ConsoleSink) -> Self {
         // One lock per process: the span, metric and log exporters share the stream.
         static LOCK: std::sync::OnceLock<Arc<Mutex<()>>> = std::sync::OnceLock::new();
+        // One file handle per path, shared the same way.
+        static FILES: std::sync::OnceLock<
+            Mutex<std::collections::HashMap<std::path::PathBuf, Arc<Mutex<std::fs::File>>>>,
+        > = std::sync::OnceLock::new();
+        let target = match sink {
+            ConsoleSink::Stdout => Target::Stdout,
+            ConsoleSink::Stderr => Target::Stderr,
+            ConsoleSink::File(path) => {
+                let mut files = FILES
+                    .get_or_init(Default::default)
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                match files.get(path) {
+                    Some(f) => Target::File(f.clone()),
+                    None => match std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(path)
+                    {
+                        Ok(f) => {
+                            let f = Arc::new(Mutex::new(f));
+                            files.insert(path.clone(), f.clone());
+                            Target::File(f)
+                        }
+                        Err(e) => {
+                            eprintln!(
+                                "console exporter: cannot open {}: {e}; writing to stderr",
+                                path.display()
+                            );
+                            Target::Stderr
+                        }
+                    },
+                }
+            }
+        };
         Self {
-            sink,
+            target,
             lock: LOCK.get_or_init(Default::default).clone(),
         }
     }
@@ -49,12 +95,16 @@ impl LineWriter {
             return Ok(());
         }
         let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        let result = match self.sink {
-            ConsoleSink::Stdout => {
+        let result = match &self.target {
+            Target::Stdout => {
                 let mut out = std::io::stdout().lock();
                 out.write_all(text.as_bytes()).and_then(|_| out.flush())
             }
-            ConsoleSink::Stderr => std::io::stderr().lock().write_all(text.as_bytes()),
+            Target::Stderr => std::io::stderr().lock().write_all(text.as_bytes()),
+            Target::File(f) => f
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .write_all(text.as_bytes()),
         };
         result.map_err(|e| OTelSdkError::InternalFailure(format!("console exporter: {e}")))
     }
@@ -170,7 +220,7 @@ pub struct ConsoleSpanExporter {
 }
 
 impl ConsoleSpanExporter {
-    pub fn new(sink: ConsoleSink) -> Self {
+    pub fn new(sink: &ConsoleSink) -> Self {
         Self {
             out: LineWriter::new(sink),
             resource: Json::Object(Map::new()),
@@ -199,7 +249,7 @@ pub struct ConsoleMetricExporter {
 }
 
 impl ConsoleMetricExporter {
-    pub fn new(sink: ConsoleSink) -> Self {
+    pub fn new(sink: &ConsoleSink) -> Self {
         Self {
             out: LineWriter::new(sink),
         }
@@ -333,7 +383,7 @@ pub struct ConsoleLogExporter {
 }
 
 impl ConsoleLogExporter {
-    pub fn new(sink: ConsoleSink) -> Self {
+    pub fn new(sink: &ConsoleSink) -> Self {
         Self {
             out: LineWriter::new(sink),
             resource: Json::Object(Map::new()),

@@ -129,7 +129,7 @@ fn tracer_provider(
         });
     let builder = match settings.traces.exporter {
         ExporterKind::Console => builder.with_span_processor(
-            BatchSpanProcessor::builder(console::ConsoleSpanExporter::new(options.console_sink))
+            BatchSpanProcessor::builder(console::ConsoleSpanExporter::new(&options.console_sink))
                 .build(),
         ),
         ExporterKind::Otlp => {
@@ -164,7 +164,7 @@ fn meter_provider(
     let interval = settings.metric_export_interval;
     let builder = match settings.metrics.exporter {
         ExporterKind::Console => builder.with_reader(reader(
-            console::ConsoleMetricExporter::new(options.console_sink),
+            console::ConsoleMetricExporter::new(&options.console_sink),
             interval,
         )),
         ExporterKind::Otlp => {
@@ -188,7 +188,7 @@ fn logger_provider(
     let builder = SdkLoggerProvider::builder().with_resource(resource);
     Ok(match settings.logs.exporter {
         ExporterKind::Console => builder
-            .with_batch_exporter(console::ConsoleLogExporter::new(options.console_sink))
+            .with_batch_exporter(console::ConsoleLogExporter::new(&options.console_sink))
             .build(),
         ExporterKind::Otlp => {
             let exporter = otlp_exporter!(

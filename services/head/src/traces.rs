@@ -1,0 +1,441 @@
+//! `nomad traces RUN_ID`: the run's rollouts, each as a waterfall of its spans (service, span,
+//! start offset, duration, status), slowest first. From a run directory's console-exporter
+//! files, or from Jaeger's api_v3 query service.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use nomad_proto::jaeger::query_service_client::QueryServiceClient;
+use nomad_proto::jaeger::{FindTracesRequest, TraceQueryParameters};
+use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
+use opentelemetry_proto::tonic::trace::v1::ResourceSpans;
+use prost::Message as _;
+use serde_json::{Value, json};
+
+/// One span, from either source.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Span {
+    pub trace_id: String,
+    pub span_id: String,
+    pub parent_span_id: Option<String>,
+    pub name: String,
+    pub service: String,
+    pub start_ns: u128,
+    pub end_ns: u128,
+    /// `ok`, `error` or `unset`.
+    pub status: String,
+    pub attributes: BTreeMap<String, String>,
+    pub resource: BTreeMap<String, String>,
+}
+
+impl Span {
+    fn duration_ms(&self) -> f64 {
+        self.end_ns.saturating_sub(self.start_ns) as f64 / 1e6
+    }
+
+    fn run_id(&self) -> Option<&str> {
+        self.attributes
+            .get("nomad.run.id")
+            .or_else(|| self.resource.get("nomad.run.id"))
+            .map(String::as_str)
+    }
+}
+
+/// One rollout's trace.
+#[derive(Debug, Clone)]
+pub struct Rollout {
+    pub trace_id: String,
+    pub root: Span,
+    pub spans: Vec<Span>,
+}
+
+impl Rollout {
+    pub fn rollout_id(&self) -> &str {
+        self.root
+            .attributes
+            .get("nomad.rollout.id")
+            .map_or("", String::as_str)
+    }
+}
+
+fn json_map(v: &Value) -> BTreeMap<String, String> {
+    v.as_object()
+        .map(|o| {
+            o.iter()
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        v.as_str().map_or_else(|| v.to_string(), str::to_owned),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Span lines of every `*.jsonl` file in `dir` (other lines are skipped).
+pub fn load_dir(dir: &Path) -> anyhow::Result<Vec<Span>> {
+    let mut spans = Vec::new();
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| anyhow::anyhow!("reading run directory {}: {e}", dir.display()))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "jsonl") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path)?;
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<Value>(line) else {
+                continue;
+            };
+            if v["signal"] != "span" {
+                continue;
+            }
+            let resource = json_map(&v["resource"]);
+            spans.push(Span {
+                trace_id: v["trace_id"].as_str().unwrap_or_default().to_owned(),
+                span_id: v["span_id"].as_str().unwrap_or_default().to_owned(),
+                parent_span_id: v["parent_span_id"].as_str().map(str::to_owned),
+                name: v["name"].as_str().unwrap_or_default().to_owned(),
+                service: resource.get("service.name").cloned().unwrap_or_default(),
+                start_ns: v["start_time_unix_nano"]
+                    .as_u64()
+                    .unwrap_or_default()
+                    .into(),
+                end_ns: v["end_time_unix_nano"].as_u64().unwrap_or_default().into(),
+                status: v["status"].as_str().unwrap_or("unset").to_owned(),
+                attributes: json_map(&v["attributes"]),
+                resource,
+            });
+        }
+    }
+    Ok(spans)
+}
+
+fn any_text(v: &Option<AnyValue>) -> String {
+    match v.as_ref().and_then(|v| v.value.as_ref()) {
+        Some(any_value::Value::StringValue(s)) => s.clone(),
+        Some(any_value::Value::IntValue(i)) => i.to_string(),
+        Some(any_value::Value::DoubleValue(f)) => f.to_string(),
+        Some(any_value::Value::BoolValue(b)) => b.to_string(),
+        _ => String::new(),
+    }
+}
+
+fn kv_map(kvs: &[KeyValue]) -> BTreeMap<String, String> {
+    kvs.iter()
+        .map(|kv| (kv.key.clone(), any_text(&kv.value)))
+        .collect()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Spans of OTLP `ResourceSpans`.
+pub fn from_otlp(resource_spans: &[ResourceSpans]) -> Vec<Span> {
+    let mut spans = Vec::new();
+    for rs in resource_spans {
+        let resource = rs
+            .resource
+            .as_ref()
+            .map(|r| kv_map(&r.attributes))
+            .unwrap_or_default();
+        for scope in &rs.scope_spans {
+            for s in &scope.spans {
+                let status = match s.status.as_ref().map(|st| st.code) {
+                    Some(1) => "ok",
+                    Some(2) => "error",
+                    _ => "unset",
+                };
+                spans.push(Span {
+                    trace_id: hex(&s.trace_id),
+                    span_id: hex(&s.span_id),
+                    parent_span_id: (!s.parent_span_id.is_empty()).then(|| hex(&s.parent_span_id)),
+                    name: s.name.clone(),
+                    service: resource.get("service.name").cloned().unwrap_or_default(),
+                    start_ns: s.start_time_unix_nano.into(),
+                    end_ns: s.end_time_unix_nano.into(),
+                    status: status.to_owned(),
+                    attributes: kv_map(&s.attributes),
+                    resource: resource.clone(),
+                });
+            }
+        }
+    }
+    spans
+}
+
+/// Spans of `run_id` from Jaeger's api_v3 query service at `url` (gRPC, e.g. :16685).
+pub async fn load_jaeger(
+    url: &str,
+    run_id: &str,
+    lookback: Duration,
+    depth: i32,
+) -> anyhow::Result<Vec<Span>> {
+    let channel = nomad_rpc::channel(url)?;
+    let mut client = QueryServiceClient::new(channel);
+    let now = SystemTime::now();
+    let timestamp = |t: SystemTime| {
+        let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+        prost_types::Timestamp {
+            seconds: d.as_secs() as i64,
+            nanos: d.subsec_nanos() as i32,
+        }
+    };
+    let request = FindTracesRequest {
+        query: Some(TraceQueryParameters {
+            attributes: HashMap::from([("nomad.run.id".to_owned(), run_id.to_owned())]),
+            start_time_min: Some(timestamp(now - lookback)),
+            start_time_max: Some(timestamp(now)),
+            search_depth: depth,
+            ..Default::default()
+        }),
+    };
+    let mut stream = client
+        .find_traces(request)
+        .await
+        .map_err(|s| anyhow::anyhow!("Jaeger at {url}: {:?}: {}", s.code(), s.message()))?
+        .into_inner();
+    let mut spans = Vec::new();
+    while let Some(chunk) = stream
+        .message()
+        .await
+        .map_err(|s| anyhow::anyhow!("Jaeger at {url}: {}", s.message()))?
+    {
+        let decoded: Vec<ResourceSpans> = chunk
+            .resource_spans
+            .iter()
+            .map(|b| ResourceSpans::decode(b.as_slice()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| anyhow::anyhow!("Jaeger sent spans that do not decode: {e}"))?;
+        spans.extend(from_otlp(&decoded));
+    }
+    Ok(spans)
+}
+
+/// The run's rollouts: traces rooted at `nomad.rollout` whose root carries `run_id`,
+/// slowest first.
+pub fn rollouts(spans: Vec<Span>, run_id: &str) -> Vec<Rollout> {
+    let mut traces: HashMap<String, Vec<Span>> = HashMap::new();
+    for span in spans {
+        traces.entry(span.trace_id.clone()).or_default().push(span);
+    }
+    let mut rollouts: Vec<Rollout> = traces
+        .into_iter()
+        .filter_map(|(trace_id, mut spans)| {
+            spans.sort_by_key(|s| s.start_ns);
+            spans.dedup_by(|a, b| a.span_id == b.span_id);
+            let root = spans
+                .iter()
+                .find(|s| s.parent_span_id.is_none() && s.name == "nomad.rollout")?
+                .clone();
+            (root.run_id() == Some(run_id)).then_some(Rollout {
+                trace_id,
+                root,
+                spans,
+            })
+        })
+        .collect();
+    rollouts.sort_by(|a, b| b.root.duration_ms().total_cmp(&a.root.duration_ms()));
+    rollouts
+}
+
+/// A waterfall of one rollout: each span under its parent, with start offset, duration,
+/// status and a bar on the rollout's timeline.
+pub fn waterfall(rollout: &Rollout) -> String {
+    const BAR: usize = 30;
+    let start = rollout.root.start_ns;
+    let total = rollout.root.end_ns.saturating_sub(start).max(1);
+    let ids: std::collections::HashSet<&str> =
+        rollout.spans.iter().map(|s| s.span_id.as_str()).collect();
+    let mut children: HashMap<Option<&str>, Vec<&Span>> = HashMap::new();
+    for s in &rollout.spans {
+        // A span whose parent is missing hangs from the root, marked.
+        let parent = s.parent_span_id.as_deref().filter(|p| ids.contains(p));
+        children.entry(parent).or_default().push(s);
+    }
+    let mut out = format!(
+        "rollout {} (task {})  trace {}  {:.1} ms  {}\n",
+        rollout.rollout_id(),
+        rollout
+            .root
+            .attributes
+            .get("nomad.task.id")
+            .map_or("?", String::as_str),
+        rollout.trace_id,
+        rollout.root.duration_ms(),
+        rollout.root.status,
+    );
+    let mut stack: Vec<(&Span, usize)> = children
+        .get(&None)
+        .map(|roots| roots.iter().rev().map(|s| (*s, 0)).collect())
+        .unwrap_or_default();
+    while let Some((span, depth)) = stack.pop() {
+        let offset = span.start_ns.saturating_sub(start);
+        let from = (offset * BAR as u128 / total) as usize;
+        let width =
+            ((span.end_ns.saturating_sub(span.start_ns) * BAR as u128 / total) as usize).max(1);
+        let bar: String = (0..BAR)
+            .map(|i| {
+                if i >= from && i < from + width {
+                    '#'
+                } else {
+                    '.'
+                }
+            })
+            .collect();
+        let orphan = if span.parent_span_id.is_some() && depth == 0 {
+            " (parent missing)"
+        } else {
+            ""
+        };
+        out.push_str(&format!(
+            "  {bar} {:>9.2} {:>9.2}  {:<20} {}{}{}{}\n",
+            offset as f64 / 1e6,
+            span.duration_ms(),
+            span.service,
+            "  ".repeat(depth),
+            span.name,
+            if span.status == "error" {
+                "  ERROR"
+            } else {
+                ""
+            },
+            orphan,
+        ));
+        if let Some(kids) = children.get(&Some(span.span_id.as_str())) {
+            for kid in kids.iter().rev() {
+                stack.push((kid, depth + 1));
+            }
+        }
+    }
+    out
+}
+
+pub fn to_json(rollouts: &[Rollout]) -> Value {
+    json!(
+        rollouts
+            .iter()
+            .map(|r| json!({
+                "trace_id": r.trace_id,
+                "rollout_id": r.rollout_id(),
+                "task_id": r.root.attributes.get("nomad.task.id"),
+                "duration_ms": r.root.duration_ms(),
+                "status": r.root.status,
+                "spans": r.spans.iter().map(|s| json!({
+                    "span_id": s.span_id,
+                    "parent_span_id": s.parent_span_id,
+                    "service": s.service,
+                    "name": s.name,
+                    "start_offset_ms": s.start_ns.saturating_sub(r.root.start_ns) as f64 / 1e6,
+                    "duration_ms": s.duration_ms(),
+                    "status": s.status,
+                })).collect::<Vec<_>>(),
+            }))
+            .collect::<Vec<_>>()
+    )
+}
+
+/// One line per rollout: task, rollout, trace, duration, span count, services, status.
+pub fn table(rollouts: &[Rollout]) -> String {
+    let mut out = format!(
+        "{:<16} {:<32} {:<32} {:>10} {:>5} {:>8}  status\n",
+        "task", "rollout", "trace", "ms", "spans", "services"
+    );
+    for r in rollouts {
+        let services: std::collections::BTreeSet<&str> =
+            r.spans.iter().map(|s| s.service.as_str()).collect();
+        out.push_str(&format!(
+            "{:<16} {:<32} {:<32} {:>10.1} {:>5} {:>8}  {}\n",
+            r.root
+                .attributes
+                .get("nomad.task.id")
+                .map_or("?", String::as_str),
+            r.rollout_id(),
+            r.trace_id,
+            r.root.duration_ms(),
+            r.spans.len(),
+            services.len(),
+            r.root.status,
+        ));
+    }
+    out
+}
+
+/// Prints the run's rollouts: a line for each, then the waterfalls of the `limit` slowest.
+/// With `json`, every rollout and its spans as one JSON array.
+pub fn print(rollouts: &[Rollout], json: bool, limit: usize) {
+    if json {
+        println!("{}", to_json(rollouts));
+        return;
+    }
+    println!("{} rollouts, slowest first", rollouts.len());
+    println!("{}", table(rollouts));
+    for r in rollouts.iter().take(limit) {
+        println!("{}", waterfall(r));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(
+        trace: &str,
+        id: &str,
+        parent: Option<&str>,
+        name: &str,
+        start: u128,
+        end: u128,
+        run: &str,
+    ) -> Span {
+        Span {
+            trace_id: trace.into(),
+            span_id: id.into(),
+            parent_span_id: parent.map(str::to_owned),
+            name: name.into(),
+            service: "nomad/head".into(),
+            start_ns: start,
+            end_ns: end,
+            status: "ok".into(),
+            attributes: BTreeMap::from([
+                ("nomad.run.id".to_owned(), run.to_owned()),
+                ("nomad.rollout.id".to_owned(), format!("ro-{trace}")),
+            ]),
+            resource: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn only_the_runs_rollouts_slowest_first() {
+        let spans = vec![
+            span("t1", "a", None, "nomad.rollout", 0, 10_000_000, "run"),
+            span("t1", "b", Some("a"), "child", 1_000_000, 5_000_000, "run"),
+            span("t2", "c", None, "nomad.rollout", 0, 30_000_000, "run"),
+            span("t3", "d", None, "nomad.rollout", 0, 50_000_000, "other-run"),
+            span("t4", "e", None, "nomad.job", 0, 90_000_000, "run"),
+        ];
+        let r = rollouts(spans, "run");
+        assert_eq!(
+            r.iter().map(|r| r.trace_id.as_str()).collect::<Vec<_>>(),
+            ["t2", "t1"]
+        );
+        let tree = waterfall(&r[1]);
+        assert!(
+            tree.contains("rollout ro-t1") && tree.contains("  child"),
+            "{tree}"
+        );
+        assert_eq!(to_json(&r)[1]["spans"][1]["start_offset_ms"], 1.0);
+    }
+
+    #[test]
+    fn an_orphan_is_shown_and_marked() {
+        let spans = vec![
+            span("t", "a", None, "nomad.rollout", 0, 10, "run"),
+            span("t", "b", Some("gone"), "lost", 2, 4, "run"),
+        ];
+        assert!(waterfall(&rollouts(spans, "run")[0]).contains("lost (parent missing)"));
+    }
+}
