@@ -62,6 +62,20 @@ pub fn binary(name: &str) -> PathBuf {
         })
 }
 
+/// The default models (`scripts/fetch-models`): `NOMAD_MODELS_DIR`, else the workspace's
+/// `models/`.
+pub fn models_dir() -> PathBuf {
+    let dir = std::env::var_os("NOMAD_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    assert!(
+        dir.join("all-minilm-l6-v2").is_dir() && dir.join("smollm2-135m-instruct").is_dir(),
+        "the default models are missing from {}: run scripts/fetch-models first",
+        dir.display()
+    );
+    dir.canonicalize().unwrap()
+}
+
 /// A fresh command for `service` with an environment free of the caller's OTEL_/NOMAD_ settings.
 fn command(service: Service, env: &[(String, String)]) -> Command {
     let mut cmd = Command::new(binary(service.binary()));

@@ -20,6 +20,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
 use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::trace::v1::ResourceSpans;
 use prost::Message as _;
 
 use crate::spans::{SpanRecord, from_otlp};
@@ -40,6 +41,8 @@ pub struct MetricRecord {
 #[derive(Default)]
 struct State {
     spans: Mutex<Vec<SpanRecord>>,
+    /// Spans as received, for backends built on the receiver (the Jaeger query double).
+    resource_spans: Mutex<Vec<ResourceSpans>>,
     metrics: Mutex<Vec<MetricRecord>>,
     connections: AtomicUsize,
     requests: AtomicUsize,
@@ -52,6 +55,10 @@ impl State {
             .lock()
             .unwrap()
             .extend(from_otlp(&request.resource_spans));
+        self.resource_spans
+            .lock()
+            .unwrap()
+            .extend(request.resource_spans.iter().cloned());
     }
 
     fn add_metrics(&self, request: &ExportMetricsServiceRequest) {
@@ -233,6 +240,11 @@ impl OtlpReceiver {
             state,
             task,
         }
+    }
+
+    /// Every `ResourceSpans` received, as sent.
+    pub fn resource_spans(&self) -> Vec<ResourceSpans> {
+        self.state.resource_spans.lock().unwrap().clone()
     }
 
     pub fn spans(&self) -> Vec<SpanRecord> {

@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use nomad_integration_tests::fleet::binary;
+use nomad_integration_tests::fleet::{binary, models_dir};
 use nomad_integration_tests::peers::{
     HttpUpstream, mcp_client, mcp_client_stdio, python_sdk, script,
 };
@@ -16,18 +16,6 @@ use nomad_proto::v1::gateway_client::GatewayClient;
 use serde_json::{Value, json};
 
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
-
-fn models_dir() -> std::path::PathBuf {
-    let dir = std::env::var_os("NOMAD_MODELS_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
-    assert!(
-        dir.join("all-minilm-l6-v2").is_dir(),
-        "the default models are missing from {}: run scripts/fetch-models first",
-        dir.display()
-    );
-    dir.canonicalize().unwrap()
-}
 
 /// Tools (embed), the two Python upstreams, a workspace root and a 3 s sandbox timeout.
 fn options(dir: &Path, http_upstream: &str, extra: &str) -> FleetOptions {

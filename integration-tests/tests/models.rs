@@ -8,19 +8,8 @@ use nomad_proto::v1::{
     ExecuteBatchRequest, GatewayCallToolRequest, PlaceRequest, ToolInput, execute_batch_response,
     item_result, tool_input, tool_output,
 };
+use nomad_integration_tests::fleet::models_dir;
 use serde_json::{Value, json};
-
-fn models_dir() -> std::path::PathBuf {
-    let dir = std::env::var_os("NOMAD_MODELS_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
-    assert!(
-        dir.join("all-minilm-l6-v2").is_dir() && dir.join("smollm2-135m-instruct").is_dir(),
-        "the default models are missing from {}: run scripts/fetch-models first",
-        dir.display()
-    );
-    dir.canonicalize().unwrap()
-}
 
 /// Runs one input on the worker directly (the scheduler has already loaded the tool there).
 async fn worker_alone(fleet: &Fleet, tool: &str, input: ToolInput) -> tool_output::Value {

@@ -1,0 +1,405 @@
+//! `nomad up` as a user runs it: the supervisor starts the real fleet, `nomad run` drives
+//! rollouts through it, `nomad traces` reads them back (from the run directory, and from a
+//! Jaeger api_v3 query double over gRPC), and SIGTERM stops everything.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nomad_integration_tests::fleet::{binary, mlp_tasks, models_dir};
+use nomad_integration_tests::jaeger::JaegerQuery;
+use nomad_integration_tests::spans::{check_rollout_traces, from_console};
+use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
+use serde_json::Value;
+use tokio::process::Command;
+
+/// A command for a Nomad binary with none of the caller's telemetry settings.
+fn clean(name: &str) -> Command {
+    let mut cmd = Command::new(binary(name));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("OTEL_") || key.starts_with("NOMAD_") || key == "SLURM_JOB_ID" {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("RUST_LOG", "info");
+    cmd
+}
+
+fn write_tasks(path: &Path, tasks: &[Value]) {
+    let text: String = tasks.iter().map(|t| format!("{t}\n")).collect();
+    std::fs::write(path, text).unwrap();
+}
+
+fn read_jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Console records of `signal` in every `*.jsonl` file of `dir`.
+fn records(dir: &Path, file: &str, signal: &str) -> Vec<Value> {
+    read_jsonl(&dir.join(file))
+        .into_iter()
+        .filter(|r| r["signal"] == signal)
+        .collect()
+}
+
+fn alive(pid: u64) -> bool {
+    // Reaped or never ours: gone. A zombie awaiting its reaper has no threads left to run.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
+
+/// `nomad traces` output as JSON, with its exit status.
+async fn nomad_traces(args: &[&str]) -> (bool, Value, String) {
+    let out = clean("nomad")
+        .arg("traces")
+        .args(args)
+        .arg("--json")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let json = serde_json::from_str(&stdout).unwrap_or(Value::Null);
+    (out.status.success(), json, stderr)
+}
+
+fn trace_ids(rollouts: &Value) -> BTreeSet<String> {
+    rollouts
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|r| r["trace_id"].as_str().unwrap().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn result_trace_ids(results: &[Value]) -> BTreeSet<String> {
+    results
+        .iter()
+        .map(|r| r["trace_id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
+    let dir = Fleet::new_dir();
+    let made = std::process::Command::new(binary("nomad-device-worker"))
+        .args(["make-mlp", "--layers", "6,16,4", "--seed", "3", "--out"])
+        .arg(dir.join("mlp"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let config = dir.join("nomad.yaml");
+    // `metrics_enabled: false` is overruled by the user's NOMAD_OTEL_METRICS_ENABLED=true:
+    // children that see metrics on prove the user's variable beat the handed-down block.
+    std::fs::write(
+        &config,
+        format!(
+            "tools:\n  - {{name: mlp, kind: mlp, source: {}, batch_size: 8}}\n\
+             tool_manager: {{heartbeat_interval_ms: 200}}\n\
+             telemetry:\n  enabled: true\n  exporter: console\n  metrics_enabled: false\n\
+             \x20 metric_export_interval_seconds: 0.5\n\
+             \x20 memory_profiling: {{enabled: true, interval_seconds: 0.2}}\n",
+            dir.join("mlp").display()
+        ),
+    )
+    .unwrap();
+    let run_id = format!("it-up-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let runs = dir.join("runs");
+    let run_dir = runs.join(&run_id);
+    let up_err = dir.join("up.stderr");
+    let mut up = clean("nomad")
+        .arg("up")
+        .arg("--config")
+        .arg(&config)
+        .arg("--runs-dir")
+        .arg(&runs)
+        .args(["--workers", "1", "--ready-timeout", "60"])
+        .env("NOMAD_OTEL_RUN_ID", &run_id)
+        .env("NOMAD_OTEL_METRICS_ENABLED", "true")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&up_err).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let fleet: Value = loop {
+        if let Ok(text) = std::fs::read_to_string(run_dir.join("fleet.json"))
+            && let Ok(v) = serde_json::from_str(&text)
+        {
+            break v;
+        }
+        if let Ok(Some(status)) = up.try_wait() {
+            panic!(
+                "nomad up exited ({status}) before the fleet was ready:\n{}",
+                std::fs::read_to_string(&up_err).unwrap_or_default()
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the fleet did not come up in 90 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let servers: Vec<(String, u64)> = fleet["servers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["name"].as_str().unwrap().to_owned(),
+                s["pid"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let names: BTreeSet<&str> = servers.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        BTreeSet::from(["scheduler", "device-worker-0", "gateway"])
+    );
+    assert!(servers.iter().all(|(_, pid)| alive(*pid)));
+
+    // The rollout driver, as a user runs it against the fleet, with its telemetry in the run
+    // directory beside the fleet's.
+    let tasks = mlp_tasks(50);
+    let tasks_path = dir.join("tasks.jsonl");
+    let results_path = dir.join("results.jsonl");
+    write_tasks(&tasks_path, &tasks);
+    let driver = clean("nomad")
+        .arg("run")
+        .arg("--tasks")
+        .arg(&tasks_path)
+        .arg("--out")
+        .arg(&results_path)
+        .args(["--gateway", fleet["gateway"].as_str().unwrap()])
+        .args(["--concurrency", "8"])
+        .env("NOMAD_OTEL_RUN_ID", &run_id)
+        .env("NOMAD_OTEL_ENABLED", "true")
+        .env("NOMAD_OTEL_EXPORTER", "console")
+        .stdout(std::fs::File::create(run_dir.join("driver.jsonl")).unwrap())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+        .wait_with_output()
+        .await
+        .unwrap();
+    assert!(
+        driver.status.success(),
+        "nomad run failed:\n{}",
+        String::from_utf8_lossy(&driver.stderr)
+    );
+    let results = read_jsonl(&results_path);
+    assert_eq!(results.len(), 50);
+    assert!(results.iter().all(|r| r["status"] == "ok"), "{results:?}");
+    assert_eq!(
+        result_trace_ids(&results).len(),
+        50,
+        "50 distinct trace ids"
+    );
+
+    // Memory samples reach the head's metrics while the fleet runs.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !records(&run_dir, "head.jsonl", "metric")
+        .iter()
+        .any(|m| m["name"] == "nomad.servers.active" && m["value"] == 1)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no nomad.servers.active export while running"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // SIGTERM: the fleet stops in order, flushed, and nothing is left running.
+    // SAFETY: kill(2) on the child we spawned.
+    unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(60), up.wait())
+        .await
+        .expect("nomad up stops within 60 s of SIGTERM")
+        .unwrap();
+    let up_log = std::fs::read_to_string(&up_err).unwrap_or_default();
+    assert!(status.success(), "nomad up exited {status}:\n{up_log}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while servers.iter().any(|(_, pid)| alive(*pid)) {
+        assert!(
+            Instant::now() < deadline,
+            "children outlived nomad up: {servers:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!up_log.contains(" exited ("), "a server failed:\n{up_log}");
+
+    // Every rollout is one whole trace across the four services, from the run directory.
+    let mut console = String::new();
+    for file in ["driver", "scheduler", "device-worker-0", "gateway"] {
+        console.push_str(&std::fs::read_to_string(run_dir.join(format!("{file}.jsonl"))).unwrap());
+    }
+    check_rollout_traces(&from_console(&console), &results, &run_id);
+
+    // Env precedence: the children exported metrics although the block turned them off.
+    for server in ["scheduler", "device-worker-0", "gateway"] {
+        let metrics = records(&run_dir, &format!("{server}.jsonl"), "metric");
+        assert!(!metrics.is_empty(), "{server} exported no metrics");
+        assert!(
+            metrics
+                .iter()
+                .all(|m| m["resource"]["nomad.run.id"] == run_id.as_str()),
+            "{server} reports another run id"
+        );
+    }
+
+    // Memory metrics per child: names, units, PSS within RSS.
+    let head_metrics = records(&run_dir, "head.jsonl", "metric");
+    let latest = |name: &str, server: &str, memory_type: Option<&str>| -> Value {
+        head_metrics
+            .iter()
+            .rfind(|m| {
+                m["name"] == name
+                    && m["attributes"]["server"] == server
+                    && memory_type.is_none_or(|t| m["attributes"]["memory.type"] == t)
+            })
+            .unwrap_or_else(|| panic!("no {name} for {server} ({memory_type:?})"))
+            .clone()
+    };
+    for (server, _) in &servers {
+        let rss = latest("nomad.server.memory.usage", server, Some("rss"));
+        let pss = latest("nomad.server.memory.usage", server, Some("pss"));
+        assert_eq!(rss["unit"], "By");
+        assert_eq!(pss["unit"], "By");
+        let (rss, pss) = (
+            rss["value"].as_f64().unwrap(),
+            pss["value"].as_f64().unwrap(),
+        );
+        assert!(rss > 1e6, "{server} RSS {rss}");
+        assert!(
+            (0.0..=rss).contains(&pss),
+            "{server}: PSS {pss} outside 0..=RSS {rss}"
+        );
+        let peak = latest("nomad.server.memory.sampled_peak", server, Some("rss"));
+        assert!(peak["value"].as_f64().unwrap() >= rss);
+        let processes = latest("nomad.server.processes", server, None);
+        assert_eq!(processes["unit"], "{process}");
+        assert!(processes["value"].as_f64().unwrap() >= 1.0);
+    }
+    let host = |name: &str| {
+        head_metrics
+            .iter()
+            .rfind(|m| m["name"] == name)
+            .unwrap_or_else(|| panic!("no {name}"))
+            .clone()
+    };
+    let total = host("nomad.host.memory.total");
+    assert_eq!(total["unit"], "By");
+    assert!(
+        host("nomad.host.memory.usage")["value"].as_f64().unwrap()
+            <= total["value"].as_f64().unwrap()
+    );
+
+    // `nomad traces` finds exactly the run's 50 rollouts in the run directory.
+    let (ok, rollouts, stderr) =
+        nomad_traces(&[&run_id, "--from", run_dir.to_str().unwrap()]).await;
+    assert!(ok, "{stderr}");
+    assert_eq!(trace_ids(&rollouts), result_trace_ids(&results));
+    let first = &rollouts[0];
+    let services: BTreeSet<&str> = first["spans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["service"].as_str().unwrap())
+        .collect();
+    assert_eq!(services.len(), 4, "{services:?}");
+    let (ok, _, stderr) = nomad_traces(&["no-such-run", "--from", run_dir.to_str().unwrap()]).await;
+    assert!(!ok && stderr.contains("no rollouts"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nomad_traces_finds_the_runs_rollouts_through_jaegers_query_api() {
+    let receiver = Arc::new(OtlpReceiver::grpc().await);
+    let options = FleetOptions::default()
+        .env("NOMAD_OTEL_ENABLED", "true")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone());
+    let mut fleet = Fleet::start(options).await;
+    let run = fleet.run_head(&mlp_tasks(50), 8).await;
+    assert!(run.success, "{}", run.stderr);
+    // Another run's rollouts in the same backend must not show up.
+    let other = fleet.run_head(&mlp_tasks(3), 3).await;
+    assert!(other.success);
+    fleet.terminate().await;
+    let jaeger = JaegerQuery::start(receiver.clone()).await;
+    let url = jaeger.addr.to_string();
+
+    let (ok, rollouts, stderr) = nomad_traces(&[&run.run_id(), "--jaeger", &url]).await;
+    assert!(ok, "{stderr}");
+    assert_eq!(trace_ids(&rollouts), result_trace_ids(&run.results));
+    assert!(
+        rollouts
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| { r["spans"].as_array().unwrap().len() > 3 && r["status"] != "error" })
+    );
+
+    // The search depth reaches Jaeger.
+    let (_, few, _) = nomad_traces(&[&run.run_id(), "--jaeger", &url, "--search-depth", "7"]).await;
+    assert_eq!(few.as_array().unwrap().len(), 7);
+
+    // A Jaeger that is not there is a clear error, not an empty answer.
+    let dead: PathBuf = PathBuf::from("127.0.0.1:1");
+    let (ok, _, stderr) = nomad_traces(&[&run.run_id(), "--jaeger", dead.to_str().unwrap()]).await;
+    assert!(!ok && stderr.contains("Jaeger at 127.0.0.1:1"), "{stderr}");
+}
+
+/// README's first command: the default fleet on the real models runs the bundled tasks, prints
+/// a summary and the traces, and stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nomad_up_demo_runs_the_bundled_tasks_on_the_default_models() {
+    let dir = Fleet::new_dir();
+    let out = clean("nomad")
+        .current_dir(&dir)
+        .args(["up", "--demo"])
+        .arg("--models-dir")
+        .arg(models_dir())
+        .env("NOMAD_OTEL_RUN_ID", "demo-run")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let run_dir = dir.join("runs/demo-run");
+    let results = read_jsonl(&run_dir.join("results.jsonl"));
+    assert_eq!(results.len(), 20);
+    assert!(results.iter().all(|r| r["status"] == "ok"), "{results:?}");
+    // Search and the embedding norm are deterministic: they pass. The chat answers are scored
+    // by similarity, whatever the small model says.
+    for r in &results {
+        let id = r["task_id"].as_str().unwrap();
+        if !id.starts_with("answer-") {
+            assert_eq!(r["passed"], true, "{r}");
+        }
+        assert!(r["reward"].as_f64().is_some(), "{r}");
+    }
+    assert!(stdout.contains("20 rollouts: 20 ok, 0 failed"), "{stdout}");
+    assert!(stdout.contains("20 rollouts, slowest first"), "{stdout}");
+    assert!(stdout.contains("nomad.device.execute"), "a waterfall is printed: {stdout}");
+    // The bundled agent calls both tools from the sandbox.
+    let tools: BTreeSet<String> = from_console(
+        &std::fs::read_to_string(run_dir.join("scheduler.jsonl")).unwrap(),
+    )
+    .iter()
+    .filter(|s| s.name == "nomad.tool.request")
+    .filter_map(|s| s.attr("tool").map(str::to_owned))
+    .collect();
+    assert_eq!(tools, BTreeSet::from(["embed".into(), "generate".into()]));
+    let _ = std::fs::remove_dir_all(&dir);
+}
