@@ -1,6 +1,7 @@
 //! The real default models through the whole fleet: head -> gateway -> scheduler -> worker,
 //! compared with the same worker called directly.
 
+use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::{Fleet, FleetOptions};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::gateway_client::GatewayClient;
@@ -8,7 +9,6 @@ use nomad_proto::v1::{
     ExecuteBatchRequest, GatewayCallToolRequest, PlaceRequest, ToolInput, execute_batch_response,
     item_result, tool_input, tool_output,
 };
-use nomad_integration_tests::fleet::models_dir;
 use serde_json::{Value, json};
 
 /// Runs one input on the worker directly (the scheduler has already loaded the tool there).

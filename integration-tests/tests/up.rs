@@ -391,15 +391,91 @@ async fn nomad_up_demo_runs_the_bundled_tasks_on_the_default_models() {
     }
     assert!(stdout.contains("20 rollouts: 20 ok, 0 failed"), "{stdout}");
     assert!(stdout.contains("20 rollouts, slowest first"), "{stdout}");
-    assert!(stdout.contains("nomad.device.execute"), "a waterfall is printed: {stdout}");
+    assert!(
+        stdout.contains("nomad.device.execute"),
+        "a waterfall is printed: {stdout}"
+    );
     // The bundled agent calls both tools from the sandbox.
-    let tools: BTreeSet<String> = from_console(
-        &std::fs::read_to_string(run_dir.join("scheduler.jsonl")).unwrap(),
-    )
-    .iter()
-    .filter(|s| s.name == "nomad.tool.request")
-    .filter_map(|s| s.attr("tool").map(str::to_owned))
-    .collect();
+    let tools: BTreeSet<String> =
+        from_console(&std::fs::read_to_string(run_dir.join("scheduler.jsonl")).unwrap())
+            .iter()
+            .filter(|s| s.name == "nomad.tool.request")
+            .filter_map(|s| s.attr("tool").map(str::to_owned))
+            .collect();
     assert_eq!(tools, BTreeSet::from(["embed".into(), "generate".into()]));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A server that dies is reported with its exit status and log, and takes the fleet down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_server_is_reported_and_the_fleet_stops() {
+    let dir = Fleet::new_dir();
+    let made = std::process::Command::new(binary("nomad-device-worker"))
+        .args(["make-mlp", "--layers", "6,4", "--out"])
+        .arg(dir.join("mlp"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let config = dir.join("nomad.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[tools]]\nname = \"mlp\"\nkind = \"mlp\"\nsource = \"{}\"\n",
+            dir.join("mlp").display()
+        ),
+    )
+    .unwrap();
+    let runs = dir.join("runs");
+    let up = clean("nomad")
+        .arg("up")
+        .arg("--config")
+        .arg(&config)
+        .arg("--runs-dir")
+        .arg(&runs)
+        .args(["--workers", "2"])
+        .env("NOMAD_OTEL_RUN_ID", "dies")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let fleet_json = runs.join("dies/fleet.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !fleet_json.is_file() {
+        assert!(Instant::now() < deadline, "the fleet did not come up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let fleet: Value =
+        serde_json::from_str(&std::fs::read_to_string(&fleet_json).unwrap()).unwrap();
+    let pid_of = |name: &str| {
+        fleet["servers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap()["pid"]
+            .as_u64()
+            .unwrap()
+    };
+    let victim = pid_of("device-worker-1");
+    // SAFETY: kill(2) on a process of the fleet this test started.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let out = tokio::time::timeout(Duration::from_secs(60), up.wait_with_output())
+        .await
+        .expect("nomad up stops after a server dies")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("device-worker-1 exited (signal: 9"),
+        "the death is reported with its status:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("device-worker-1.log:\n  | "),
+        "with the tail of its log:\n{stderr}"
+    );
+    for name in ["scheduler", "device-worker-0", "gateway"] {
+        assert!(!alive(pid_of(name)), "{name} outlived the fleet");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

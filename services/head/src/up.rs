@@ -492,8 +492,11 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         "head_pid": std::process::id(),
         "servers": servers.iter().map(|(name, pid)| json!({"name": name, "pid": pid})).collect::<Vec<_>>(),
     });
+    // Written whole, then renamed: whoever waits for the file never reads half of it.
     let fleet_path = run_dir.join("fleet.json");
-    std::fs::write(&fleet_path, format!("{fleet:#}\n"))
+    let partial = run_dir.join("fleet.json.partial");
+    std::fs::write(&partial, format!("{fleet:#}\n"))
+        .and_then(|()| std::fs::rename(&partial, &fleet_path))
         .with_context(|| format!("writing {}", fleet_path.display()))?;
     eprintln!("nomad up: run {run_id} is ready");
     eprintln!("  run directory   {}", run_dir.display());
