@@ -116,7 +116,12 @@ pub struct JaegerQuery {
 
 impl JaegerQuery {
     pub async fn start(receiver: Arc<OtlpReceiver>) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::start_at(receiver, "127.0.0.1:0").await
+    }
+
+    /// The same on `address`.
+    pub async fn start_at(receiver: Arc<OtlpReceiver>, address: &str) -> Self {
+        let listener = tokio::net::TcpListener::bind(address).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move {
             tonic::transport::Server::builder()

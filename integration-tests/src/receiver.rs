@@ -165,7 +165,12 @@ pub struct OtlpReceiver {
 impl OtlpReceiver {
     /// An OTLP/gRPC receiver on a free loopback port.
     pub async fn grpc() -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::grpc_at("127.0.0.1:0").await
+    }
+
+    /// An OTLP/gRPC receiver on `address`.
+    pub async fn grpc_at(address: &str) -> Self {
+        let listener = tokio::net::TcpListener::bind(address).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(State::default());
         let counted = state.clone();

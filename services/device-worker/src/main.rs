@@ -39,7 +39,8 @@ struct ServeArgs {
     /// Address to serve gRPC on.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
-    /// Address the scheduler should dial (default: the bound listen address).
+    /// Address the scheduler should dial (default: the bound listen address, or this host's
+    /// name and the port when listening on every interface).
     #[arg(long)]
     advertise: Option<String>,
     /// The scheduler to register with.
@@ -154,14 +155,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.addr_file {
         nomad_rpc::write_addr_file(path, local)?;
     }
-    let worker_id = args.worker_id.unwrap_or_else(|| {
-        let host = gethostname::gethostname().to_string_lossy().into_owned();
-        format!("{host}-{}-{}", std::process::id(), args.device)
-    });
-    let address = args
-        .advertise
-        .map(|a| nomad_rpc::normalize_address(&a))
-        .unwrap_or_else(|| format!("http://{local}"));
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    let worker_id = args
+        .worker_id
+        .unwrap_or_else(|| format!("{host}-{}-{}", std::process::id(), args.device));
+    // Listening on every interface (a container): the scheduler reaches us by host name, which
+    // stays distinct when a service is scaled to several replicas.
+    let address = match args.advertise {
+        Some(a) => nomad_rpc::normalize_address(&a),
+        None if local.ip().is_unspecified() => format!("http://{host}:{}", local.port()),
+        None => format!("http://{local}"),
+    };
     tracing::info!(%worker_id, %address, "nomad-device-worker listening on {local}");
 
     let registration = registration::Registration {

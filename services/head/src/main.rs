@@ -44,6 +44,11 @@ enum Command {
     Serve(ServeArgs),
     /// Show a run's rollouts as waterfall trees of their spans, slowest first.
     Traces(TracesArgs),
+    /// Check a Nomad server's gRPC health (exit 0 when serving): for container health checks.
+    Health {
+        /// The server's address, e.g. 127.0.0.1:7002.
+        address: String,
+    },
 }
 
 #[derive(clap::Args)]
@@ -165,6 +170,7 @@ fn main() -> ExitCode {
             Command::Run(args) => rt.block_on(run(args)),
             Command::Serve(args) => rt.block_on(serve(args)).map(|()| true),
             Command::Traces(args) => rt.block_on(show_traces(args)),
+            Command::Health { address } => rt.block_on(health(&address)),
         });
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -338,6 +344,34 @@ async fn show_traces(args: TracesArgs) -> anyhow::Result<bool> {
     }
     traces::print(&rollouts, args.json, args.limit);
     Ok(true)
+}
+
+/// Whether the server at `address` reports SERVING within 5 s.
+async fn health(address: &str) -> anyhow::Result<bool> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    let mut client = HealthClient::new(nomad_rpc::channel(address)?);
+    let reply = tokio::time::timeout(
+        Duration::from_secs(5),
+        client.check(HealthCheckRequest::default()),
+    )
+    .await;
+    match reply {
+        Ok(Ok(r)) if r.get_ref().status == ServingStatus::Serving as i32 => Ok(true),
+        Ok(Ok(r)) => {
+            eprintln!("{address}: {:?}", r.get_ref().status());
+            Ok(false)
+        }
+        Ok(Err(status)) => {
+            eprintln!("{address}: {}", status.message());
+            Ok(false)
+        }
+        Err(_) => {
+            eprintln!("{address}: no answer within 5 s");
+            Ok(false)
+        }
+    }
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
