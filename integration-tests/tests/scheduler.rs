@@ -321,7 +321,7 @@ async fn a_worker_killed_mid_batch_under_load_loses_no_request() {
         sim_workers: 2,
         tools_yaml: Some(
             "tools:\n\
-             \x20 - {name: t, kind: mlp, source: sim, batch_size: 8, max_devices: 2, max_pending: 2000}\n\
+             \x20 - {name: t, kind: mlp, source: sim, batch_size: 8, max_devices: 2, max_pending: 8000}\n\
              tool_manager:\n\
              \x20 heartbeat_interval_ms: 100\n\
              \x20 max_batch_delay_ms: 1\n"
@@ -336,7 +336,7 @@ async fn a_worker_killed_mid_batch_under_load_loses_no_request() {
     let mut fleet = Fleet::start(options).await;
     let client = fleet.scheduler_client().await;
 
-    const TOTAL: usize = 1000;
+    const TOTAL: usize = 5000;
     let completed = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let load = {
         let completed = completed.clone();
@@ -363,7 +363,7 @@ async fn a_worker_killed_mid_batch_under_load_loses_no_request() {
                 .await
         })
     };
-    while completed.load(std::sync::atomic::Ordering::SeqCst) < 200 {
+    while completed.load(std::sync::atomic::Ordering::SeqCst) < 1000 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     fleet.kill_worker(0);
@@ -420,4 +420,12 @@ async fn a_worker_killed_mid_batch_under_load_loses_no_request() {
         ),
         (TOTAL - codes.values().sum::<usize>()) as f64
     );
+    // Nothing is left queued or in flight once every answer is in.
+    for gauge in ["nomad.tool.queue.length", "nomad.tool.inflight.requests"] {
+        assert!(
+            metrics.iter().any(|m| m.name == gauge),
+            "{gauge} was not exported"
+        );
+        assert_eq!(value(&metrics, gauge, &[("tool", "t")]), 0.0, "{gauge}");
+    }
 }

@@ -8,7 +8,8 @@ pub fn identifier(name: &str) -> String {
     let mut ident: String = name
         .chars()
         .map(|c| {
-            if c.is_alphanumeric() || c == '_' {
+            // ASCII only: Python refuses some characters Rust calls alphanumeric (`²`).
+            if c.is_ascii_alphanumeric() || c == '_' {
                 c
             } else {
                 '_'
@@ -16,10 +17,42 @@ pub fn identifier(name: &str) -> String {
         })
         .collect();
     const KEYWORDS: &[&str] = &[
-        "False", "None", "True", "and", "as", "assert", "async", "await", "break", "class",
-        "continue", "def", "del", "elif", "else", "except", "finally", "for", "from", "global",
-        "if", "import", "in", "is", "lambda", "nonlocal", "not", "or", "pass", "raise", "return",
-        "try", "while", "with", "yield",
+        "False",
+        "None",
+        "True",
+        "and",
+        "as",
+        "assert",
+        "async",
+        "await",
+        "break",
+        "class",
+        "continue",
+        "def",
+        "del",
+        "elif",
+        "else",
+        "except",
+        "finally",
+        "for",
+        "from",
+        "global",
+        "if",
+        "import",
+        "in",
+        "is",
+        "lambda",
+        "nonlocal",
+        "not",
+        "or",
+        "pass",
+        "raise",
+        "return",
+        "try",
+        "while",
+        "with",
+        "yield",
+        "__debug__",
     ];
     if ident.is_empty()
         || ident.starts_with(|c: char| c.is_ascii_digit())
@@ -78,13 +111,25 @@ fn python_type(schema: &Value, depth: usize) -> String {
 }
 
 fn python_literal(value: &Value) -> String {
+    // A JSON string literal is a valid Python one: its escapes are a subset of Python's.
+    let string = |s: &str| serde_json::to_string(s).expect("a string serializes");
     match value {
         Value::Null => "None".into(),
         Value::Bool(true) => "True".into(),
         Value::Bool(false) => "False".into(),
         Value::Number(n) => n.to_string(),
-        Value::String(s) => format!("{s:?}"),
-        other => other.to_string(),
+        Value::String(s) => string(s),
+        Value::Array(items) => {
+            let items: Vec<String> = items.iter().map(python_literal).collect();
+            format!("[{}]", items.join(", "))
+        }
+        Value::Object(map) => {
+            let items: Vec<String> = map
+                .iter()
+                .map(|(k, v)| format!("{}: {}", string(k), python_literal(v)))
+                .collect();
+            format!("{{{}}}", items.join(", "))
+        }
     }
 }
 
@@ -93,11 +138,18 @@ fn python_literal(value: &Value) -> String {
 /// name (both sides see the schema as the gateway serialises it).
 pub fn python_signature(tool: &str, schema: &Value) -> String {
     let properties = schema.get("properties").and_then(Value::as_object);
-    let required: Vec<&str> = schema
+    let mut required: Vec<&str> = Vec::new();
+    for name in schema
         .get("required")
         .and_then(Value::as_array)
-        .map(|r| r.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+    {
+        if !required.contains(&name) {
+            required.push(name);
+        }
+    }
     let mut params = Vec::new();
     let mut extra = false;
     if let Some(properties) = properties {
@@ -127,7 +179,12 @@ pub fn python_signature(tool: &str, schema: &Value) -> String {
         }
     }
     if extra || properties.is_none() {
-        params.push("**arguments".into());
+        // The catch-all must not take a parameter's name.
+        let mut rest = "arguments".to_owned();
+        while properties.is_some_and(|p| p.contains_key(&rest)) {
+            rest.insert(0, '_');
+        }
+        params.push(format!("**{rest}"));
     }
     format!("{}({}) -> Any", identifier(tool), params.join(", "))
 }
@@ -183,6 +240,119 @@ mod tests {
             json!({"properties": 3}),
         ] {
             python_signature("t", &odd);
+        }
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn json() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::Bool),
+                any::<i64>().prop_map(|n| json!(n)),
+                any::<f64>()
+                    .prop_filter("finite", |f| f.is_finite())
+                    .prop_map(|f| json!(f)),
+                ".{0,8}".prop_map(Value::String),
+                // What a Python literal must escape.
+                "[\\x00-\\x1f\\x7f'\"\\\\\u{200b}\u{1F600}a]{1,4}".prop_map(Value::String),
+                prop_oneof![
+                    Just("string"),
+                    Just("integer"),
+                    Just("number"),
+                    Just("boolean"),
+                    Just("array"),
+                    Just("object"),
+                    Just("null"),
+                    Just("arguments"),
+                    Just("class"),
+                    Just("x²"),
+                ]
+                .prop_map(|s| Value::String(s.into())),
+            ];
+            leaf.prop_recursive(4, 48, 6, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+                    prop::collection::btree_map(
+                        prop_oneof![
+                            Just("type".to_owned()),
+                            Just("properties".to_owned()),
+                            Just("required".to_owned()),
+                            Just("items".to_owned()),
+                            Just("default".to_owned()),
+                            Just("arguments".to_owned()),
+                            "[a-z_]{1,6}",
+                            ".{0,4}",
+                        ],
+                        inner,
+                        0..5
+                    )
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        /// Properties as tools declare them: names, types and defaults.
+        fn properties() -> impl Strategy<Value = Value> {
+            let property = (
+                prop::sample::select(vec!["string", "integer", "array", "object", "boolean"]),
+                proptest::option::of(json()),
+            )
+                .prop_map(|(ty, default)| {
+                    let mut p = json!({"type": ty});
+                    if let Some(d) = default {
+                        p["default"] = d;
+                    }
+                    p
+                });
+            prop::collection::btree_map(
+                prop_oneof![
+                    "[a-z_][a-z0-9_]{0,5}",
+                    Just("arguments".to_owned()),
+                    Just("class".to_owned()),
+                    Just("x²".to_owned())
+                ],
+                property,
+                0..5,
+            )
+            .prop_map(|m| Value::Object(m.into_iter().collect()))
+        }
+
+        /// Whether Python parses `def <signature>: pass`.
+        fn python_parses(signature: &str) -> Result<(), String> {
+            use std::io::Write as _;
+            let mut child = std::process::Command::new("python3")
+                .args(["-c", "import ast, sys; ast.parse(sys.stdin.read())"])
+                .stdin(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .map_err(|e| e.to_string())?;
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(format!("def {signature}: pass\n").as_bytes())
+                .unwrap();
+            let out = child.wait_with_output().unwrap();
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(String::from_utf8_lossy(&out.stderr).into_owned())
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(96))]
+
+            /// Any schema and tool name give a signature Python parses.
+            #[test]
+            fn every_signature_is_valid_python(tool in ".{0,10}", properties in prop_oneof![properties(), json()], required in json()) {
+                let schema = json!({"type": "object", "properties": properties, "required": required});
+                let signature = python_signature(&tool, &schema);
+                prop_assert!(python_parses(&signature).is_ok(), "{signature}: {:?}", python_parses(&signature));
+            }
         }
     }
 }

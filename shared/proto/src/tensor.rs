@@ -177,4 +177,26 @@ mod tests {
         };
         assert_eq!(t.to_f32_vec().unwrap(), vec![1.0, 255.0]);
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Whatever a peer sends as a tensor decodes or is refused with a reason; a decoded
+            /// tensor has exactly the shape's element count.
+            #[test]
+            fn any_tensor_decodes_or_is_refused(
+                dtype in -2i32..8,
+                shape in prop::collection::vec(prop_oneof![0u64..6, any::<u64>()], 0..4),
+                data in prop::collection::vec(any::<u8>(), 0..256),
+            ) {
+                let t = Tensor { data, shape, dtype };
+                match t.to_f32_vec() {
+                    Ok(values) => prop_assert_eq!(values.len(), t.element_count().unwrap()),
+                    Err(e) => prop_assert!(!e.to_string().is_empty()),
+                }
+            }
+        }
+    }
 }

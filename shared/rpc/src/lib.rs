@@ -137,6 +137,9 @@ impl Default for RpcServer {
     }
 }
 
+/// Streams a peer may reset before the server accepts them, per connection.
+pub const MAX_PENDING_RESET_STREAMS: usize = 4096;
+
 impl RpcServer {
     pub fn new() -> Self {
         let (health, health_service) = tonic_health::server::health_reporter();
@@ -180,6 +183,11 @@ impl RpcServer {
             })
         });
         Server::builder()
+            // A caller that abandons many calls at once (deadlines under load) resets many
+            // streams before they are accepted; h2's default of 20 then tears the whole
+            // connection down with ENHANCE_YOUR_CALM, failing every other call on it. Still a
+            // bound, against rapid-reset floods.
+            .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_RESET_STREAMS))
             .layer(ServerTraceLayer)
             .add_routes(self.routes.routes())
             .serve_with_incoming_shutdown(incoming, async move {

@@ -501,3 +501,101 @@ fn block_env_hands_children_the_heads_settings() {
         }
     }
 }
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn variable() -> impl Strategy<Value = String> {
+        let mut names: Vec<&'static str> = NOMAD_VARIABLES.iter().map(|(v, _)| *v).collect();
+        names.extend([
+            "OTEL_SDK_DISABLED",
+            "OTEL_SERVICE_NAME",
+            "OTEL_TRACES_EXPORTER",
+            "OTEL_METRICS_EXPORTER",
+            "OTEL_LOGS_EXPORTER",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_HEADERS",
+            "OTEL_METRIC_EXPORT_INTERVAL",
+        ]);
+        prop::sample::select(names).prop_map(str::to_owned)
+    }
+
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            ".{0,12}",
+            prop::sample::select(vec![
+                "true",
+                "off",
+                "yes",
+                "2",
+                "",
+                " ",
+                "none",
+                "otlp",
+                "console",
+                "grpc",
+                "http/protobuf",
+                "http://h:4317",
+                "h:4317",
+                "a=b,c",
+                "=x",
+                "0",
+                "-1",
+                "NaN",
+                "inf",
+                "1e400",
+                "0.5",
+                "job,all",
+                "nope",
+            ])
+            .prop_map(str::to_owned),
+            any::<f64>().prop_map(|f| f.to_string()),
+        ]
+    }
+
+    fn seconds() -> impl Strategy<Value = Option<f64>> {
+        proptest::option::of(prop_oneof![
+            any::<f64>(),
+            Just(f64::NAN),
+            Just(f64::INFINITY),
+            Just(-1.0),
+            Just(0.0)
+        ])
+    }
+
+    proptest! {
+        /// Any environment over any block resolves or fails with an error that names the
+        /// variable or field to change; it never panics.
+        #[test]
+        fn any_env_and_block_resolve_or_name_the_culprit(
+            env in prop::collection::vec((variable(), value()), 0..8),
+            exporter in proptest::option::of(value()),
+            span_groups in proptest::option::of(value()),
+            endpoint in proptest::option::of(value()),
+            interval in seconds(),
+            runtime in seconds(),
+            memory in seconds(),
+        ) {
+            let block = TelemetryBlock {
+                exporter,
+                span_groups,
+                otlp_endpoint: endpoint,
+                metric_export_interval_seconds: interval,
+                runtime_sample_interval_seconds: runtime,
+                memory_profiling: Some(MemoryProfilingBlock { enabled: None, interval_seconds: memory }),
+                ..Default::default()
+            };
+            let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            if let Err(e) = resolve(&block, pairs.as_slice()) {
+                let message = e.to_string();
+                prop_assert!(
+                    env.iter().any(|(k, _)| message.contains(k.as_str())) || message.contains("telemetry."),
+                    "{message}"
+                );
+            }
+        }
+    }
+}

@@ -156,4 +156,47 @@ mod tests {
             "a frame must be a message object"
         );
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Any bytes, in any chunks: frames, `None` (wait for more) or an error; never a
+            /// panic, and an error says what was wrong.
+            #[test]
+            fn arbitrary_bytes_never_panic(chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..64), 0..8)) {
+                let mut d = Decoder::default();
+                'feed: for chunk in &chunks {
+                    d.push(chunk);
+                    loop {
+                        match d.next_frame() {
+                            Ok(Some(_)) => {}
+                            Ok(None) => break,
+                            Err(e) => {
+                                prop_assert!(e.to_string().starts_with("bridge frame"));
+                                break 'feed;
+                            }
+                        }
+                    }
+                }
+            }
+
+            /// Any message survives encoding and decoding, split anywhere.
+            #[test]
+            fn messages_round_trip(id in proptest::option::of(any::<u64>()), method in ".{0,12}", text in ".{0,40}", split in 0usize..200) {
+                let message = json!({"id": id, "method": method, "params": {"text": text}});
+                let bytes = encode(&message).unwrap();
+                let split = split.min(bytes.len());
+                let mut d = Decoder::default();
+                d.push(&bytes[..split]);
+                let early = d.next_frame().unwrap();
+                d.push(&bytes[split..]);
+                let frame = early.or_else(|| d.next_frame().unwrap()).unwrap();
+                prop_assert_eq!(frame.id, id);
+                prop_assert_eq!(frame.method, method);
+                prop_assert_eq!(&frame.params["text"], &json!(text));
+            }
+        }
+    }
 }

@@ -1,0 +1,179 @@
+//! Reliability at scale: traces stay whole for a thousand concurrent rollouts flushed by
+//! SIGTERM, and a storm of cancellations leaves the scheduler's books balanced and its queues
+//! empty.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use nomad_integration_tests::fleet::mlp_tasks;
+use nomad_integration_tests::receiver::MetricRecord;
+use nomad_integration_tests::spans::{check_batch_links, check_rollout_traces};
+use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
+use nomad_proto::v1::{CallToolRequest, ToolInput, tool_input};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_rollouts_at_concurrency_64_are_whole_traces_after_sigterm() {
+    let receiver = OtlpReceiver::grpc().await;
+    let options = FleetOptions {
+        tools_yaml: None,
+        ..Default::default()
+    }
+    .env("NOMAD_OTEL_ENABLED", "true")
+    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone());
+    let mut fleet = Fleet::start(options).await;
+    let tasks = mlp_tasks(1000);
+    let run = fleet.run_head(&tasks, 64).await;
+    assert!(run.success, "{}", run.stderr);
+    assert_eq!(run.results.len(), 1000);
+    // SIGTERM right after the last rollout: whatever is still buffered must be flushed.
+    fleet.terminate().await;
+    let spans = receiver.spans();
+    // One trace per rollout, one root, no orphan (a lost span orphans its children), the run id
+    // on every span, all four services.
+    check_rollout_traces(&spans, &run.results, &run.run_id());
+    check_batch_links(&spans);
+}
+
+fn value(metrics: &[MetricRecord], name: &str, filter: &[(&str, &str)]) -> f64 {
+    metrics
+        .iter()
+        .filter(|m| m.service_name == "nomad/scheduler" && m.name == name)
+        .filter(|m| {
+            filter
+                .iter()
+                .all(|(k, v)| m.attributes.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|m| m.value)
+        .sum()
+}
+
+/// xorshift64*: test randomness, reproducible from the seed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_cancelled_requests_leave_the_books_balanced_and_the_queues_empty() {
+    let receiver = OtlpReceiver::grpc().await;
+    let options = FleetOptions {
+        sim_workers: 2,
+        tools_yaml: Some(
+            "tools:\n\
+             \x20 - {name: t, kind: mlp, source: sim, batch_size: 8, max_devices: 2, max_pending: 20000}\n\
+             tool_manager:\n\
+             \x20 heartbeat_interval_ms: 200\n\
+             \x20 max_batch_delay_ms: 2\n"
+                .into(),
+        ),
+        config_yaml: "sim:\n  base_latency_ms: 4\n  per_item_latency_ms: 1\n".into(),
+        ..Default::default()
+    }
+    .env("NOMAD_OTEL_ENABLED", "true")
+    .env("NOMAD_OTEL_SPAN_GROUPS", "none")
+    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone());
+    let mut fleet = Fleet::start(options).await;
+    let client = fleet.scheduler_client().await;
+
+    const TOTAL: u64 = 10_000;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    // Each request is abandoned at a random point: half by dropping the call (the stream is
+    // reset), half by a gRPC deadline the scheduler enforces itself.
+    let plans: Vec<(u64, bool)> = (0..TOTAL)
+        .map(|_| {
+            let quick = rng.below(2) == 0;
+            (rng.below(if quick { 20 } else { 400 }), rng.below(2) == 0)
+        })
+        .collect();
+    let outcomes: Vec<String> = futures::stream::iter(plans.into_iter().enumerate())
+        .map(|(i, (after_ms, by_deadline))| {
+            let mut client = client.clone();
+            async move {
+                let mut request = tonic::Request::new(CallToolRequest {
+                    tool: "t".into(),
+                    input: Some(ToolInput {
+                        value: Some(tool_input::Value::Text(format!("r{i}"))),
+                        options_json: String::new(),
+                    }),
+                });
+                let limit = Duration::from_millis(after_ms + 1);
+                if by_deadline {
+                    request.set_timeout(limit);
+                    match client.call_tool(request).await {
+                        Ok(_) => "ok".to_owned(),
+                        Err(s) if s.code() == tonic::Code::DeadlineExceeded => {
+                            "abandoned".to_owned()
+                        }
+                        Err(s) if s.code() == tonic::Code::Cancelled => "abandoned".to_owned(),
+                        Err(s) => format!("error {:?}: {}", s.code(), s.message()),
+                    }
+                } else {
+                    match tokio::time::timeout(limit, client.call_tool(request)).await {
+                        Ok(Ok(_)) => "ok".to_owned(),
+                        Ok(Err(s)) => format!("error {:?}: {}", s.code(), s.message()),
+                        Err(_) => "abandoned".to_owned(),
+                    }
+                }
+            }
+        })
+        .buffer_unordered(256)
+        .collect()
+        .await;
+    let mut counts: BTreeMap<&str, u64> = BTreeMap::new();
+    for o in &outcomes {
+        *counts.entry(o.as_str()).or_default() += 1;
+    }
+    eprintln!("client outcomes: {counts:?}");
+    assert_eq!(outcomes.len() as u64, TOTAL);
+    assert!(
+        counts.keys().all(|k| !k.starts_with("error")),
+        "no request failed: {counts:?}"
+    );
+    let abandoned = counts.get("abandoned").copied().unwrap_or(0);
+    assert!(
+        abandoned > 1000,
+        "the storm cancelled too little to test: {counts:?}"
+    );
+
+    // Let the scheduler notice the last cancellations, then flush its metrics.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    fleet.terminate().await;
+    let metrics = receiver.latest_metrics();
+    let accepted = value(&metrics, "nomad.tool.requests", &[("tool", "t")]);
+    let ended = |status: &str| {
+        value(
+            &metrics,
+            "nomad.tool.request.duration",
+            &[("tool", "t"), ("status", status)],
+        )
+    };
+    let cancelled = value(
+        &metrics,
+        "nomad.tool.request_cancellations",
+        &[("tool", "t")],
+    );
+    // The scheduler's books: every accepted request ended once, and the cancellation counter is
+    // exactly the requests that ended cancelled (while pending or executing).
+    assert_eq!(accepted, ended("ok") + ended("error") + ended("cancelled"));
+    assert_eq!(cancelled, ended("cancelled"));
+    assert!(cancelled > 0.0, "no cancellation reached the scheduler");
+    // What the client saw bounds it: a request abandoned before the scheduler took it, or after
+    // it answered, is not a cancellation there.
+    assert!(cancelled <= abandoned as f64, "{cancelled} > {abandoned}");
+    assert!(ended("ok") >= counts.get("ok").copied().unwrap_or(0) as f64);
+    assert!(accepted <= TOTAL as f64);
+    for gauge in ["nomad.tool.queue.length", "nomad.tool.inflight.requests"] {
+        assert!(
+            metrics.iter().any(|m| m.name == gauge),
+            "{gauge} not exported"
+        );
+        assert_eq!(value(&metrics, gauge, &[("tool", "t")]), 0.0, "{gauge}");
+    }
+}
