@@ -345,6 +345,46 @@ impl Fleet {
         addr
     }
 
+    /// Kills the scheduler outright (SIGKILL) and waits for it to be gone.
+    pub async fn kill_scheduler(&mut self) {
+        let index = self
+            .children
+            .iter()
+            .position(|(s, _)| *s == Service::Scheduler)
+            .expect("a scheduler is running");
+        let (_, mut child) = self.children.remove(index);
+        child.start_kill().unwrap();
+        let _ = child.wait().await;
+    }
+
+    /// Starts a scheduler again on the address the first one had.
+    pub async fn restart_scheduler(&mut self) {
+        let stem = "scheduler-restarted";
+        let addr_file = self.dir.join(format!("{stem}.addr"));
+        let mut child = command(
+            Service::Scheduler,
+            &self.options.env_for(Service::Scheduler),
+        )
+        .arg("--config")
+        .arg(&self.config_path)
+        .args(["--listen", &self.scheduler_addr, "--addr-file"])
+        .arg(&addr_file)
+        .stdout(std::fs::File::create(self.dir.join(format!("{stem}.stdout"))).unwrap())
+        .stderr(std::fs::File::create(self.dir.join(format!("{stem}.stderr"))).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+        let addr = wait_for_file(
+            &addr_file,
+            &mut child,
+            "nomad-scheduler (restarted)",
+            &self.dir.join(format!("{stem}.stderr")),
+        )
+        .await;
+        assert_eq!(addr, self.scheduler_addr);
+        self.children.insert(0, (Service::Scheduler, child));
+    }
+
     pub async fn wait_for_workers(&self, count: usize) {
         let mut client = SchedulerClient::connect(format!("http://{}", self.scheduler_addr))
             .await

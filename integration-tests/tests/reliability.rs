@@ -177,3 +177,104 @@ async fn ten_thousand_cancelled_requests_leave_the_books_balanced_and_the_queues
         assert_eq!(value(&metrics, gauge, &[("tool", "t")]), 0.0, "{gauge}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_scheduler_gets_its_workers_and_gateway_back_and_the_outage_fails_fast() {
+    use nomad_proto::v1::GatewayCallToolRequest;
+    use nomad_proto::v1::gateway_client::GatewayClient;
+    let options = FleetOptions {
+        sim_workers: 1,
+        tools_yaml: Some(
+            "tools:\n  - {name: t, kind: mlp, source: sim}\n\
+             tool_manager:\n  heartbeat_interval_ms: 200\n"
+                .into(),
+        ),
+        ..Default::default()
+    };
+    let mut fleet = Fleet::start(options).await;
+    let gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
+        .await
+        .unwrap();
+    let call = |mut gateway: GatewayClient<tonic::transport::Channel>| async move {
+        let started = std::time::Instant::now();
+        let reply = gateway
+            .call_tool(GatewayCallToolRequest {
+                server: "nomad".into(),
+                tool: "t".into(),
+                arguments_json: r#"{"text": "ping"}"#.into(),
+            })
+            .await;
+        (reply, started.elapsed())
+    };
+    let (reply, _) = call(gateway.clone()).await;
+    reply.expect("the fleet serves before the outage");
+
+    fleet.kill_scheduler().await;
+    // During the outage every call fails at once with UNAVAILABLE, naming the scheduler.
+    for _ in 0..5 {
+        let (reply, took) = call(gateway.clone()).await;
+        let status = reply.expect_err("no scheduler, no answer");
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert!(took < Duration::from_secs(3), "the call hung for {took:?}");
+    }
+
+    // Back on the same address: the worker registers again and the gateway reconnects, with no
+    // restart of their own.
+    fleet.restart_scheduler().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    fleet.wait_for_workers(1).await;
+    loop {
+        let (reply, _) = call(gateway.clone()).await;
+        match reply {
+            Ok(r) => {
+                assert!(r.into_inner().result_json.contains("ping"));
+                break;
+            }
+            Err(status) => assert!(
+                std::time::Instant::now() < deadline,
+                "the fleet did not recover: {status:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    fleet.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_request_is_resource_exhausted_naming_the_limit() {
+    use nomad_proto::v1::GatewayCallToolRequest;
+    use nomad_proto::v1::gateway_client::GatewayClient;
+    use nomad_proto::v1::scheduler_client::SchedulerClient;
+    let fleet = Fleet::start(FleetOptions::default()).await;
+    let channel = |address: &str| {
+        tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+            .unwrap()
+            .connect_lazy()
+    };
+    let big = "x".repeat(5 << 20);
+    let to_gateway = GatewayClient::new(channel(&fleet.gateway_addr))
+        .call_tool(GatewayCallToolRequest {
+            server: "nomad".into(),
+            tool: "mlp".into(),
+            arguments_json: big.clone(),
+        })
+        .await;
+    let to_scheduler = SchedulerClient::new(channel(&fleet.scheduler_addr))
+        .call_tool(CallToolRequest {
+            tool: "mlp".into(),
+            input: Some(ToolInput {
+                value: Some(tool_input::Value::Text(big)),
+                options_json: String::new(),
+            }),
+        })
+        .await;
+    for status in [to_gateway.map(|_| ()), to_scheduler.map(|_| ())] {
+        let status = status.expect_err("5 MiB is over the limit");
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        assert!(
+            status.message().contains("4194304-byte limit") && status.message().contains("smaller"),
+            "{}",
+            status.message()
+        );
+    }
+}

@@ -189,6 +189,7 @@ impl RpcServer {
             // bound, against rapid-reset floods.
             .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_RESET_STREAMS))
             .layer(ServerTraceLayer)
+            .layer(tower::util::MapResponseLayer::new(name_the_message_limit))
             .add_routes(self.routes.routes())
             .serve_with_incoming_shutdown(incoming, async move {
                 shutdown.await;
@@ -198,5 +199,60 @@ impl RpcServer {
             })
             .await?;
         Ok(())
+    }
+}
+
+/// tonic refuses an oversized request with OUT_OF_RANGE; gRPC's code for it is
+/// RESOURCE_EXHAUSTED, and the caller needs to know what to change.
+fn name_the_message_limit<B>(
+    mut response: tonic::codegen::http::Response<B>,
+) -> tonic::codegen::http::Response<B> {
+    use tonic::codegen::http::HeaderValue;
+    let headers = response.headers_mut();
+    if headers.get("grpc-status").map(HeaderValue::as_bytes) != Some(b"11") {
+        return response;
+    }
+    let Some(message) = headers.get("grpc-message").and_then(|m| m.to_str().ok()) else {
+        return response;
+    };
+    let Some(text) = oversized_message_text(message) else {
+        return response;
+    };
+    if let Ok(value) = HeaderValue::from_str(&text) {
+        headers.insert("grpc-status", HeaderValue::from_static("8"));
+        headers.insert("grpc-message", value);
+    }
+    response
+}
+
+/// The clear message for tonic's decode-limit error (percent-encoded as sent), if it is one.
+fn oversized_message_text(grpc_message: &str) -> Option<String> {
+    let message = grpc_message
+        .replace("%20", " ")
+        .replace("%3A", ":")
+        .replace("%2C", ",");
+    let rest = message.strip_prefix("Error, decoded message length too large: found ")?;
+    let (found, rest) = rest.split_once(" bytes, the limit is: ")?;
+    let limit = rest.strip_suffix(" bytes")?;
+    let (found, limit): (u64, u64) = (found.parse().ok()?, limit.parse().ok()?);
+    Some(format!(
+        "the request message is {found} bytes, over this server's {limit}-byte limit: \
+         send smaller inputs (split a large batch into several calls)"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_decode_limit_error_becomes_a_clear_message() {
+        let tonic_text = "Error, decoded message length too large: found 5000000 bytes, the limit is: 4194304 bytes";
+        let text = oversized_message_text(tonic_text).unwrap();
+        assert!(
+            text.contains("5000000 bytes") && text.contains("4194304-byte limit"),
+            "{text}"
+        );
+        assert_eq!(oversized_message_text("something else"), None);
     }
 }
