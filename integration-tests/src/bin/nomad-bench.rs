@@ -3,6 +3,9 @@
 //! - added latency per hop (client -> scheduler -> worker -> back, no-op model), p50/p99, next to
 //!   a direct worker call and an in-process call measured in the same run.
 //!
+//! - with `--collector-outage run`: throughput with OTLP export to a healthy receiver, a refused
+//!   port and a black hole, interleaved.
+//!
 //! Run: `cargo build --release --workspace --bins && target/release/nomad-bench`.
 
 use std::sync::Arc;
@@ -41,13 +44,20 @@ fn tools(batch_size: u32, max_devices: usize) -> String {
 }
 
 async fn fleet(workers: usize, batch_size: u32) -> Fleet {
-    Fleet::start(FleetOptions {
+    fleet_with(workers, batch_size, &[]).await
+}
+
+async fn fleet_with(workers: usize, batch_size: u32, env: &[(&str, String)]) -> Fleet {
+    let mut options = FleetOptions {
         sim_workers: workers,
         tools_yaml: Some(tools(batch_size, workers)),
         config_yaml: "sim:\n  base_latency_ms: 0\n".into(),
         ..Default::default()
-    })
-    .await
+    };
+    for (k, v) in env {
+        options = options.env(k, v.clone());
+    }
+    Fleet::start(options).await
 }
 
 async fn channels(addr: &str, n: usize) -> Vec<SchedulerClient<Channel>> {
@@ -65,7 +75,80 @@ async fn channels(addr: &str, n: usize) -> Vec<SchedulerClient<Channel>> {
 
 /// Requests completed per second over `seconds`, and the mean batch size that served them.
 async fn throughput(workers: usize, concurrency: usize, seconds: f64) -> (f64, f64) {
-    let mut fleet = fleet(workers, 64).await;
+    let fleet = fleet(workers, 64).await;
+    let (rate, batch, _) = measure(fleet, concurrency, seconds).await;
+    (rate, batch)
+}
+
+/// Resident memory of a process, in bytes.
+fn rss(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/statm"))
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+/// Throughput with telemetry on (every span group) and OTLP going to a healthy receiver, to a
+/// port that refuses connections, and to one that accepts and never answers; interleaved
+/// rounds. Also the scheduler's RSS at the end of each, and its log lines about export.
+async fn collector_outage(concurrency: usize, seconds: f64, rounds: usize) {
+    use nomad_integration_tests::OtlpReceiver;
+    let receiver = OtlpReceiver::grpc().await;
+    let refusing = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    }; // dropped: nothing listens there now
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hole_addr = hole.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = hole.accept().await {
+            held.push(socket); // accepted, never read, never answered
+        }
+    });
+    let backends = [
+        ("healthy receiver", receiver.endpoint.clone()),
+        ("refused (nothing listening)", format!("http://{refusing}")),
+        (
+            "black hole (accepts, never answers)",
+            format!("http://{hole_addr}"),
+        ),
+    ];
+    let mut results: Vec<(Vec<f64>, Vec<u64>, Vec<usize>)> = vec![Default::default(); 3];
+    for _ in 0..rounds {
+        for (i, (_, endpoint)) in backends.iter().enumerate() {
+            let env = [
+                ("NOMAD_OTEL_ENABLED", "true".to_owned()),
+                ("NOMAD_OTEL_SPAN_GROUPS", "all".to_owned()),
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.clone()),
+                ("OTEL_METRIC_EXPORT_INTERVAL", "1000".to_owned()),
+            ];
+            let fleet = fleet_with(1, 64, &env).await;
+            let (rate, _, (rss, export_lines)) = measure(fleet, concurrency, seconds).await;
+            results[i].0.push(rate);
+            results[i].1.push(rss);
+            results[i].2.push(export_lines);
+        }
+    }
+    let healthy = results[0].0.iter().sum::<f64>() / rounds as f64;
+    println!(
+        "| OTLP endpoint | requests/s (mean of {rounds}) | vs healthy | scheduler RSS at end | scheduler log lines about export |"
+    );
+    println!("|---|---|---|---|---|");
+    for ((name, _), (rates, rss, lines)) in backends.iter().zip(&results) {
+        let mean = rates.iter().sum::<f64>() / rates.len() as f64;
+        println!(
+            "| {name} | {mean:.0} | {:.3} | {:.0} MiB | {} |",
+            mean / healthy,
+            *rss.iter().max().unwrap() as f64 / (1 << 20) as f64,
+            lines.iter().max().unwrap()
+        );
+    }
+}
+
+/// Drives `fleet` at `concurrency` for `seconds`: requests/s, mean batch size, and the
+/// scheduler's (RSS, log lines mentioning export) just before it stops.
+async fn measure(mut fleet: Fleet, concurrency: usize, seconds: f64) -> (f64, f64, (u64, usize)) {
     let clients = channels(&fleet.scheduler_addr, 8).await;
     let stop = Arc::new(AtomicBool::new(false));
     let counting = Arc::new(AtomicBool::new(false));
@@ -109,11 +192,24 @@ async fn throughput(workers: usize, concurrency: usize, seconds: f64) -> (f64, f
     for t in tasks {
         t.await.unwrap();
     }
+    let scheduler_rss = rss(fleet.pid(nomad_integration_tests::Service::Scheduler));
     fleet.terminate().await;
+    let log = fleet.stderr(nomad_integration_tests::Service::Scheduler);
+    let export_lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.to_lowercase().contains("export") && !l.contains("telemetry export on"))
+        .collect();
+    if std::env::var_os("NOMAD_BENCH_SHOW_EXPORT_LOG").is_some() {
+        for line in &export_lines {
+            eprintln!("  {line}");
+        }
+    }
+    let export_lines = export_lines.len();
     let n = done.load(Ordering::Relaxed) as f64;
     (
         n / elapsed,
         batch_sum.load(Ordering::Relaxed) as f64 / n.max(1.0),
+        (scheduler_rss, export_lines),
     )
 }
 
@@ -229,6 +325,14 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    if arg("--collector-outage", "") == "run" {
+        let rounds: usize = arg("--rounds", "3").parse().expect("--rounds");
+        rt.block_on(async {
+            println!("## Collector outage ({concurrency} concurrent callers, 1 sim worker, {seconds} s each)\n");
+            collector_outage(concurrency, seconds, rounds).await;
+        });
+        return;
+    }
     rt.block_on(async {
         println!("## Dispatch throughput ({concurrency} concurrent callers over 8 connections, {seconds} s each)\n");
         println!("| sim workers | requests/s | mean batch size |\n|---|---|---|");

@@ -138,9 +138,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let backend = match args.backend {
         BackendKind::Candle => models::Backend::Candle,
-        BackendKind::Sim => {
-            models::Backend::Sim(Arc::new(models::sim::SimDevice::new(file.section("sim")?)))
-        }
+        BackendKind::Sim => models::Backend::Sim(Arc::new(models::sim::SimDevice::new(
+            models::sim::SimConfig::checked(file.section("sim")?)?,
+        ))),
     };
     tracing::info!("{}", device::capabilities());
     let device = args.device.open()?;

@@ -266,10 +266,10 @@ pub(crate) async fn run_tasks(
 
 async fn up(args: UpArgs) -> anyhow::Result<bool> {
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
-    anyhow::ensure!(
-        args.ready_timeout.is_finite() && args.ready_timeout > 0.0,
-        "--ready-timeout must be a positive number of seconds"
-    );
+    let ready_timeout = Duration::try_from_secs_f64(args.ready_timeout)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| anyhow::anyhow!("--ready-timeout must be a positive number of seconds"))?;
     let tasks = if args.demo {
         Some(up::TaskSet::demo())
     } else {
@@ -307,7 +307,7 @@ async fn up(args: UpArgs) -> anyhow::Result<bool> {
         tasks,
         concurrency: args.concurrency,
         embed_tool: args.embed_tool,
-        ready_timeout: Duration::from_secs_f64(args.ready_timeout),
+        ready_timeout,
     })
     .await
 }
@@ -316,18 +316,14 @@ async fn up(args: UpArgs) -> anyhow::Result<bool> {
 async fn show_traces(args: TracesArgs) -> anyhow::Result<bool> {
     let spans = match &args.jaeger {
         Some(url) => {
-            anyhow::ensure!(
-                args.lookback_hours.is_finite() && args.lookback_hours > 0.0,
-                "--lookback-hours must be a positive number"
-            );
+            let lookback = Duration::try_from_secs_f64(args.lookback_hours * 3600.0)
+                .ok()
+                .filter(|d| !d.is_zero() && *d < Duration::from_secs(100 * 365 * 86_400))
+                .ok_or_else(|| {
+                    anyhow::anyhow!("--lookback-hours must be a positive number of hours")
+                })?;
             anyhow::ensure!(args.search_depth > 0, "--search-depth must be at least 1");
-            traces::load_jaeger(
-                url,
-                &args.run_id,
-                Duration::from_secs_f64(args.lookback_hours * 3600.0),
-                args.search_depth,
-            )
-            .await?
+            traces::load_jaeger(url, &args.run_id, lookback, args.search_depth).await?
         }
         None => {
             let dir = args

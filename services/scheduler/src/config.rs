@@ -67,13 +67,12 @@ impl ToolManagerConfig {
     /// The core's timers; every duration must be finite and not negative.
     pub fn timing(&self) -> Result<crate::core::Timing, String> {
         let duration = |name: &str, seconds: f64| {
-            if seconds.is_finite() && seconds >= 0.0 {
-                Ok(std::time::Duration::from_secs_f64(seconds))
-            } else {
-                Err(format!(
-                    "tool_manager.{name} must be a number of seconds, at least 0; got {seconds}"
-                ))
-            }
+            std::time::Duration::try_from_secs_f64(seconds).map_err(|_| {
+                format!(
+                    "tool_manager.{name} must be a number of seconds, at least 0 (and not \
+                     absurdly large); got {seconds}"
+                )
+            })
         };
         Ok(crate::core::Timing {
             idle: duration("idle_seconds", self.idle_seconds)?,

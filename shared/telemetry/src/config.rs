@@ -315,14 +315,13 @@ fn bool_field(
 }
 
 fn seconds(variable: &str, value: f64) -> Result<Duration, ConfigError> {
-    if value.is_finite() && value > 0.0 {
-        Ok(Duration::from_secs_f64(value))
-    } else {
-        Err(invalid(
+    match Duration::try_from_secs_f64(value) {
+        Ok(d) if value > 0.0 => Ok(d),
+        _ => Err(invalid(
             variable,
             &value.to_string(),
-            "must be a number of seconds greater than 0",
-        ))
+            "must be a number of seconds greater than 0 (and not absurdly large)",
+        )),
     }
 }
 

@@ -561,6 +561,7 @@ mod fuzz {
             any::<f64>(),
             Just(f64::NAN),
             Just(f64::INFINITY),
+            Just(1e300),
             Just(-1.0),
             Just(0.0)
         ])

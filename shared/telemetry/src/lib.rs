@@ -8,6 +8,7 @@
 pub mod baggage;
 pub mod config;
 pub mod console;
+mod export_log;
 pub mod groups;
 pub mod grpc;
 pub mod metrics;
@@ -251,7 +252,8 @@ pub fn init(
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_target(false)
-        .with_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")));
+        .with_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_filter(export_log::ExportErrorsOnce);
     let otel_logs = logger.as_ref().map(|provider| {
         opentelemetry_appender_tracing::layer::OpenTelemetryTracingBridge::new(provider)
             .with_filter(tracing_subscriber::filter::filter_fn(|meta| {
@@ -337,6 +339,13 @@ impl Telemetry {
             }
             Ok(Err(e)) => tracing::warn!("telemetry flush failed: {e}"),
             Err(_) => tracing::warn!("telemetry flush timed out after {timeout:?}"),
+        }
+        let suppressed = export_log::suppressed();
+        if suppressed > 0 {
+            tracing::warn!(
+                "{suppressed} more telemetry export failures were not logged (the first of each \
+                 kind was); check that the OTLP endpoint is up"
+            );
         }
     }
 }

@@ -33,6 +33,37 @@ pub struct SimConfig {
     pub models: HashMap<String, SimModelConfig>,
 }
 
+impl SimConfig {
+    /// The config, if every latency is a usable number of milliseconds.
+    pub fn checked(self) -> anyhow::Result<Self> {
+        let mut latencies = vec![
+            ("sim.load_ms".to_owned(), self.load_ms),
+            ("sim.base_latency_ms".to_owned(), self.base_latency_ms),
+            (
+                "sim.per_item_latency_ms".to_owned(),
+                self.per_item_latency_ms,
+            ),
+        ];
+        for (tool, o) in &self.models {
+            latencies.extend(
+                o.base_latency_ms
+                    .map(|v| (format!("sim.models.{tool}.base_latency_ms"), v)),
+            );
+            latencies.extend(
+                o.per_item_latency_ms
+                    .map(|v| (format!("sim.models.{tool}.per_item_latency_ms"), v)),
+            );
+        }
+        for (what, ms) in latencies {
+            anyhow::ensure!(
+                (0.0..=3_600_000.0).contains(&ms),
+                "{what} must be between 0 and 3600000 milliseconds; got {ms}"
+            );
+        }
+        Ok(self)
+    }
+}
+
 impl Default for SimConfig {
     fn default() -> Self {
         Self {

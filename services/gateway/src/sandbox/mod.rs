@@ -211,8 +211,9 @@ impl Sandbox {
     /// (or, with `allow_unisolated`, under the layers that work, said loudly).
     pub async fn new(config: SandboxConfig) -> anyhow::Result<Self> {
         anyhow::ensure!(
-            config.timeout_seconds.is_finite() && config.timeout_seconds > 0.0,
-            "sandbox.timeout_seconds must be greater than 0"
+            config.timeout_seconds > 0.0 && config.timeout_seconds <= 86_400.0,
+            "sandbox.timeout_seconds must be greater than 0 and at most a day (86400); got {}",
+            config.timeout_seconds
         );
         let python = resolve(&config.python).ok_or_else(|| {
             anyhow::anyhow!(
