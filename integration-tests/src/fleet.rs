@@ -273,6 +273,14 @@ impl Fleet {
             .expect("the service is running")
     }
 
+    /// Each running process of the fleet: `(service, pid)`.
+    pub fn pids(&self) -> Vec<(Service, u32)> {
+        self.children
+            .iter()
+            .filter_map(|(s, c)| c.id().map(|pid| (*s, pid)))
+            .collect()
+    }
+
     /// SIGKILLs the `index`th device worker (no flush, no goodbye).
     pub fn kill_worker(&mut self, index: usize) {
         let (_, child) = self

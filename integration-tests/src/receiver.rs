@@ -46,11 +46,24 @@ struct State {
     metrics: Mutex<Vec<MetricRecord>>,
     connections: AtomicUsize,
     requests: AtomicUsize,
+    /// Spans received; with `discard`, the only record of them (long runs).
+    span_count: AtomicUsize,
+    discard: std::sync::atomic::AtomicBool,
 }
 
 impl State {
     fn add_traces(&self, request: &ExportTraceServiceRequest) {
         self.requests.fetch_add(1, Ordering::SeqCst);
+        let spans: usize = request
+            .resource_spans
+            .iter()
+            .flat_map(|rs| &rs.scope_spans)
+            .map(|ss| ss.spans.len())
+            .sum();
+        self.span_count.fetch_add(spans, Ordering::SeqCst);
+        if self.discard.load(Ordering::Relaxed) {
+            return;
+        }
         self.spans
             .lock()
             .unwrap()
@@ -63,6 +76,9 @@ impl State {
 
     fn add_metrics(&self, request: &ExportMetricsServiceRequest) {
         self.requests.fetch_add(1, Ordering::SeqCst);
+        if self.discard.load(Ordering::Relaxed) {
+            return;
+        }
         let mut metrics = self.metrics.lock().unwrap();
         for rm in &request.resource_metrics {
             let service_name = rm
@@ -245,6 +261,16 @@ impl OtlpReceiver {
             state,
             task,
         }
+    }
+
+    /// From now on, count what arrives but keep none of it (for long runs).
+    pub fn discard(&self) {
+        self.state.discard.store(true, Ordering::Relaxed);
+    }
+
+    /// Spans received so far, kept or not.
+    pub fn span_count(&self) -> usize {
+        self.state.span_count.load(Ordering::SeqCst)
     }
 
     /// Every `ResourceSpans` received, as sent.

@@ -3,6 +3,8 @@
 //! - added latency per hop (client -> scheduler -> worker -> back, no-op model), p50/p99, next to
 //!   a direct worker call and an in-process call measured in the same run.
 //!
+//! - with `--soak MINUTES`: mixed traffic through the gateway; every service's RSS must stay
+//!   within 10 % after warm-up (exit 1 otherwise);
 //! - with `--collector-outage run`: throughput with OTLP export to a healthy receiver, a refused
 //!   port and a black hole, interleaved.
 //!
@@ -144,6 +146,156 @@ async fn collector_outage(concurrency: usize, seconds: f64, rounds: usize) {
             lines.iter().max().unwrap()
         );
     }
+}
+
+/// Mixed traffic through the gateway for `minutes`: direct tool calls, sandboxed code calling
+/// the tool, and calls abandoned by a short deadline; telemetry on, exported to a receiver that
+/// counts and discards. Samples every service's RSS; after the first quarter (warm-up), none may
+/// grow more than 10 %. Returns whether all stayed flat.
+async fn soak(minutes: f64, concurrency: usize) -> bool {
+    use nomad_integration_tests::OtlpReceiver;
+    use nomad_proto::v1::gateway_client::GatewayClient;
+    use nomad_proto::v1::{ExecuteCodeRequest, GatewayCallToolRequest};
+    let receiver = OtlpReceiver::grpc().await;
+    receiver.discard();
+    let mut options = FleetOptions {
+        sim_workers: 2,
+        tools_yaml: Some(
+            "tools:\n  - {name: t, kind: mlp, source: sim, batch_size: 16, max_devices: 2, \
+             max_pending: 100000}\ntool_manager:\n  max_batch_delay_ms: 1\n"
+                .into(),
+        ),
+        config_yaml: "sim:\n  base_latency_ms: 1\n".into(),
+        ..Default::default()
+    };
+    for (k, v) in [
+        ("NOMAD_OTEL_ENABLED", "true".to_owned()),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone()),
+        ("OTEL_METRIC_EXPORT_INTERVAL", "5000".to_owned()),
+    ] {
+        options = options.env(k, v);
+    }
+    let mut fleet = Fleet::start(options).await;
+    let gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts: Arc<[AtomicU64; 4]> = Arc::new(Default::default()); // ok, code, abandoned, failed
+    let mut tasks = Vec::new();
+    for c in 0..concurrency {
+        let (mut gateway, stop, counts) = (gateway.clone(), stop.clone(), counts.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i: u64 = c as u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += concurrency as u64;
+                let outcome = if i.is_multiple_of(50) {
+                    gateway
+                        .execute_code(ExecuteCodeRequest {
+                            code: format!(
+                                "from mcp_tools.nomad import t\nRESULT = t(text='soak {i}')"
+                            ),
+                            ..Default::default()
+                        })
+                        .await
+                        .map(|r| if r.get_ref().error.is_empty() { 1 } else { 3 })
+                        .unwrap_or(3)
+                } else {
+                    let mut request = tonic::Request::new(GatewayCallToolRequest {
+                        server: "nomad".into(),
+                        tool: "t".into(),
+                        arguments_json: format!(r#"{{"text": "soak {i}"}}"#),
+                    });
+                    let abandon = i % 10 == 3;
+                    if abandon {
+                        request.set_timeout(Duration::from_micros(500));
+                    }
+                    match gateway.call_tool(request).await {
+                        Ok(_) => 0,
+                        Err(_) if abandon => 2,
+                        Err(_) => 3,
+                    }
+                };
+                counts[outcome].fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    let total = Duration::from_secs_f64(minutes * 60.0);
+    let warmup = total / 4;
+    let interval = Duration::from_secs(2).min(total / 20);
+    let started = Instant::now();
+    let mut samples: Vec<(Duration, Vec<(String, u64)>)> = Vec::new();
+    while started.elapsed() < total {
+        tokio::time::sleep(interval).await;
+        let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
+        let row = fleet
+            .pids()
+            .into_iter()
+            .map(|(service, pid)| {
+                let n = seen.entry(service.name().to_owned()).or_default();
+                *n += 1;
+                (format!("{}-{}", service.name(), *n - 1), rss(pid))
+            })
+            .collect();
+        samples.push((started.elapsed(), row));
+        let [ok, code, abandoned, failed] = counts.each_ref().map(|c| c.load(Ordering::Relaxed));
+        eprintln!(
+            "soak {:>4.0} s: {ok} calls, {code} code runs, {abandoned} abandoned, {failed} failed, {} spans exported",
+            started.elapsed().as_secs_f64(),
+            receiver.span_count()
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    fleet.terminate().await;
+
+    let after: Vec<&(Duration, Vec<(String, u64)>)> =
+        samples.iter().filter(|(t, _)| *t >= warmup).collect();
+    let Some((_, base)) = after.first() else {
+        eprintln!("soak too short to sample after warm-up");
+        return false;
+    };
+    let [ok, code, abandoned, failed] = counts.each_ref().map(|c| c.load(Ordering::Relaxed));
+    println!(
+        "## Soak: {minutes} min, {concurrency} callers through the gateway, 2 sim workers\n\n\
+         {ok} tool calls, {code} sandboxed code runs, {abandoned} calls abandoned by deadline, \
+         {failed} failed; {} spans exported.\n",
+        receiver.span_count()
+    );
+    println!(
+        "| process | RSS after warm-up ({:.0} s) | max after | last | growth |",
+        warmup.as_secs_f64()
+    );
+    println!("|---|---|---|---|---|");
+    let mut flat = failed == 0;
+    for (i, (name, start)) in base.iter().enumerate() {
+        let series: Vec<u64> = after
+            .iter()
+            .filter_map(|(_, row)| row.get(i).map(|r| r.1))
+            .collect();
+        let max = *series.iter().max().unwrap();
+        let last = *series.last().unwrap();
+        let growth = max as f64 / *start as f64 - 1.0;
+        flat &= growth <= 0.10;
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        println!(
+            "| {name} | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:+.1} % |",
+            mib(*start),
+            mib(max),
+            mib(last),
+            growth * 100.0
+        );
+    }
+    println!(
+        "\n{}",
+        if flat {
+            "Flat: no process grew more than 10 % after warm-up, no call failed."
+        } else {
+            "NOT FLAT (or calls failed)."
+        }
+    );
+    flat
 }
 
 /// Drives `fleet` at `concurrency` for `seconds`: requests/s, mean batch size, and the
@@ -325,6 +477,14 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    if let Some(minutes) = Some(arg("--soak", "")).filter(|m| !m.is_empty()) {
+        let minutes: f64 = minutes.parse().expect("--soak MINUTES");
+        let callers: usize = arg("--callers", "16").parse().expect("--callers");
+        if !rt.block_on(soak(minutes, callers)) {
+            std::process::exit(1);
+        }
+        return;
+    }
     if arg("--collector-outage", "") == "run" {
         let rounds: usize = arg("--rounds", "3").parse().expect("--rounds");
         rt.block_on(async {
