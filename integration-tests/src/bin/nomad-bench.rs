@@ -176,9 +176,16 @@ async fn soak(minutes: f64, concurrency: usize) -> bool {
         options = options.env(k, v);
     }
     let mut fleet = Fleet::start(options).await;
-    let gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
+    // A caller that abandons calls by the thousand must remember more reset streams than h2's
+    // default 10: a frame for a forgotten one counts toward h2's per-connection limit of
+    // internal resets, and the 1,024th tears the connection down (as Nomad's own channels do).
+    let channel = Channel::from_shared(format!("http://{}", fleet.gateway_addr))
+        .unwrap()
+        .http2_max_concurrent_reset_streams(4096)
+        .connect()
         .await
         .unwrap();
+    let gateway = GatewayClient::new(channel);
     let stop = Arc::new(AtomicBool::new(false));
     let counts: Arc<[AtomicU64; 4]> = Arc::new(Default::default()); // ok, code, abandoned, failed
     let mut tasks = Vec::new();
@@ -197,8 +204,15 @@ async fn soak(minutes: f64, concurrency: usize) -> bool {
                             ..Default::default()
                         })
                         .await
-                        .map(|r| if r.get_ref().error.is_empty() { 1 } else { 3 })
-                        .unwrap_or(3)
+                        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+                        .and_then(|r| {
+                            let r = r.into_inner();
+                            if r.error.is_empty() { Ok(1) } else { Err(r.error) }
+                        })
+                        .unwrap_or_else(|e| {
+                            eprintln!("soak: code run failed: {e}");
+                            3
+                        })
                 } else {
                     let mut request = tonic::Request::new(GatewayCallToolRequest {
                         server: "nomad".into(),
@@ -212,7 +226,10 @@ async fn soak(minutes: f64, concurrency: usize) -> bool {
                     match gateway.call_tool(request).await {
                         Ok(_) => 0,
                         Err(_) if abandon => 2,
-                        Err(_) => 3,
+                        Err(s) => {
+                            eprintln!("soak: call failed: {:?}: {}", s.code(), s.message());
+                            3
+                        }
                     }
                 };
                 counts[outcome].fetch_add(1, Ordering::Relaxed);

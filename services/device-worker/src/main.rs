@@ -129,6 +129,7 @@ fn main() -> ExitCode {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let file = nomad_config::ConfigFile::load(args.config.as_deref())?;
+    nomad_rpc::tls::configure_from(&file, true)?;
     let settings = nomad_telemetry::load_settings(&file)?;
     let mut identity = ServerIdentity::new(ServerType::DeviceWorker).named(args.server_name);
     if args.device != DeviceSpec::Cpu {

@@ -70,6 +70,7 @@ fn main() -> ExitCode {
 
 async fn serve(args: Args) -> anyhow::Result<()> {
     let file = nomad_config::ConfigFile::load(args.config.as_deref())?;
+    nomad_rpc::tls::configure_from(&file, true)?;
     let settings = nomad_telemetry::load_settings(&file)?;
     let gateway_config: config::GatewayConfig = file.section("gateway")?;
     let servers: BTreeMap<String, config::ServerConfig> = file.section("servers")?;

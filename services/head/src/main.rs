@@ -185,6 +185,7 @@ fn main() -> ExitCode {
 /// Returns whether every rollout succeeded.
 async fn run(args: RunArgs) -> anyhow::Result<bool> {
     let file = nomad_config::ConfigFile::load(args.config.as_deref())?;
+    nomad_rpc::tls::configure_from(&file, false)?;
     let mut settings = nomad_telemetry::load_settings(&file)?;
     let run_id = run_id::resolve(settings.run_id.as_deref(), &nomad_config::ProcessEnv);
     settings.run_id = Some(run_id.clone());
@@ -344,6 +345,8 @@ async fn show_traces(args: TracesArgs) -> anyhow::Result<bool> {
 
 /// Whether the server at `address` reports SERVING within 5 s.
 async fn health(address: &str) -> anyhow::Result<bool> {
+    // Over TLS when NOMAD_TLS_CA is set.
+    nomad_rpc::tls::configure_from(&nomad_config::ConfigFile::default(), false)?;
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
@@ -373,6 +376,7 @@ async fn health(address: &str) -> anyhow::Result<bool> {
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
     let file = nomad_config::ConfigFile::load(args.config.as_deref())?;
+    nomad_rpc::tls::configure_from(&file, true)?;
     let settings = nomad_telemetry::load_settings(&file)?;
     let identity = ServerIdentity::new(ServerType::Head);
     let telemetry = nomad_telemetry::init(settings, &identity, InitOptions::default())?;

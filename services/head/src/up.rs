@@ -372,6 +372,8 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     // Fail on a bad config before anything starts.
     let user_config = options.config.as_deref().map(absolute).transpose()?;
     let file = ConfigFile::load(user_config.as_deref())?;
+    // The head dials the fleet (health checks, the gateway) as the children serve it.
+    nomad_rpc::tls::configure_from(&file, false)?;
     let block: TelemetryBlock = file.section("telemetry")?;
     // Children get the block as NOMAD_OTEL_* variables (and read the same file), plus the
     // defaults; none of it replaces a variable of the user's.

@@ -55,6 +55,7 @@ fn main() -> ExitCode {
 
 async fn serve(args: Args) -> anyhow::Result<()> {
     let file = nomad_config::ConfigFile::load(args.config.as_deref())?;
+    nomad_rpc::tls::configure_from(&file, true)?;
     let settings = nomad_telemetry::load_settings(&file)?;
     let manager: config::ToolManagerConfig = file.section("tool_manager")?;
     let tools = config::validate(file.section("tools")?, &manager)?;

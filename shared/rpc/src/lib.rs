@@ -36,6 +36,8 @@ pub enum RpcError {
     },
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// A multi-thread runtime with at least two workers: exporters flush on the runtime while the
@@ -76,13 +78,19 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// `host:port` or a URL; a bare address gets `http://`.
+pub mod tls;
+
+/// `host:port` or a URL, as the URL this process dials: `https://` when TLS is on (an
+/// `http://` URL too: a peer's advertised address does not know this process's settings),
+/// else `http://` for a bare address.
 pub fn normalize_address(address: &str) -> String {
     let address = address.trim();
-    if address.contains("://") {
-        address.to_owned()
-    } else {
-        format!("http://{address}")
+    let tls = tls::installed().client.is_some();
+    match address.split_once("://") {
+        Some(("http", rest)) if tls => format!("https://{rest}"),
+        Some(_) => address.to_owned(),
+        None if tls => format!("https://{address}"),
+        None => format!("http://{address}"),
     }
 }
 
@@ -94,7 +102,22 @@ pub fn channel(address: &str) -> Result<Channel, RpcError> {
         address: address.to_owned(),
         reason: e.to_string(),
     })?;
+    let endpoint = match &tls::installed().client {
+        Some(config) => {
+            endpoint
+                .tls_config(config.clone())
+                .map_err(|e| RpcError::InvalidAddress {
+                    address: address.to_owned(),
+                    reason: format!("TLS: {e}"),
+                })?
+        }
+        None => endpoint,
+    };
     let channel = endpoint
+        // Calls abandoned by the thousand (deadlines, cancelled rollouts) reset their streams;
+        // h2 remembers only 10 by default, answers a late frame for a forgotten one with an
+        // internal reset, and the 1,024th such reset closes the connection with every call on it.
+        .http2_max_concurrent_reset_streams(MAX_PENDING_RESET_STREAMS)
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
@@ -137,7 +160,8 @@ impl Default for RpcServer {
     }
 }
 
-/// Streams a peer may reset before the server accepts them, per connection.
+/// Streams a peer may reset before the server accepts them, and recently reset streams a client
+/// remembers, per connection.
 pub const MAX_PENDING_RESET_STREAMS: usize = 4096;
 
 impl RpcServer {
@@ -182,7 +206,11 @@ impl RpcServer {
                 }
             })
         });
-        Server::builder()
+        let mut builder = Server::builder();
+        if let Some(config) = &tls::installed().server {
+            builder = builder.tls_config(config.clone())?;
+        }
+        builder
             // A caller that abandons many calls at once (deadlines under load) resets many
             // streams before they are accepted; h2's default of 20 then tears the whole
             // connection down with ENHANCE_YOUR_CALM, failing every other call on it. Still a

@@ -1,0 +1,169 @@
+//! TLS on the internal gRPC hops: a fleet whose config has a `tls:` section serves and dials
+//! only TLS, verified against the fleet's CA; plaintext and strangers are turned away.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use nomad_integration_tests::Fleet;
+use nomad_integration_tests::fleet::{binary, mlp_tasks};
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+use serde_json::Value;
+
+/// A CA, and a server certificate it signed for localhost and 127.0.0.1, as PEM files in `dir`.
+fn make_certificates(dir: &Path, name: &str) {
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, format!("{name} CA"));
+    let ca_key = KeyPair::generate().unwrap();
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let params =
+        CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+    std::fs::write(dir.join(format!("{name}-ca.pem")), ca.pem()).unwrap();
+    std::fs::write(dir.join(format!("{name}-cert.pem")), cert.pem()).unwrap();
+    std::fs::write(dir.join(format!("{name}-key.pem")), key.serialize_pem()).unwrap();
+}
+
+fn clean(name: &str) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(binary(name));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("OTEL_") || key.starts_with("NOMAD_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_fleet_serves_rollouts_and_refuses_plaintext_and_strangers() {
+    let dir = Fleet::new_dir();
+    make_certificates(&dir, "fleet");
+    make_certificates(&dir, "stranger");
+    let made = std::process::Command::new(binary("nomad-device-worker"))
+        .args(["make-mlp", "--layers", "6,4", "--out"])
+        .arg(dir.join("mlp"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let config = dir.join("nomad.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "tools:\n  - {{name: mlp, kind: mlp, source: {mlp}}}\n\
+             tool_manager: {{heartbeat_interval_ms: 200}}\n\
+             tls:\n  cert: {d}/fleet-cert.pem\n  key: {d}/fleet-key.pem\n  ca: {d}/fleet-ca.pem\n",
+            mlp = dir.join("mlp").display(),
+            d = dir.display()
+        ),
+    )
+    .unwrap();
+    let runs = dir.join("runs");
+    let _up = clean("nomad")
+        .arg("up")
+        .arg("--config")
+        .arg(&config)
+        .arg("--runs-dir")
+        .arg(&runs)
+        .args(["--workers", "1"])
+        .env("NOMAD_OTEL_RUN_ID", "tls")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("up.stderr")).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let fleet_json = runs.join("tls/fleet.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !fleet_json.is_file() {
+        assert!(
+            Instant::now() < deadline,
+            "the TLS fleet did not come up:\n{}",
+            std::fs::read_to_string(dir.join("up.stderr")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let fleet: Value =
+        serde_json::from_str(&std::fs::read_to_string(&fleet_json).unwrap()).unwrap();
+    let gateway = fleet["gateway"].as_str().unwrap();
+    let scheduler = fleet["scheduler"].as_str().unwrap();
+
+    // Rollouts over TLS end to end: head -> gateway -> scheduler -> worker (which registered
+    // over TLS and is dialled back over TLS).
+    let tasks_path = dir.join("tasks.jsonl");
+    let results_path = dir.join("results.jsonl");
+    let text: String = mlp_tasks(10).iter().map(|t| format!("{t}\n")).collect();
+    std::fs::write(&tasks_path, text).unwrap();
+    let run = clean("nomad")
+        .arg("run")
+        .arg("--config")
+        .arg(&config)
+        .arg("--tasks")
+        .arg(&tasks_path)
+        .arg("--out")
+        .arg(&results_path)
+        .args(["--gateway", gateway])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let results = std::fs::read_to_string(&results_path).unwrap();
+    assert_eq!(
+        results
+            .lines()
+            .filter(|l| l.contains(r#""status":"ok""#))
+            .count(),
+        10
+    );
+
+    let health = |ca: Option<&str>, address: &str| {
+        let mut cmd = clean("nomad");
+        cmd.args(["health", address]);
+        if let Some(ca) = ca {
+            cmd.env("NOMAD_TLS_CA", dir.join(ca));
+        }
+        async move { cmd.output().await.unwrap() }
+    };
+    for address in [gateway, scheduler] {
+        assert!(health(Some("fleet-ca.pem"), address).await.status.success());
+        // Plaintext to a TLS server: refused.
+        let plain = health(None, address).await;
+        assert!(!plain.status.success());
+        // A client that trusts another CA: the server's certificate does not verify.
+        let stranger = health(Some("stranger-ca.pem"), address).await;
+        assert!(!stranger.status.success());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn half_a_tls_config_is_refused_with_what_is_missing() {
+    let dir = Fleet::new_dir();
+    make_certificates(&dir, "fleet");
+    let config = dir.join("nomad.yaml");
+    std::fs::write(
+        &config,
+        format!("tls:\n  cert: {}/fleet-cert.pem\n", dir.display()),
+    )
+    .unwrap();
+    let out = clean("nomad-scheduler")
+        .arg("--config")
+        .arg(&config)
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("tls.cert is set but tls.key is not"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
