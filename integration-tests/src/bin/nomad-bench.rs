@@ -207,7 +207,11 @@ async fn soak(minutes: f64, concurrency: usize) -> bool {
                         .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
                         .and_then(|r| {
                             let r = r.into_inner();
-                            if r.error.is_empty() { Ok(1) } else { Err(r.error) }
+                            if r.error.is_empty() {
+                                Ok(1)
+                            } else {
+                                Err(r.error)
+                            }
                         })
                         .unwrap_or_else(|e| {
                             eprintln!("soak: code run failed: {e}");
