@@ -115,7 +115,7 @@ pub fn channel(address: &str) -> Result<Channel, RpcError> {
     };
     let channel = endpoint
         // Calls abandoned by the thousand (deadlines, cancelled rollouts) reset their streams;
-        // h2 remembers only 10 by default, answers a late frame for a forgotten one with an
+        // h2 remembers only 50 (for 1 s) by default, answers a late frame for a forgotten one with an
         // internal reset, and the 1,024th such reset closes the connection with every call on it.
         .http2_max_concurrent_reset_streams(MAX_PENDING_RESET_STREAMS)
         .connect_timeout(Duration::from_secs(5))
