@@ -172,6 +172,10 @@ struct Pending {
     share: Option<GroupSpan>,
     worker_id: String,
     batch_size: u32,
+    /// The worker's answer, held until the core completes the request. Kept here rather than
+    /// in a map of its own so that a request cancelled while its batch runs cannot leave an
+    /// output behind.
+    output: Option<ToolOutput>,
 }
 
 struct BatchInfo {
@@ -188,7 +192,6 @@ pub struct Driver {
     workers: HashMap<SlotId, Worker>,
     pending: HashMap<RequestId, Pending>,
     keys: HashMap<u64, RequestId>,
-    outputs: HashMap<RequestId, ToolOutput>,
     batches: HashMap<BatchId, BatchInfo>,
     metrics: Arc<Metrics>,
     published: Arc<Mutex<Published>>,
@@ -252,7 +255,6 @@ impl Driver {
             workers: HashMap::new(),
             pending: HashMap::new(),
             keys: HashMap::new(),
-            outputs: HashMap::new(),
             batches: HashMap::new(),
             metrics,
             published,
@@ -287,6 +289,10 @@ impl Driver {
                 }
             }
             self.execute();
+            // Everything the driver holds for a request lives in `pending`, so this is what
+            // keeps a long-running scheduler's memory flat.
+            debug_assert_eq!(self.pending.len(), self.core.open_requests());
+            debug_assert_eq!(self.keys.len(), self.pending.len());
         }
         self.publish();
     }
@@ -320,6 +326,7 @@ impl Driver {
                             share: None,
                             worker_id: String::new(),
                             batch_size: 0,
+                            output: None,
                         },
                     );
                 }
@@ -375,8 +382,9 @@ impl Driver {
                     return;
                 }
                 for (request, output) in info.requests.iter().zip(outputs) {
-                    if let Some(output) = output {
-                        self.outputs.insert(*request, output);
+                    // A request cancelled while its batch ran is already answered.
+                    if let Some(p) = self.pending.get_mut(request) {
+                        p.output = output;
                     }
                 }
                 if let BatchResult::OutOfMemory(detail) = &result {
@@ -472,7 +480,6 @@ impl Driver {
             return;
         };
         self.keys.remove(&p.key);
-        let output = self.outputs.remove(&request);
         let tool = &self.tools[p.tool].name;
         let status = match &outcome {
             Outcome::Ok => "ok",
@@ -489,7 +496,7 @@ impl Driver {
             p.submitted.elapsed().as_secs_f64(),
             &[tool_attr[0].clone(), KeyValue::new("status", status)],
         );
-        let result = match (outcome, output) {
+        let result = match (outcome, p.output) {
             (Outcome::Ok, Some(output)) => Ok(Served {
                 output,
                 worker_id: p.worker_id,
