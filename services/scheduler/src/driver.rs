@@ -442,7 +442,19 @@ impl Driver {
     }
 
     fn execute(&mut self) {
-        for action in self.core.take_actions() {
+        // Carrying out an action can feed the core an event (a dispatch to a vanished worker),
+        // whose actions are carried out in the same pass.
+        loop {
+            let actions = self.core.take_actions();
+            if actions.is_empty() {
+                return;
+            }
+            self.carry_out(actions);
+        }
+    }
+
+    fn carry_out(&mut self, actions: Vec<Action>) {
+        for action in actions {
             match action {
                 Action::Complete { request, outcome } => self.complete(request, outcome),
                 Action::Dispatch {
