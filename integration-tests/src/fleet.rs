@@ -247,6 +247,21 @@ impl Fleet {
                 ],
             )
             .await;
+        // The MCP endpoint binds after the gRPC one; tests use both.
+        let log = fleet
+            .dir
+            .join(format!("{}.stderr", Service::Gateway.name()));
+        let (_, gateway) = fleet
+            .children
+            .last_mut()
+            .expect("the gateway was just spawned");
+        wait_for_file(
+            Path::new(&mcp_addr_file),
+            gateway,
+            "nomad-gateway's MCP endpoint",
+            &log,
+        )
+        .await;
         fleet.wait_for_workers(workers).await;
         fleet
     }
