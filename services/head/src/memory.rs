@@ -18,28 +18,26 @@ pub struct TreeMemory {
     pub pss: Option<u64>,
 }
 
+/// A `Name:   N kB` field of a /proc text file, in bytes.
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+}
+
 /// `Rss` and `Pss` (bytes) from the text of `/proc/<pid>/smaps_rollup`.
 pub fn parse_smaps_rollup(text: &str) -> Option<(u64, u64)> {
-    let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|kb| kb.parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-    };
-    Some((field("Rss:")?, field("Pss:")?))
+    Some((kib_field(text, "Rss:")?, kib_field(text, "Pss:")?))
 }
 
 /// `(total, available)` bytes from the text of `/proc/meminfo`.
 pub fn parse_meminfo(text: &str) -> Option<(u64, u64)> {
-    let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|kb| kb.parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-    };
-    Some((field("MemTotal:")?, field("MemAvailable:")?))
+    Some((
+        kib_field(text, "MemTotal:")?,
+        kib_field(text, "MemAvailable:")?,
+    ))
 }
 
 fn page_size() -> u64 {
