@@ -162,7 +162,9 @@ pub struct Fleet {
     children: Vec<(Service, Child)>,
 }
 
-async fn wait_for_file(path: &Path, child: &mut Child, what: &str, log: &Path) -> String {
+/// Waits until `path` holds something (an address a service wrote); panics with the log when
+/// the process exits first or 30 s pass.
+pub async fn wait_for_file(path: &Path, child: &mut Child, what: &str, log: &Path) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if let Ok(text) = std::fs::read_to_string(path)

@@ -7,6 +7,7 @@ pub mod peers;
 pub mod receiver;
 pub mod reference;
 pub mod spans;
+pub mod users;
 
 pub use fleet::{Fleet, FleetOptions, HeadRun, Service};
 pub use receiver::OtlpReceiver;

@@ -17,8 +17,18 @@ use serde_json::{Value, json};
 
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 
-/// Tools (embed), the two Python upstreams, a workspace root and a 3 s sandbox timeout.
+/// Tools (embed), the two Python upstreams, a workspace root and a 3 s sandbox timeout;
+/// `extra` goes into the `gateway:` section.
 fn options(dir: &Path, http_upstream: &str, extra: &str) -> FleetOptions {
+    options_with_sandbox(dir, http_upstream, extra, "")
+}
+
+fn options_with_sandbox(
+    dir: &Path,
+    http_upstream: &str,
+    extra: &str,
+    sandbox: &str,
+) -> FleetOptions {
     let record = dir.join("stdio-record.jsonl");
     let root = dir.join("scripts");
     std::fs::create_dir_all(&root).unwrap();
@@ -33,7 +43,7 @@ fn options(dir: &Path, http_upstream: &str, extra: &str) -> FleetOptions {
              \x20 echo_stdio: {{command: {python}, args: [{server}, --transport, stdio, --record, {record}]}}\n\
              \x20 echo_http: {{url: \"{http_upstream}\"}}\n\
              gateway:\n  workspace_root: {root}\n{extra}\
-             sandbox:\n  timeout_seconds: 3\n",
+             sandbox:\n  timeout_seconds: 3\n{sandbox}",
             python = python_sdk().display(),
             server = script("upstream_server.py").display(),
             record = record.display(),
@@ -302,24 +312,9 @@ async fn the_http_endpoint_needs_the_bearer_token() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// Processes still running this gateway's sandbox runner.
+/// Sandboxed Pythons still running under this gateway.
 fn runner_processes(gateway_pid: u32) -> usize {
-    let runner = format!("nomad-gateway-{gateway_pid}/runtime/runner.py");
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .chars()
-                .all(|c| c.is_ascii_digit())
-        })
-        .filter(|e| {
-            std::fs::read(e.path().join("cmdline"))
-                .map(|c| String::from_utf8_lossy(&c).contains(&runner))
-                .unwrap_or(false)
-        })
-        .count()
+    nomad_integration_tests::users::descendants_running(gateway_pid, "-B\0/nomad/runner.py")
 }
 
 fn peak_rss_kib(pid: u32) -> u64 {
@@ -336,8 +331,12 @@ fn peak_rss_kib(pid: u32) -> u64 {
 async fn sandboxed_code_cannot_escape_and_the_gateway_keeps_serving() {
     let dir = Fleet::new_dir();
     let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
-    let options =
-        options(&dir, &upstream.url, "").service_env(Service::Gateway, "GATEWAY_SECRET", "hunter2");
+    // No warm runners: every process under the gateway after a run is one left behind.
+    let options = options_with_sandbox(&dir, &upstream.url, "", "  warm: 0\n").service_env(
+        Service::Gateway,
+        "GATEWAY_SECRET",
+        "hunter2",
+    );
     let mut fleet = Fleet::start(options).await;
     let gateway_pid = fleet.pid(Service::Gateway);
     let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))

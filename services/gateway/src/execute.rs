@@ -11,7 +11,7 @@ use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
 use opentelemetry::metrics::{Counter, Histogram};
 use serde_json::{Value, json};
 
-use crate::sandbox::{Outcome, Sandbox, Source};
+use crate::sandbox::{Outcome, Rejected, Sandbox, Source};
 use crate::schema;
 use crate::upstream::{RunTools, Upstreams};
 
@@ -43,11 +43,27 @@ impl ExecuteReply {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum ScriptError {
+pub enum ExecuteError {
     #[error("execute_mcp_script needs gateway.workspace_root in the config")]
     NoRoot,
     #[error("script {0:?} is not a file inside the workspace root")]
     Outside(String),
+    /// The sandbox is at capacity (or could not start a process).
+    #[error(transparent)]
+    Rejected(#[from] Rejected),
+}
+
+impl ExecuteError {
+    /// The gRPC status a caller gets.
+    pub fn status(&self) -> tonic::Status {
+        match self {
+            ExecuteError::NoRoot | ExecuteError::Outside(_) => {
+                tonic::Status::invalid_argument(self.to_string())
+            }
+            ExecuteError::Rejected(Rejected::Spawn(_)) => tonic::Status::internal(self.to_string()),
+            ExecuteError::Rejected(_) => tonic::Status::resource_exhausted(self.to_string()),
+        }
+    }
 }
 
 pub struct Gateway {
@@ -77,8 +93,8 @@ impl Gateway {
     }
 
     /// `script_path` resolved (symlinks too) and checked to be a file under the workspace root.
-    pub fn resolve_script(&self, script_path: &str) -> Result<PathBuf, ScriptError> {
-        let root = self.workspace_root.as_ref().ok_or(ScriptError::NoRoot)?;
+    pub fn resolve_script(&self, script_path: &str) -> Result<PathBuf, ExecuteError> {
+        let root = self.workspace_root.as_ref().ok_or(ExecuteError::NoRoot)?;
         let candidate = if Path::new(script_path).is_absolute() {
             PathBuf::from(script_path)
         } else {
@@ -86,7 +102,7 @@ impl Gateway {
         };
         match candidate.canonicalize() {
             Ok(p) if p.starts_with(root) && p.is_file() => Ok(p),
-            _ => Err(ScriptError::Outside(script_path.to_owned())),
+            _ => Err(ExecuteError::Outside(script_path.to_owned())),
         }
     }
 
@@ -95,7 +111,7 @@ impl Gateway {
         code: String,
         env: BTreeMap<String, String>,
         cx: &Context,
-    ) -> ExecuteReply {
+    ) -> Result<ExecuteReply, ExecuteError> {
         let size = code.len();
         self.execute("execute_mcp_code", Source::Code(code), size, env, cx)
             .await
@@ -106,7 +122,7 @@ impl Gateway {
         script_path: &str,
         env: BTreeMap<String, String>,
         cx: &Context,
-    ) -> Result<ExecuteReply, ScriptError> {
+    ) -> Result<ExecuteReply, ExecuteError> {
         let path = self.resolve_script(script_path);
         let path = match path {
             Ok(p) => p,
@@ -119,9 +135,8 @@ impl Gateway {
             }
         };
         let size = std::fs::metadata(&path).map_or(0, |m| m.len() as usize);
-        Ok(self
-            .execute("execute_mcp_script", Source::Script(path), size, env, cx)
-            .await)
+        self.execute("execute_mcp_script", Source::Script(path), size, env, cx)
+            .await
     }
 
     async fn execute(
@@ -131,7 +146,7 @@ impl Gateway {
         code_size: usize,
         env: BTreeMap<String, String>,
         cx: &Context,
-    ) -> ExecuteReply {
+    ) -> Result<ExecuteReply, ExecuteError> {
         let started = Instant::now();
         self.requests.add(1, &[KeyValue::new("request.kind", kind)]);
         let timeout = self.sandbox.config().timeout_seconds;
@@ -156,7 +171,23 @@ impl Gateway {
             upstreams: &self.upstreams,
             cx: run_cx,
         };
-        let outcome = self.sandbox.run(source, &env, &trace, &tools).await;
+        let outcome = match self.sandbox.run(source, &env, &trace, &tools).await {
+            Ok(outcome) => outcome,
+            Err(rejected) => {
+                for s in [&run_span, &span] {
+                    s.set_attribute(KeyValue::new("nomad.gateway.status", "rejected"));
+                    s.set_error("rejected", rejected.to_string());
+                }
+                self.request_duration.record(
+                    started.elapsed().as_secs_f64(),
+                    &[
+                        KeyValue::new("request.kind", kind),
+                        KeyValue::new("status", "rejected"),
+                    ],
+                );
+                return Err(rejected.into());
+            }
+        };
         let reply = reply_of(&outcome);
         let returncode = i64::from(reply.returncode);
         for s in [&run_span, &span] {
@@ -167,6 +198,10 @@ impl Gateway {
                     i64::from(outcome.tool_calls),
                 ),
                 KeyValue::new("nomad.gateway.status", reply.status),
+                KeyValue::new(
+                    "nomad.gateway.sandbox.start",
+                    if outcome.warm { "warm" } else { "cold" },
+                ),
             ]);
             match &outcome.failure {
                 Some(f) => s.set_error(f.kind(), first_line(&reply.error)),
@@ -190,7 +225,7 @@ impl Gateway {
                 KeyValue::new("returncode", returncode),
             ],
         );
-        reply
+        Ok(reply)
     }
 
     /// Tools matching `query` (every word, case-insensitive, in name or description), best

@@ -55,6 +55,13 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    // The first process of every sandboxed run is this binary in its own mode (see
+    // `sandbox::init`): checked before anything else is set up.
+    let mut raw = std::env::args_os();
+    if raw.nth(1).as_deref() == Some(std::ffi::OsStr::new(sandbox::init::ARG)) {
+        let spec = raw.next().unwrap_or_default();
+        sandbox::init::main(&spec);
+    }
     let args = Args::parse();
     let result = nomad_rpc::runtime()
         .context("starting the runtime")
@@ -145,7 +152,9 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         None => None,
     };
 
-    let front = mcp_server::McpFrontEnd { gateway };
+    let front = mcp_server::McpFrontEnd {
+        gateway: gateway.clone(),
+    };
     if args.mcp_stdio {
         tracing::info!("nomad-gateway serving MCP on stdio");
         let running = front
@@ -170,6 +179,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         grpc.await??;
     }
     tracing::info!("shutting down");
+    gateway.sandbox.remove_directory();
     telemetry.shutdown(Duration::from_secs(5)).await;
     Ok(())
 }

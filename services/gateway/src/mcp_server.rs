@@ -173,8 +173,10 @@ impl ServerHandler for McpFrontEnd {
                 let code = string(&args, "code")?
                     .filter(|c| !c.trim().is_empty())
                     .ok_or_else(|| McpError::invalid_params("`code` is required", None))?;
-                let reply = self.gateway.execute_code(code, env(&args)?, &cx).await;
-                Ok(complete(reply.to_json(), !reply.error.is_empty()))
+                match self.gateway.execute_code(code, env(&args)?, &cx).await {
+                    Ok(reply) => Ok(complete(reply.to_json(), !reply.error.is_empty())),
+                    Err(e) => Ok(complete(json!({ "error": e.to_string() }), true)),
+                }
             }
             "execute_mcp_script" => {
                 let path = string(&args, "script_path")?

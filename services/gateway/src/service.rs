@@ -5,7 +5,8 @@ use std::sync::Arc;
 use nomad_proto::v1::gateway_server::Gateway as GatewayApi;
 use nomad_proto::v1::{
     ExecuteCodeRequest, ExecuteResponse, ExecuteScriptRequest, GatewayCallToolRequest,
-    GatewayCallToolResponse, SearchToolsRequest, SearchToolsResponse, UpstreamTool,
+    GatewayCallToolResponse, GatewayStatus, GatewayStatusRequest, SandboxLayer, SearchToolsRequest,
+    SearchToolsResponse, UpstreamTool,
 };
 use nomad_telemetry::Context;
 use tonic::{Request, Response, Status};
@@ -76,7 +77,8 @@ impl GatewayApi for GatewayService {
         let reply = self
             .gateway
             .execute_code(code, env.into_iter().collect(), &Context::current())
-            .await;
+            .await
+            .map_err(|e| e.status())?;
         Ok(Response::new(response(reply)))
     }
 
@@ -89,7 +91,7 @@ impl GatewayApi for GatewayService {
             .gateway
             .execute_script(&script_path, env.into_iter().collect(), &Context::current())
             .await
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            .map_err(|e| e.status())?;
         Ok(Response::new(response(reply)))
     }
 
@@ -125,6 +127,40 @@ impl GatewayApi for GatewayService {
             .await?;
         Ok(Response::new(GatewayCallToolResponse {
             result_json: value.to_string(),
+        }))
+    }
+
+    async fn status(
+        &self,
+        _request: Request<GatewayStatusRequest>,
+    ) -> Result<Response<GatewayStatus>, Status> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let sandbox = &self.gateway.sandbox;
+        let isolation = sandbox.isolation();
+        let counts = sandbox.counts();
+        Ok(Response::new(GatewayStatus {
+            sandbox_layers: isolation
+                .layers()
+                .into_iter()
+                .map(|(name, in_force)| SandboxLayer {
+                    name: name.to_owned(),
+                    in_force,
+                })
+                .collect(),
+            sandbox_lost: isolation.lost().into_iter().map(String::from).collect(),
+            landlock_abi: isolation.report.landlock_abi,
+            sandbox_limits: match &isolation.cgroup {
+                Ok(dir) => format!("cgroup {}", dir.display()),
+                Err(why) => format!("rlimits: {why}"),
+            },
+            supplementary_groups: isolation.report.supplementary_groups as u32,
+            runs_active: counts.running.load(Relaxed) as u32,
+            runs_queued: counts.queued.load(Relaxed) as u32,
+            runners_warm: counts.warm.load(Relaxed) as u32,
+            max_concurrent: sandbox.max_concurrent() as u32,
+            max_queued: sandbox.config().max_queued as u32,
+            warm_starts: counts.warm_starts.load(Relaxed),
+            cold_starts: counts.cold_starts.load(Relaxed),
         }))
     }
 }

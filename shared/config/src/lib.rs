@@ -140,6 +140,33 @@ impl Env for [(&str, &str)] {
     }
 }
 
+/// Longest duration any setting may give: a year. Beyond it a value is a typo, and
+/// `Instant + Duration` would overflow long before `Duration` itself does.
+pub const MAX_SECONDS: f64 = 365.0 * 86_400.0;
+
+/// A number of seconds from a config field or flag (`name` is in the error): finite, greater than
+/// 0 and at most [`MAX_SECONDS`].
+pub fn seconds(name: &str, value: f64) -> Result<std::time::Duration, String> {
+    if value > 0.0 {
+        seconds_or_zero(name, value)
+    } else {
+        Err(format!(
+            "{name} must be a number of seconds greater than 0; got {value}"
+        ))
+    }
+}
+
+/// As [`seconds`], but 0 is allowed (a delay that may be none).
+pub fn seconds_or_zero(name: &str, value: f64) -> Result<std::time::Duration, String> {
+    if (0.0..=MAX_SECONDS).contains(&value) {
+        Ok(std::time::Duration::from_secs_f64(value))
+    } else {
+        Err(format!(
+            "{name} must be a number of seconds from 0 to {MAX_SECONDS} (a year); got {value}"
+        ))
+    }
+}
+
 /// Accepts 1/true/yes/on and 0/false/no/off, case-insensitively; `variable` names the source
 /// in the error.
 pub fn parse_bool(variable: &str, value: &str) -> Result<bool, ConfigError> {
@@ -229,6 +256,25 @@ mod tests {
         let from_toml: Section = ConfigFile::load(Some(&t)).unwrap().section("sec").unwrap();
         assert_eq!(from_yaml, from_toml);
         assert_eq!(from_yaml.b.as_deref(), Some("hi"));
+    }
+
+    #[test]
+    fn seconds_refuse_what_no_timer_can_mean() {
+        assert_eq!(
+            seconds("x", 1.5).unwrap(),
+            std::time::Duration::from_millis(1500)
+        );
+        assert_eq!(
+            seconds_or_zero("x", 0.0).unwrap(),
+            std::time::Duration::ZERO
+        );
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
+            let error = seconds("sandbox.timeout_seconds", bad).unwrap_err();
+            assert!(error.contains("sandbox.timeout_seconds"), "{bad}: {error}");
+        }
+        for bad in [-0.5, f64::NAN, MAX_SECONDS * 2.0] {
+            assert!(seconds_or_zero("x", bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

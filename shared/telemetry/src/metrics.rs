@@ -395,6 +395,43 @@ pub const MODEL_SERVING: &[MetricDef] = &[
     DEVICE_UTILIZATION,
 ];
 
+pub const GATEWAY_SANDBOX_ISOLATION: MetricDef = def(
+    "nomad.gateway.sandbox.isolation",
+    G,
+    "1",
+    "Whether an isolation layer of the sandbox is in force (1) or not (0), by `layer`.",
+);
+pub const GATEWAY_SANDBOX_RUNS_ACTIVE: MetricDef = def(
+    "nomad.gateway.sandbox.runs.active",
+    U,
+    "{run}",
+    "Sandboxed runs executing now.",
+);
+pub const GATEWAY_SANDBOX_RUNS_QUEUED: MetricDef = def(
+    "nomad.gateway.sandbox.runs.queued",
+    U,
+    "{run}",
+    "Runs waiting for a sandbox slot (at most `sandbox.max_queued`).",
+);
+pub const GATEWAY_SANDBOX_WARM: MetricDef = def(
+    "nomad.gateway.sandbox.warm",
+    U,
+    "{runner}",
+    "Sandbox runners started ahead, isolated and waiting for a run.",
+);
+pub const GATEWAY_SANDBOX_STARTS: MetricDef = def(
+    "nomad.gateway.sandbox.starts",
+    C,
+    "{run}",
+    "Sandboxed runs started, by `start` (warm: a runner from the pool; cold: one started for it).",
+);
+pub const GATEWAY_SANDBOX_REJECTIONS: MetricDef = def(
+    "nomad.gateway.sandbox.rejections",
+    C,
+    "{run}",
+    "Runs refused before starting, by `reason` (queue_full, no_slot, spawn).",
+);
+
 /// The gateway table, in the original's order.
 pub const GATEWAY: &[MetricDef] = &[
     GATEWAY_REQUESTS,
@@ -402,6 +439,16 @@ pub const GATEWAY: &[MetricDef] = &[
     GATEWAY_SANDBOX_DURATION,
     GATEWAY_UPSTREAM_TOOL_CALLS,
     GATEWAY_UPSTREAM_TOOL_DURATION,
+];
+
+/// The gateway's sandbox: isolation in force, admission and the warm pool.
+pub const SANDBOX: &[MetricDef] = &[
+    GATEWAY_SANDBOX_ISOLATION,
+    GATEWAY_SANDBOX_RUNS_ACTIVE,
+    GATEWAY_SANDBOX_RUNS_QUEUED,
+    GATEWAY_SANDBOX_WARM,
+    GATEWAY_SANDBOX_STARTS,
+    GATEWAY_SANDBOX_REJECTIONS,
 ];
 
 /// Every service, while metrics are exported.
@@ -442,6 +489,14 @@ pub const TABLES: &[(&str, &str, &[MetricDef])] = &[
         "Gateway metrics",
         "The gateway metrics cover MCP entrypoints, sandbox execution, and upstream MCP tool calls.",
         GATEWAY,
+    ),
+    (
+        "Sandbox metrics",
+        "The gateway's sandbox: which isolation layers hold (`layer`: user_namespace, \
+         mount_namespace, network_namespace, pid_namespace, ipc_namespace, seccomp, landlock, \
+         no_new_privs, capabilities_dropped, unprivileged_user, cgroup, rlimits), admission \
+         (`sandbox.max_concurrent`, `sandbox.max_queued`) and the warm pool.",
+        SANDBOX,
     ),
     (
         "Process and runtime metrics",

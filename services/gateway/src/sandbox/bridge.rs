@@ -1,11 +1,15 @@
-//! The bridge between sandboxed code and the gateway: length-prefixed JSON frames (4-byte
-//! big-endian length, then UTF-8 JSON) over a socketpair the sandbox inherits as a file
-//! descriptor. No TCP listener exists for sandboxed code to find.
+//! The bridge between sandboxed code and the gateway: length-prefixed frames (4-byte big-endian
+//! length, then the body) over a socketpair the sandbox inherits as a file descriptor. No TCP
+//! listener exists for sandboxed code to find.
 //!
-//! Requests from the runner carry an `id` and get a response with the same `id`:
-//! `list_servers`, `list_tools {server}`, `call_tool {server, tool, arguments}`. The runner's
-//! last message is `done {result | error}`.
+//! In order: the sandbox's init reports what isolation holds (JSON, [`super::init::Report`]);
+//! the gateway sends the run ([`encode_run`]: length-prefixed text fields, so the runner decodes
+//! it without importing `json`); the runner says `ready` (once its imports are done) and then
+//! sends requests, each with an `id` that its JSON response repeats: `list_servers`,
+//! `list_tools {server}`, `call_tool {server, tool, arguments}`. Its last message is
+//! `done {result | error}`.
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -32,6 +36,22 @@ pub fn encode(value: &impl Serialize) -> Result<Vec<u8>, FrameError> {
     Ok(frame)
 }
 
+/// The run frame: `mode`, `filename`, `source`, then each environment name and value, every field
+/// a 4-byte big-endian length and UTF-8 text.
+pub fn encode_run<'a>(fields: impl IntoIterator<Item = &'a str>) -> Result<Vec<u8>, FrameError> {
+    let mut frame = vec![0u8; 4];
+    for field in fields {
+        frame.extend_from_slice(&(field.len() as u32).to_be_bytes());
+        frame.extend_from_slice(field.as_bytes());
+    }
+    let body = frame.len() - 4;
+    if body > MAX_FRAME {
+        return Err(FrameError::TooLarge(body));
+    }
+    frame[..4].copy_from_slice(&(body as u32).to_be_bytes());
+    Ok(frame)
+}
+
 /// Incremental decoder: feed bytes, take complete frames.
 #[derive(Debug, Default)]
 pub struct Decoder {
@@ -43,9 +63,15 @@ impl Decoder {
         self.buffer.extend_from_slice(bytes);
     }
 
-    /// The next complete frame, if one is buffered. A length over `MAX_FRAME` is an error
-    /// before any of its body is buffered, so a hostile peer cannot make the gateway allocate it.
+    /// The next complete message, if one is buffered.
     pub fn next_frame(&mut self) -> Result<Option<Message>, FrameError> {
+        self.next_as()
+    }
+
+    /// The next complete frame as a `T`, if one is buffered. A length over `MAX_FRAME` is an
+    /// error before any of its body is buffered, so a hostile peer cannot make the gateway
+    /// allocate it.
+    pub fn next_as<T: DeserializeOwned>(&mut self) -> Result<Option<T>, FrameError> {
         if self.buffer.len() < 4 {
             return Ok(None);
         }
@@ -133,6 +159,24 @@ mod tests {
             assert_eq!(got[0].id, Some(1));
             assert_eq!(got[1].method, "done");
         }
+    }
+
+    #[test]
+    fn the_run_frame_is_length_prefixed_fields() {
+        let frame = encode_run(["code", "<code>", "RESULT = 1", "K", "é"]).unwrap();
+        let body = &frame[4..];
+        assert_eq!(
+            u32::from_be_bytes(frame[..4].try_into().unwrap()) as usize,
+            body.len()
+        );
+        let mut fields = vec![];
+        let mut i = 0;
+        while i < body.len() {
+            let n = u32::from_be_bytes(body[i..i + 4].try_into().unwrap()) as usize;
+            fields.push(std::str::from_utf8(&body[i + 4..i + 4 + n]).unwrap());
+            i += 4 + n;
+        }
+        assert_eq!(fields, ["code", "<code>", "RESULT = 1", "K", "é"]);
     }
 
     #[test]

@@ -1,79 +1,41 @@
-//! Runs model-written Python in an isolated subprocess. The code reaches upstream tools only
+//! Runs model-written Python in an isolated process. The code reaches upstream tools only
 //! through the bridge (see `bridge`), which the gateway serves with a [`ToolHost`].
+//!
+//! - `init`: the sandbox's first process (namespaces, the filesystem view, Landlock, seccomp),
+//!   started as `nomad-gateway sandbox-init`;
+//! - `seccomp`: the system-call filter; `cgroup`: per-run cgroups where delegated;
+//! - `process`: one sandbox process from the gateway's side, and the bridge server;
+//! - `pool`: admission (`max_concurrent`, `max_queued`) and the warm pool;
+//! - `workspace`: the gateway's private directory.
 
 pub mod bridge;
-pub mod isolation;
+mod cgroup;
+mod config;
+pub mod init;
+mod pool;
+mod process;
+mod seccomp;
+mod workspace;
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
+use nomad_telemetry::KeyValue;
+use nomad_telemetry::metrics as defs;
+use opentelemetry::metrics::{Counter, ObservableGauge, ObservableUpDownCounter};
 use serde_json::Value;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::sync::Mutex;
+use tokio::sync::Semaphore;
 
-use self::bridge::{Decoder, Response};
-use self::isolation::{ChildSetup, Limits, Ruleset};
+pub use self::config::SandboxConfig;
+use self::init::{Entry, Limits, Report, Spec};
+pub use self::pool::Rejected;
+use self::pool::{Counts, Pool};
+use self::process::{Job, Launch};
 
 const RUNNER: &str = include_str!("runner.py");
-/// Concurrent tool calls one run may have in flight; more wait.
-const MAX_CONCURRENT_CALLS: usize = 16;
-
-/// The `sandbox:` config section.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct SandboxConfig {
-    /// Python interpreter (a path or a name on PATH).
-    pub python: String,
-    pub timeout_seconds: f64,
-    /// Bytes of stdout / stderr kept; the rest is read and dropped.
-    pub stdout_limit: usize,
-    pub stderr_limit: usize,
-    /// Largest RESULT, in bytes of JSON.
-    pub result_limit: usize,
-    pub memory_bytes: u64,
-    pub max_processes: u64,
-    pub file_size_bytes: u64,
-    pub open_files: u64,
-    /// Where per-run workspaces are made (default: a directory under the system temp dir).
-    pub workspace_dir: Option<PathBuf>,
-    /// Environment passed to the code; nothing else of the gateway's environment is.
-    pub env: BTreeMap<String, String>,
-    /// Run even where the kernel cannot isolate (no namespaces or no Landlock). Off by default:
-    /// start-up then fails, saying which layer is missing.
-    pub allow_unisolated: bool,
-}
-
-impl Default for SandboxConfig {
-    fn default() -> Self {
-        Self {
-            // A system interpreter: the unprivileged sandbox user must be able to reach it
-            // (one under a home directory, like pyenv's, usually is not).
-            python: if Path::new("/usr/bin/python3").is_file() {
-                "/usr/bin/python3"
-            } else {
-                "python3"
-            }
-            .into(),
-            timeout_seconds: 30.0,
-            stdout_limit: 64 << 10,
-            stderr_limit: 64 << 10,
-            result_limit: 65536,
-            memory_bytes: 1 << 30,
-            max_processes: 64,
-            file_size_bytes: 64 << 20,
-            open_files: 256,
-            workspace_dir: None,
-            env: BTreeMap::new(),
-            allow_unisolated: false,
-        }
-    }
-}
 
 /// One tool as the sandbox sees it.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -170,24 +132,82 @@ pub struct Outcome {
     pub returncode: Option<i32>,
     pub tool_calls: u32,
     pub duration: Duration,
+    /// Whether the run got a runner from the warm pool.
+    pub warm: bool,
 }
 
-/// Which isolation layers this gateway applies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Layers {
-    pub namespaces: bool,
-    pub landlock_abi: u32,
-    pub drop_to_nobody: bool,
+/// The isolation in force, as the sandbox's init reported it at start-up (every later process
+/// must report at least as much).
+#[derive(Debug, Clone)]
+pub struct Isolation {
+    pub report: Report,
+    /// Where the per-run cgroups live, or why there are none.
+    pub cgroup: Result<PathBuf, String>,
+}
+
+impl Isolation {
+    /// Each layer and whether it holds (the `layer` attribute of
+    /// `nomad.gateway.sandbox.isolation`).
+    pub fn layers(&self) -> Vec<(&'static str, bool)> {
+        let r = &self.report;
+        vec![
+            ("user_namespace", r.namespaces),
+            ("mount_namespace", r.namespaces),
+            ("network_namespace", r.namespaces),
+            ("pid_namespace", r.namespaces),
+            ("ipc_namespace", r.namespaces),
+            ("seccomp", r.seccomp),
+            ("landlock", r.landlock_abi > 0),
+            ("no_new_privs", r.no_new_privs),
+            ("capabilities_dropped", r.capabilities_dropped),
+            ("unprivileged_user", r.uid != 0),
+            ("cgroup", r.cgroup),
+            ("rlimits", true),
+        ]
+    }
+
+    /// What is lost where a layer does not hold, in words.
+    pub fn lost(&self) -> Vec<&'static str> {
+        let r = &self.report;
+        let mut lost = Vec::new();
+        if !r.namespaces {
+            lost.push(
+                "no namespaces: the code sees the host's filesystem (Landlock limits reads and \
+                 writes), its processes and named Unix sockets, and shares the host's network \
+                 namespace (seccomp still refuses non-Unix sockets)",
+            );
+        }
+        if !r.seccomp {
+            lost.push(
+                "no seccomp filter: namespaces, mounts, bpf, io_uring, ptrace and every socket \
+                 family stay reachable to the code",
+            );
+        }
+        if r.landlock_abi == 0 {
+            lost.push("no Landlock: the second wall around the filesystem view is missing");
+        }
+        if !r.cgroup {
+            lost.push(
+                "no cgroup: memory, processes and CPU are limited per process (rlimits), not \
+                 for the whole run",
+            );
+        }
+        lost
+    }
 }
 
 pub struct Sandbox {
     config: SandboxConfig,
-    python: PathBuf,
-    runner: PathBuf,
-    workspace_base: PathBuf,
-    /// Directories Python needs to read (its prefix, its sys.path, system libraries).
-    read_only: Vec<PathBuf>,
-    layers: Layers,
+    pool: Arc<Pool>,
+    isolation: Isolation,
+    starts: Counter<u64>,
+    rejections: Counter<u64>,
+    _gauges: Gauges,
+}
+
+struct Gauges {
+    _isolation: ObservableGauge<f64>,
+    _counts: Vec<ObservableUpDownCounter<i64>>,
 }
 
 /// Nobody, for a gateway running as root.
@@ -210,71 +230,13 @@ impl Sandbox {
     /// Prepares the sandbox and proves it works: a first run must succeed under every layer
     /// (or, with `allow_unisolated`, under the layers that work, said loudly).
     pub async fn new(config: SandboxConfig) -> anyhow::Result<Self> {
-        anyhow::ensure!(
-            config.timeout_seconds > 0.0 && config.timeout_seconds <= 86_400.0,
-            "sandbox.timeout_seconds must be greater than 0 and at most a day (86400); got {}",
-            config.timeout_seconds
-        );
+        config.check().map_err(anyhow::Error::msg)?;
         let python = resolve(&config.python).ok_or_else(|| {
             anyhow::anyhow!(
                 "sandbox.python {:?} not found (give a path or put it on PATH)",
                 config.python
             )
         })?;
-        let workspace_base = config.workspace_dir.clone().unwrap_or_else(|| {
-            std::env::temp_dir().join(format!("nomad-gateway-{}", std::process::id()))
-        });
-        std::fs::create_dir_all(&workspace_base)?;
-        let workspace_base = workspace_base.canonicalize()?;
-        let runtime = workspace_base.join("runtime");
-        std::fs::create_dir_all(&runtime)?;
-        let runner = runtime.join("runner.py");
-        std::fs::write(&runner, RUNNER)?;
-        set_mode(&workspace_base, 0o755)?;
-        set_mode(&runtime, 0o755)?;
-        set_mode(&runner, 0o644)?;
-
-        // The directories this interpreter reads from.
-        let probe = tokio::process::Command::new(&python)
-            .args([
-                "-I",
-                "-c",
-                "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix] + sys.path))",
-            ])
-            .env_clear()
-            .output()
-            .await?;
-        anyhow::ensure!(
-            probe.status.success(),
-            "{} does not run: {}",
-            python.display(),
-            String::from_utf8_lossy(&probe.stderr)
-        );
-        let mut read_only: Vec<PathBuf> = serde_json::from_slice::<Vec<String>>(&probe.stdout)?
-            .into_iter()
-            .filter(|p| !p.is_empty())
-            .map(PathBuf::from)
-            .collect();
-        if let Some(dir) = python.parent() {
-            read_only.push(dir.to_owned());
-        }
-        for system in [
-            "/usr",
-            "/lib",
-            "/lib64",
-            "/bin",
-            "/etc/ld.so.cache",
-            "/etc/localtime",
-            "/dev/urandom",
-            "/dev/null",
-            "/dev/zero",
-        ] {
-            read_only.push(PathBuf::from(system));
-        }
-        read_only.push(runtime.clone());
-        read_only.sort();
-        read_only.dedup();
-
         // SAFETY: geteuid has no preconditions.
         let as_root = unsafe { libc::geteuid() } == 0;
         if as_root && !reachable_by_others(&python) {
@@ -284,293 +246,406 @@ impl Sandbox {
                 python.display()
             );
         }
-        let wanted = Layers {
+        let parent = config
+            .workspace_dir
+            .clone()
+            .unwrap_or_else(std::env::temp_dir);
+        let base = workspace::make_private_dir(&parent, "nomad-gateway-", 0o755)?;
+        let runtime = base.join("runtime");
+        let mount_point = base.join("root");
+        for dir in [&runtime, &mount_point] {
+            std::fs::create_dir(dir)?;
+            set_mode(dir, 0o755)?;
+        }
+        std::fs::write(runtime.join("runner.py"), RUNNER)?;
+        set_mode(&runtime.join("runner.py"), 0o644)?;
+
+        let view = view_for(&python, &base).await?;
+        let cgroup = cgroup::Cgroups::detect();
+        let mut spec = Spec {
+            python: python.clone(),
+            args: Vec::new(),
+            runtime: runtime.clone(),
+            mount_point,
+            view,
+            disk_bytes: config.disk_bytes,
+            max_files: config.max_files,
+            limits: Limits {
+                address_space_bytes: config.memory_bytes,
+                cpu_seconds: config.timeout_seconds.ceil() as u64 + 1,
+                processes: config.max_processes,
+                file_size_bytes: config.file_size_bytes,
+                open_files: config.open_files,
+            },
+            drop_to: as_root.then_some(NOBODY),
             namespaces: true,
-            landlock_abi: isolation::landlock_abi(),
-            drop_to_nobody: as_root,
+            proc: true,
+            host_workspace: None,
+            cgroup: None,
+            seccomp: true,
+            landlock: true,
         };
-        let mut sandbox = Sandbox {
-            config,
-            python,
-            runner,
-            workspace_base,
-            read_only,
-            layers: wanted,
+        let mut launch = Launch {
+            spec: spec.clone(),
+            base: base.clone(),
+            preload: config.preload.clone(),
+            stdout_limit: config.stdout_limit,
+            stderr_limit: config.stderr_limit,
+            result_limit: config.result_limit,
+            max_calls_in_flight: config.max_calls_in_flight,
+            max_tool_calls: config.max_tool_calls,
         };
+        let cgroups = cgroup.as_ref().ok();
+        let run_limits = cgroup::RunLimits {
+            memory_bytes: config.memory_bytes,
+            processes: config.max_processes,
+            cpu_cores: config.cpu_cores,
+        };
+
+        // Find what this kernel allows, one refused layer at a time.
         let mut problems = Vec::new();
-        if wanted.landlock_abi == 0 {
-            problems.push(
-                "Landlock is not available (kernel 5.13+ with landlock in the LSM list)".to_owned(),
-            );
-        }
-        if let Err(e) = sandbox.self_test().await {
-            problems.push(format!("a first sandboxed run failed: {e}"));
-            // Find which layer the kernel refuses.
-            sandbox.layers.namespaces = false;
-            if sandbox.self_test().await.is_ok() {
-                problems.push("new user/network/PID namespaces are not allowed here".into());
+        let report = loop {
+            spec.args = runner_args(&spec);
+            launch.spec = spec.clone();
+            match self_test(&launch, cgroups, run_limits).await {
+                Ok(report) => break report,
+                Err(e) if spec.proc && e.contains("mounting /proc") => {
+                    tracing::warn!(
+                        "the kernel refuses the sandbox its own /proc (as in a container that \
+                         masks parts of /proc): runs get none ({e})"
+                    );
+                    spec.proc = false;
+                }
+                Err(e) if spec.namespaces && !config.allow_unisolated => {
+                    anyhow::bail!(
+                        "the sandbox cannot isolate code on this machine: {e}. Set \
+                         sandbox.allow_unisolated: true to run model-written code without \
+                         namespaces and the filesystem view"
+                    );
+                }
+                Err(e) if spec.namespaces => {
+                    problems.push(format!("namespaces refused ({e})"));
+                    spec.namespaces = false;
+                    spec.proc = false;
+                }
+                Err(e) if spec.seccomp && config.allow_unisolated => {
+                    problems.push(format!("seccomp refused ({e})"));
+                    spec.seccomp = false;
+                }
+                Err(e) => anyhow::bail!("the sandbox does not work on this machine: {e}"),
             }
-        }
-        if !problems.is_empty() {
-            if !sandbox.config.allow_unisolated {
-                anyhow::bail!(
-                    "the sandbox cannot isolate code on this machine: {}. Set sandbox.allow_unisolated: true \
-                     to run model-written code without these protections",
-                    problems.join("; ")
-                );
-            }
+        };
+        let isolation = Isolation {
+            report: report.clone(),
+            cgroup: cgroup
+                .as_ref()
+                .map(|c| c.dir().to_owned())
+                .map_err(Clone::clone),
+        };
+        let lost = isolation.lost();
+        let in_force: Vec<&str> = isolation
+            .layers()
+            .into_iter()
+            .filter_map(|(name, on)| on.then_some(name))
+            .collect();
+        if !report.namespaces || !report.seccomp {
             tracing::error!(
                 "RUNNING MODEL-WRITTEN CODE WITHOUT FULL ISOLATION (sandbox.allow_unisolated): {}",
-                problems.join("; ")
+                lost.join("; ")
             );
-            sandbox.self_test().await?;
+        }
+        match &isolation.cgroup {
+            Ok(dir) => tracing::info!(
+                "sandbox limits: a cgroup per run under {} (memory.max, pids.max, cpu.max)",
+                dir.display()
+            ),
+            Err(why) => tracing::info!(
+                "sandbox limits: per-process rlimits (address space, processes, CPU seconds, \
+                 file size); no per-run cgroup: {why}"
+            ),
         }
         tracing::info!(
-            namespaces = sandbox.layers.namespaces,
-            landlock_abi = sandbox.layers.landlock_abi,
-            unprivileged_user = sandbox.layers.drop_to_nobody,
-            python = %sandbox.python.display(),
+            layers = %in_force.join(","),
+            landlock_abi = report.landlock_abi,
+            supplementary_groups = report.supplementary_groups,
+            python = %python.display(),
+            directory = %base.display(),
             "sandbox ready"
         );
-        Ok(sandbox)
+        let pool = Arc::new(Pool::new(
+            launch,
+            report,
+            cgroup.ok(),
+            run_limits,
+            config.max_concurrent(),
+            config.max_queued,
+            config.warm,
+        ));
+        tokio::spawn(pool.clone().keep_warm());
+        let gauges = gauges(&isolation, &pool);
+        Ok(Sandbox {
+            config,
+            pool,
+            isolation,
+            starts: defs::GATEWAY_SANDBOX_STARTS.u64_counter(),
+            rejections: defs::GATEWAY_SANDBOX_REJECTIONS.u64_counter(),
+            _gauges: gauges,
+        })
     }
 
     pub fn config(&self) -> &SandboxConfig {
         &self.config
     }
 
-    async fn self_test(&self) -> anyhow::Result<()> {
-        let outcome = self
-            .run(
-                Source::Code("RESULT = 1".into()),
-                &BTreeMap::new(),
-                &[],
-                &NoTools,
-            )
-            .await;
-        match (&outcome.failure, &outcome.result) {
-            (None, Some(Value::Number(_))) => Ok(()),
-            (Some(f), _) => anyhow::bail!("{} (stderr: {})", f.describe(), outcome.stderr.trim()),
-            _ => anyhow::bail!("unexpected result {:?}", outcome.result),
-        }
+    /// Removes the gateway's private directory (at shutdown; runs still alive keep their view,
+    /// which holds binds of it, not the directory itself).
+    pub fn remove_directory(&self) {
+        workspace::remove_tree(&self.pool.launch.base);
+    }
+
+    pub fn isolation(&self) -> &Isolation {
+        &self.isolation
+    }
+
+    pub fn counts(&self) -> &Counts {
+        &self.pool.counts
+    }
+
+    pub fn max_concurrent(&self) -> usize {
+        self.pool.max_concurrent()
     }
 
     /// Runs `source` with `env` (on top of the configured environment) and `context` (trace
-    /// context variables), serving its tool calls from `host`.
+    /// context variables), serving its tool calls from `host`. A run waits for a free slot at
+    /// most its own timeout.
     pub async fn run(
         &self,
         source: Source,
         env: &BTreeMap<String, String>,
         context: &[(String, String)],
         host: &impl ToolHost,
-    ) -> Outcome {
-        let started = Instant::now();
-        let fail = |failure: Failure| Outcome {
-            result: None,
-            failure: Some(failure),
-            stdout: String::new(),
-            stderr: String::new(),
-            returncode: None,
-            tool_calls: 0,
-            duration: started.elapsed(),
+    ) -> Result<Outcome, Rejected> {
+        let timeout = Duration::from_secs_f64(self.config.timeout_seconds);
+        let (mode, filename, text) = match source {
+            Source::Code(code) => ("code", "<code>".to_owned(), code),
+            Source::Script(path) => match tokio::fs::read_to_string(&path).await {
+                Ok(text) => ("script", path.display().to_string(), text),
+                Err(e) => {
+                    return Ok(failed(Failure::Spawn(format!(
+                        "reading {}: {e}",
+                        path.display()
+                    ))));
+                }
+            },
         };
-        let workspace = self
-            .workspace_base
-            .join(format!("run-{}", uuid::Uuid::new_v4().simple()));
-        let prepared = match self.prepare(&workspace, &source) {
+        let acquired = self.pool.acquire(timeout).await;
+        let (process, _running) = match acquired {
             Ok(p) => p,
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&workspace);
-                return fail(Failure::Spawn(e.to_string()));
+                self.rejections
+                    .add(1, &[KeyValue::new("reason", e.reason())]);
+                return Err(e);
             }
         };
-        let outcome = self.execute(prepared, env, context, host, started).await;
-        if let Err(e) = std::fs::remove_dir_all(&workspace) {
-            tracing::warn!("removing sandbox workspace {}: {e}", workspace.display());
-        }
-        outcome
-    }
-
-    fn prepare(&self, workspace: &Path, source: &Source) -> anyhow::Result<Prepared> {
-        std::fs::create_dir(workspace)?;
-        set_mode(workspace, 0o700)?;
-        let (mode, path, mut read_only) = match source {
-            Source::Code(code) => {
-                let path = workspace.join("main.py");
-                std::fs::write(&path, code)?;
-                ("code", path, self.read_only.clone())
-            }
-            Source::Script(path) => {
-                let mut read_only = self.read_only.clone();
-                if let Some(dir) = path.parent() {
-                    read_only.push(dir.to_owned());
-                }
-                ("script", path.clone(), read_only)
-            }
-        };
-        if self.layers.drop_to_nobody {
-            chown_tree(workspace, NOBODY)?;
-        }
-        read_only.retain(|p| !workspace.starts_with(p) || p.as_path() == Path::new("/"));
-        let ruleset = if self.layers.landlock_abi > 0 {
-            let ro: Vec<&Path> = read_only.iter().map(PathBuf::as_path).collect();
-            Some(Ruleset::new(&ro, &[workspace, Path::new("/dev/null")])?)
-        } else {
-            None
-        };
-        Ok(Prepared {
-            workspace: workspace.to_owned(),
+        self.starts.add(
+            1,
+            &[KeyValue::new(
+                "start",
+                if process.warm { "warm" } else { "cold" },
+            )],
+        );
+        let env = self
+            .config
+            .env
+            .iter()
+            .chain(env)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .chain(
+                context
+                    .iter()
+                    .map(|(k, v)| (k.to_ascii_uppercase(), v.clone())),
+            )
+            .collect();
+        let job = Job {
             mode,
-            path,
-            ruleset,
-        })
-    }
-
-    async fn execute(
-        &self,
-        prepared: Prepared,
-        env: &BTreeMap<String, String>,
-        context: &[(String, String)],
-        host: &impl ToolHost,
-        started: Instant,
-    ) -> Outcome {
-        let mut outcome = Outcome {
-            result: None,
-            failure: None,
-            stdout: String::new(),
-            stderr: String::new(),
-            returncode: None,
-            tool_calls: 0,
-            duration: Duration::ZERO,
+            filename,
+            source: text,
+            env,
         };
-        let (ours, theirs) = match StdUnixStream::pair() {
-            Ok(pair) => pair,
-            Err(e) => {
-                outcome.failure = Some(Failure::Spawn(format!("socketpair: {e}")));
-                return outcome;
-            }
-        };
-        let theirs: OwnedFd = theirs.into();
-        let timeout = Duration::from_secs_f64(self.config.timeout_seconds);
-        let setup = ChildSetup {
-            bridge_fd: theirs.as_raw_fd(),
-            limits: Limits {
-                address_space_bytes: self.config.memory_bytes,
-                cpu_seconds: timeout.as_secs() + 1,
-                processes: self.config.max_processes,
-                file_size_bytes: self.config.file_size_bytes,
-                open_files: self.config.open_files,
-            },
-            drop_to: self.layers.drop_to_nobody.then_some(NOBODY),
-            namespaces: self.layers.namespaces,
-            landlock: prepared.ruleset.as_ref().map(AsRawFd::as_raw_fd),
-        };
-        let mut command = tokio::process::Command::new(&self.python);
-        command
-            .arg("-I")
-            .arg(&self.runner)
-            .arg(prepared.mode)
-            .arg(&prepared.path)
-            .current_dir(&prepared.workspace)
-            .env_clear()
-            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-            .env("LANG", "C.UTF-8")
-            .env("HOME", &prepared.workspace)
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .envs(&self.config.env)
-            .envs(env)
-            .envs(context.iter().map(|(k, v)| (k.to_ascii_uppercase(), v)))
-            .env("NOMAD_BRIDGE_FD", "3")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        // SAFETY: `apply` makes only async-signal-safe calls on values prepared above.
-        unsafe {
-            command.pre_exec(move || setup.apply());
-        }
-        let mut child = match command.spawn() {
-            Ok(child) => child,
-            Err(e) => {
-                outcome.failure = Some(Failure::Spawn(e.to_string()));
-                return outcome;
-            }
-        };
-        drop(theirs);
-        let pgid = child.id().map(|p| p as i32);
-        let stdout = tokio::spawn(read_limited(child.stdout.take(), self.config.stdout_limit));
-        let stderr = tokio::spawn(read_limited(child.stderr.take(), self.config.stderr_limit));
-        let bridge = serve_bridge(ours, host);
-
-        let waited = tokio::time::timeout(timeout, async {
-            let (done, status) = tokio::join!(bridge, child.wait());
-            (done, status)
-        })
-        .await;
-        let kill_group = || {
-            if let Some(pgid) = pgid {
-                // SAFETY: kill(2) on our own child's process group.
-                unsafe { libc::kill(-pgid, libc::SIGKILL) };
-            }
-        };
-        match waited {
-            Ok((bridge_end, status)) => {
-                kill_group(); // anything left in the group
-                outcome.returncode = status.ok().and_then(|s| s.code());
-                outcome.tool_calls = bridge_end.tool_calls;
-                match bridge_end.done {
-                    Some(Done { error: Some(e), .. }) => {
-                        outcome.failure = Some(Failure::Exception {
-                            kind: e.kind,
-                            message: e.message,
-                            traceback: e.traceback,
-                        });
-                    }
-                    Some(Done { result, .. }) => {
-                        let bytes = serde_json::to_vec(&result).map_or(0, |v| v.len());
-                        if bytes > self.config.result_limit {
-                            outcome.failure = Some(Failure::ResultTooLarge {
-                                bytes,
-                                limit: self.config.result_limit,
-                            });
-                        } else {
-                            outcome.result = Some(result);
-                        }
-                    }
-                    None => {
-                        outcome.failure =
-                            Some(bridge_end.error.map_or(Failure::NoResult, Failure::Bridge));
-                    }
-                }
-            }
-            Err(_) => {
-                kill_group();
-                let _ = child.wait().await;
-                outcome.failure = Some(Failure::Timeout {
-                    seconds: self.config.timeout_seconds,
-                });
-            }
-        }
-        // The pipes close when the process group is gone; do not wait on a stray holder forever.
-        let collect = |handle: tokio::task::JoinHandle<String>| async move {
-            tokio::time::timeout(Duration::from_secs(2), handle)
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or_default()
-        };
-        outcome.stdout = collect(stdout).await;
-        outcome.stderr = collect(stderr).await;
-        outcome.duration = started.elapsed();
-        outcome
+        let outcome = process
+            .run(job, &self.pool.expected, host, timeout, &self.pool.launch)
+            .await;
+        self.pool.finished();
+        Ok(outcome)
     }
 }
 
-struct Prepared {
-    workspace: PathBuf,
-    mode: &'static str,
-    path: PathBuf,
-    ruleset: Option<Ruleset>,
+fn failed(failure: Failure) -> Outcome {
+    Outcome {
+        result: None,
+        failure: Some(failure),
+        stdout: String::new(),
+        stderr: String::new(),
+        returncode: None,
+        tool_calls: 0,
+        duration: Duration::ZERO,
+        warm: false,
+    }
+}
+
+/// `-I` (isolated: no environment, no user site, no script directory on the path), `-B` (no
+/// bytecode writes), the runner.
+fn runner_args(spec: &Spec) -> Vec<String> {
+    let runner = if spec.namespaces {
+        Path::new(init::RUNTIME_DIR).join("runner.py")
+    } else {
+        spec.runtime.join("runner.py")
+    };
+    vec!["-I".into(), "-B".into(), runner.display().to_string()]
+}
+
+/// Starts one process cold, outside the pool, and runs `RESULT = 1` in it.
+async fn self_test(
+    launch: &Launch,
+    cgroups: Option<&cgroup::Cgroups>,
+    run_limits: cgroup::RunLimits,
+) -> Result<Report, String> {
+    let slot = Arc::new(Semaphore::new(1))
+        .try_acquire_owned()
+        .expect("a fresh semaphore");
+    let mut process = launch
+        .start(slot, cgroups, run_limits, false)
+        .map_err(|e| format!("starting the sandbox: {e}"))?;
+    let report = match process.check(None, false).await {
+        Ok(report) => report,
+        Err(failure) => {
+            let stderr = process.stderr_after_failure().await;
+            return Err(format!("{} ({})", failure.describe(), stderr.trim()));
+        }
+    };
+    let job = Job {
+        mode: "code",
+        filename: "<self-test>".into(),
+        source: "RESULT = 1".into(),
+        env: Vec::new(),
+    };
+    let started = Instant::now();
+    let outcome = process
+        .run(job, &report, &NoTools, Duration::from_secs(30), launch)
+        .await;
+    match (&outcome.failure, &outcome.result) {
+        (None, Some(Value::Number(_))) => {
+            tracing::debug!(
+                seconds = started.elapsed().as_secs_f64(),
+                "sandbox self-test"
+            );
+            Ok(report)
+        }
+        (Some(f), _) => Err(format!(
+            "{} (stderr: {})",
+            f.describe(),
+            outcome.stderr.trim()
+        )),
+        _ => Err(format!("unexpected result {:?}", outcome.result)),
+    }
+}
+
+/// What the view holds: the system directories (as binds, or as the symlinks a merged-/usr
+/// system has), the dynamic linker's cache and time zone, and every directory the interpreter
+/// reads from. Never the gateway's own directory.
+async fn view_for(python: &Path, base: &Path) -> anyhow::Result<Vec<Entry>> {
+    let probe = tokio::process::Command::new(python)
+        .args([
+            "-I",
+            "-c",
+            "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix] + sys.path))",
+        ])
+        .env_clear()
+        .output()
+        .await?;
+    anyhow::ensure!(
+        probe.status.success(),
+        "{} does not run: {}",
+        python.display(),
+        String::from_utf8_lossy(&probe.stderr)
+    );
+    let mut view = Vec::new();
+    let mut bound: Vec<PathBuf> = Vec::new();
+    let mut add = |path: &Path, view: &mut Vec<Entry>| {
+        if bound.iter().any(|b| path.starts_with(b)) {
+            return;
+        }
+        bound.push(path.to_owned());
+        view.push(Entry::ReadOnly {
+            path: path.to_owned(),
+        });
+    };
+    for system in [
+        "/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32",
+    ] {
+        let path = Path::new(system);
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => view.push(Entry::Symlink {
+                path: path.to_owned(),
+                target: std::fs::read_link(path)?,
+            }),
+            Ok(m) if m.is_dir() => add(path, &mut view),
+            _ => {}
+        }
+    }
+    for file in ["/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives"] {
+        let path = Path::new(file);
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => view.push(Entry::Symlink {
+                path: path.to_owned(),
+                target: std::fs::read_link(path)?,
+            }),
+            Ok(_) => add(path, &mut view),
+            Err(_) => {}
+        }
+    }
+    let dirs: Vec<String> = serde_json::from_slice(&probe.stdout)?;
+    let interpreter_dirs = dirs
+        .iter()
+        .map(PathBuf::from)
+        .chain(python.parent().map(Path::to_owned));
+    for dir in interpreter_dirs {
+        let Ok(dir) = dir.canonicalize() else {
+            continue;
+        };
+        if !dir.is_dir() || dir == Path::new("/") || base.starts_with(&dir) {
+            continue;
+        }
+        add(&dir, &mut view);
+    }
+    Ok(view)
+}
+
+fn gauges(isolation: &Isolation, pool: &Arc<Pool>) -> Gauges {
+    let layers = isolation.layers();
+    let isolation = defs::GATEWAY_SANDBOX_ISOLATION.f64_observable_gauge(move |o| {
+        for (layer, on) in &layers {
+            o.observe(f64::from(u8::from(*on)), &[KeyValue::new("layer", *layer)]);
+        }
+    });
+    let count = |def: &defs::MetricDef, read: fn(&Counts) -> usize| {
+        let pool = pool.clone();
+        def.i64_observable_up_down_counter(move |o| o.observe(read(&pool.counts) as i64, &[]))
+    };
+    Gauges {
+        _isolation: isolation,
+        _counts: vec![
+            count(&defs::GATEWAY_SANDBOX_RUNS_ACTIVE, |c| {
+                c.running.load(Ordering::Relaxed)
+            }),
+            count(&defs::GATEWAY_SANDBOX_RUNS_QUEUED, |c| {
+                c.queued.load(Ordering::Relaxed)
+            }),
+            count(&defs::GATEWAY_SANDBOX_WARM, |c| {
+                c.warm.load(Ordering::Relaxed)
+            }),
+        ],
+    }
 }
 
 /// Whether users other than the owner can reach and run `path` (every directory above it
@@ -588,162 +663,6 @@ fn reachable_by_others(path: &Path) -> bool {
 fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-}
-
-fn chown_tree(path: &Path, (uid, gid): (u32, u32)) -> std::io::Result<()> {
-    std::os::unix::fs::chown(path, Some(uid), Some(gid))?;
-    if path.is_dir() {
-        for entry in std::fs::read_dir(path)? {
-            chown_tree(&entry?.path(), (uid, gid))?;
-        }
-    }
-    Ok(())
-}
-
-/// Reads to the end, keeping the first `limit` bytes (and saying how much was dropped).
-async fn read_limited(stream: Option<impl AsyncRead + Unpin>, limit: usize) -> String {
-    let Some(mut stream) = stream else {
-        return String::new();
-    };
-    let mut kept = Vec::new();
-    let mut total = 0usize;
-    let mut chunk = vec![0u8; 64 << 10];
-    loop {
-        match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                total += n;
-                let room = limit.saturating_sub(kept.len());
-                kept.extend_from_slice(&chunk[..n.min(room)]);
-            }
-        }
-    }
-    let mut text = String::from_utf8_lossy(&kept).into_owned();
-    if total > kept.len() {
-        text.push_str(&format!(
-            "\n[... {} more bytes dropped: output limit {limit}]",
-            total - kept.len()
-        ));
-    }
-    text
-}
-
-#[derive(Debug, Deserialize)]
-struct DoneError {
-    #[serde(rename = "type", default)]
-    kind: String,
-    #[serde(default)]
-    message: String,
-    #[serde(default)]
-    traceback: String,
-}
-
-#[derive(Debug, Deserialize)]
-struct Done {
-    #[serde(default)]
-    result: Value,
-    #[serde(default)]
-    error: Option<DoneError>,
-}
-
-#[derive(Debug, Default)]
-struct BridgeEnd {
-    done: Option<Done>,
-    tool_calls: u32,
-    /// A protocol violation that ended the bridge.
-    error: Option<String>,
-}
-
-/// Serves the runner's requests until it closes the bridge.
-async fn serve_bridge(stream: StdUnixStream, host: &impl ToolHost) -> BridgeEnd {
-    let mut end = BridgeEnd::default();
-    if let Err(e) = stream.set_nonblocking(true) {
-        end.error = Some(e.to_string());
-        return end;
-    }
-    let stream = match tokio::net::UnixStream::from_std(stream) {
-        Ok(s) => s,
-        Err(e) => {
-            end.error = Some(e.to_string());
-            return end;
-        }
-    };
-    let (mut reader, writer) = stream.into_split();
-    let writer = Arc::new(Mutex::new(writer));
-    let mut decoder = Decoder::default();
-    let mut buffer = vec![0u8; 64 << 10];
-    let mut calls = futures::stream::FuturesUnordered::new();
-    use futures::StreamExt as _;
-    'read: loop {
-        tokio::select! {
-            // At most MAX_CONCURRENT_CALLS in flight: past that the runner's writes block.
-            read = reader.read(&mut buffer), if calls.len() < MAX_CONCURRENT_CALLS => {
-                let n = match read {
-                    Ok(0) | Err(_) => break 'read,
-                    Ok(n) => n,
-                };
-                decoder.push(&buffer[..n]);
-                loop {
-                    let message = match decoder.next_frame() {
-                        Ok(Some(m)) => m,
-                        Ok(None) => break,
-                        Err(e) => {
-                            end.error = Some(e.to_string());
-                            break 'read;
-                        }
-                    };
-                    if message.method == "done" {
-                        end.done = serde_json::from_value(message.params).ok();
-                        continue;
-                    }
-                    let Some(id) = message.id else { continue };
-                    if message.method == "call_tool" {
-                        end.tool_calls += 1;
-                    }
-                    let writer = writer.clone();
-                    calls.push(async move {
-                        let response = handle(host, id, &message.method, message.params).await;
-                        if let Ok(frame) = bridge::encode(&response)
-                            .or_else(|e| bridge::encode(&Response::error(id, e.to_string())))
-                        {
-                            let _ = writer.lock().await.write_all(&frame).await;
-                        }
-                    });
-                }
-            }
-            Some(()) = calls.next(), if !calls.is_empty() => {}
-        }
-    }
-    while calls.next().await.is_some() {}
-    end
-}
-
-async fn handle(host: &impl ToolHost, id: u64, method: &str, params: Value) -> Response {
-    let text = |key: &str| {
-        params
-            .get(key)
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned()
-    };
-    match method {
-        "list_servers" => Response::ok(id, serde_json::json!(host.servers())),
-        "list_tools" => match host.tools(&text("server")).await {
-            Ok(tools) => Response::ok(id, serde_json::to_value(tools).unwrap_or_default()),
-            Err(e) => Response::error(id, e),
-        },
-        "call_tool" => {
-            let arguments = params
-                .get("arguments")
-                .cloned()
-                .unwrap_or(Value::Object(Default::default()));
-            match host.call(&text("server"), &text("tool"), arguments).await {
-                Ok(value) => Response::ok(id, value),
-                Err(e) => Response::error(id, e),
-            }
-        }
-        other => Response::error(id, format!("unknown bridge method {other:?}")),
-    }
 }
 
 /// A host with no tools (the start-up self-test).

@@ -1,87 +1,141 @@
 """Runs model-written Python for the Nomad gateway, inside its sandbox.
 
-    python -I runner.py code|script PATH
+    python -I -B runner.py [--preload MODULE,...]
+
+The runner starts ahead of its run (the gateway keeps a few waiting), reads one run from the
+bridge, executes it and exits; it never serves a second run. The bridge is a socket pair
+inherited as descriptor NOMAD_BRIDGE_FD: frames of a 4-byte big-endian length and a body. The
+first frame the runner reads is the run (fields, each a 4-byte length and UTF-8 text: mode,
+file name, source, then environment names and values); every later frame either way is JSON.
 
 The code calls upstream tools with `from mcp_tools.<server> import <tool>`; each tool is a
 function (keyword or positional arguments, in the order of its schema) and has an `_async`
-twin. Calls go to the gateway over the bridge, a socketpair inherited as file descriptor
-NOMAD_BRIDGE_FD: 4-byte big-endian length, then a JSON message. The code's `RESULT` variable is
-sent back as JSON when it finishes. Top-level `await` works.
+twin. The code's `RESULT` variable is sent back as JSON when it finishes. Top-level `await`
+works.
+
+At start the runner imports only modules built into the interpreter, so a run started on
+demand pays for nothing it does not use; `--preload` imports the rest while the runner waits.
 """
 
-import ast
-import asyncio
-import importlib.abc
-import importlib.machinery
-import inspect
-import json
-import keyword
 import os
-import re
-import socket
-import struct
 import sys
-import threading
-import traceback
 
 MAX_FRAME = 16 << 20
+# ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, without importing ast.
+_ALLOW_TOP_LEVEL_AWAIT = 0x2000
+_FD = int(os.environ.get("NOMAD_BRIDGE_FD", "3"))
 
 
 class ToolError(Exception):
     """An upstream tool call failed; the message says why."""
 
 
+def _read_exact(n):
+    chunks = []
+    while n:
+        chunk = os.read(_FD, min(n, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame():
+    length = int.from_bytes(_read_exact(4), "big")
+    if length > MAX_FRAME:
+        raise ValueError(f"bridge frame of {length} bytes exceeds {MAX_FRAME}")
+    return _read_exact(length)
+
+
+def _write_frame(body):
+    if len(body) > MAX_FRAME:
+        raise ToolError(f"message of {len(body)} bytes exceeds the bridge's {MAX_FRAME}-byte limit")
+    data = memoryview(len(body).to_bytes(4, "big") + body)
+    while data:
+        data = data[os.write(_FD, data):]
+
+
+def _fields(body):
+    fields, i = [], 0
+    while i < len(body):
+        n = int.from_bytes(body[i : i + 4], "big")
+        fields.append(body[i + 4 : i + 4 + n].decode())
+        i += 4 + n
+    return fields
+
+
+_PLAIN = {type(None): "null", bool: None, int: None}
+
+
+def _to_json(value):
+    """JSON text of `value`; the common types without importing json (a cold run pays ~5 ms for
+    that import), anything else through it."""
+    kind = type(value)
+    if value is None:
+        return "null"
+    if kind is bool:
+        return "true" if value else "false"
+    if kind is int:
+        return str(value)
+    if kind is str and value.isprintable() and '"' not in value and "\\" not in value:
+        return '"' + value + '"'
+    if kind in (list, tuple):
+        return "[" + ",".join(_to_json(v) for v in value) + "]"
+    if kind is dict and all(type(k) is str for k in value):
+        return "{" + ",".join(_to_json(k) + ":" + _to_json(v) for k, v in value.items()) + "}"
+    import json
+
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 class Bridge:
-    def __init__(self, fd):
-        self._sock = socket.socket(fileno=fd)
-        self._send_lock = threading.Lock()
+    """Tool calls from any thread or coroutine; one reader thread matches replies to calls."""
+
+    def __init__(self):
+        import _thread
+
+        self._send_lock = _thread.allocate_lock()
         self._pending = {}
-        self._pending_lock = threading.Lock()
+        self._pending_lock = _thread.allocate_lock()
         self._next_id = 0
-        self._reader = threading.Thread(target=self._read_loop, daemon=True)
-        self._reader.start()
-
-    def _send(self, message):
-        body = json.dumps(message, separators=(",", ":")).encode()
-        if len(body) > MAX_FRAME:
-            raise ToolError(f"message of {len(body)} bytes exceeds the bridge's {MAX_FRAME}-byte limit")
-        with self._send_lock:
-            self._sock.sendall(struct.pack(">I", len(body)) + body)
-
-    def _recv_exact(self, n):
-        chunks = []
-        while n:
-            chunk = self._sock.recv(n)
-            if not chunk:
-                raise EOFError
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
+        self._reader = None
+        self._thread = _thread
 
     def _read_loop(self):
+        import json
+
         try:
             while True:
-                (length,) = struct.unpack(">I", self._recv_exact(4))
-                message = json.loads(self._recv_exact(length))
+                message = json.loads(_read_frame())
                 with self._pending_lock:
                     slot = self._pending.get(message.get("id"))
                 if slot is not None:
                     slot["reply"] = message
-                    slot["event"].set()
+                    slot["done"].release()
         except (EOFError, OSError, ValueError):
             with self._pending_lock:
                 for slot in self._pending.values():
-                    slot["event"].set()
+                    if slot["done"].locked():
+                        slot["done"].release()
 
     def request(self, method, params):
+        import json
+
         with self._pending_lock:
+            if self._reader is None:
+                self._reader = self._thread.start_new_thread(self._read_loop, ())
             self._next_id += 1
             request_id = self._next_id
-            slot = {"event": threading.Event(), "reply": None}
+            done = self._thread.allocate_lock()
+            done.acquire()
+            slot = {"done": done, "reply": None}
             self._pending[request_id] = slot
         try:
-            self._send({"id": request_id, "method": method, "params": params})
-            slot["event"].wait()
+            body = json.dumps({"id": request_id, "method": method, "params": params}, separators=(",", ":")).encode()
+            with self._send_lock:
+                _write_frame(body)
+            done.acquire()
         finally:
             with self._pending_lock:
                 self._pending.pop(request_id, None)
@@ -92,11 +146,16 @@ class Bridge:
             raise ToolError(reply["error"].get("message", "tool call failed"))
         return reply.get("result")
 
-    def done(self, result=None, error=None):
-        self._send({"method": "done", "params": {"result": result, "error": error}})
+    def done(self, result="null", error=None):
+        body = '{"method":"done","params":{"result":' + result + ',"error":' + _to_json(error) + "}}"
+        with self._send_lock:
+            _write_frame(body.encode())
 
 
 def _identifier(name):
+    import keyword
+    import re
+
     ident = re.sub(r"\W", "_", name)
     if not ident or ident[0].isdigit() or keyword.iskeyword(ident):
         ident = "_" + ident
@@ -107,6 +166,9 @@ _PY_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "a
 
 
 def _make_tool(bridge, server, tool):
+    import inspect
+    import keyword
+
     schema = tool.get("input_schema") or {}
     properties = schema.get("properties") or {}
     required = [p for p in schema.get("required") or [] if p in properties]
@@ -123,6 +185,8 @@ def _make_tool(bridge, server, tool):
         return bridge.request("call_tool", {"server": server, "tool": tool["name"], "arguments": arguments})
 
     async def call_async(*args, **kwargs):
+        import asyncio
+
         return await asyncio.to_thread(call, *args, **kwargs)
 
     parameters = []
@@ -143,7 +207,7 @@ def _make_tool(bridge, server, tool):
     return call, call_async
 
 
-class _ToolsImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _ToolsImporter:
     """`mcp_tools` is a package whose submodules are the gateway's upstream servers."""
 
     def __init__(self, bridge):
@@ -156,11 +220,14 @@ class _ToolsImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return self.servers
 
     def find_spec(self, fullname, path=None, target=None):
+        if fullname != "mcp_tools" and not (fullname.startswith("mcp_tools.") and fullname.count(".") == 1):
+            return None
+        import importlib.machinery
+
         if fullname == "mcp_tools":
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        if fullname.startswith("mcp_tools.") and fullname.count(".") == 1:
-            if fullname.split(".", 1)[1] in self._server_names():
-                return importlib.machinery.ModuleSpec(fullname, self)
+        if fullname.split(".", 1)[1] in self._server_names():
+            return importlib.machinery.ModuleSpec(fullname, self)
         return None
 
     def create_module(self, spec):
@@ -180,31 +247,61 @@ class _ToolsImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.ToolError = ToolError
 
 
+def _exit(code):
+    # No interpreter teardown: the run is over, and the PID namespace ends with this process.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream must not stop the exit
+            pass
+    os._exit(code)
+
+
 def main():
-    mode, path = sys.argv[1], sys.argv[2]
-    bridge = Bridge(int(os.environ.get("NOMAD_BRIDGE_FD", "3")))
+    if len(sys.argv) > 2 and sys.argv[1] == "--preload":
+        for name in sys.argv[2].split(","):
+            try:
+                __import__(name)
+            except ImportError:
+                pass
+    try:
+        fields = _fields(_read_frame())
+    except (EOFError, OSError, ValueError):
+        _exit(2)
+    mode, filename, source = fields[0], fields[1], fields[2]
+    os.environ.update(zip(fields[3::2], fields[4::2]))
+    bridge = Bridge()
     sys.meta_path.insert(0, _ToolsImporter(bridge))
-    namespace = {"__name__": "__main__", "__file__": path}
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    if mode == "script":
+        namespace["__file__"] = filename
     try:
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-        code = compile(source, "<code>" if mode == "code" else path, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        code = compile(source, filename, "exec", flags=_ALLOW_TOP_LEVEL_AWAIT)
         outcome = eval(code, namespace)
-        if inspect.iscoroutine(outcome):
+        if type(outcome).__name__ == "coroutine":
+            import asyncio
+
             asyncio.run(outcome)
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        code = e.code
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        _exit(code)
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the caller
-        tb = traceback.format_exc()
-        bridge.done(error={"type": type(e).__name__, "message": str(e), "traceback": tb})
-        sys.exit(1)
-    result = namespace.get("RESULT")
+        import traceback
+
+        bridge.done(error={"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()})
+        _exit(1)
     try:
-        encoded = json.loads(json.dumps(result))
-    except (TypeError, ValueError) as e:
+        encoded = _to_json(namespace.get("RESULT"))
+    except (TypeError, ValueError, RecursionError) as e:
         bridge.done(error={"type": "TypeError", "message": f"RESULT is not JSON-serializable: {e}", "traceback": ""})
-        sys.exit(1)
+        _exit(1)
     bridge.done(result=encoded)
+    _exit(0)
 
 
 if __name__ == "__main__":

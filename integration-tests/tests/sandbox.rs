@@ -1,0 +1,630 @@
+//! The sandbox as an attacker meets it: every containment asserts its specific denial, the
+//! gateway keeps serving after each, and each test runs the gateway as root and as an
+//! unprivileged user with a supplementary group (see `users`).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nomad_integration_tests::Fleet;
+use nomad_integration_tests::fleet::{binary, wait_for_file};
+use nomad_integration_tests::users::{
+    RunAs, TEST_GROUP, descendants_running, gateway_users, group_id,
+};
+use nomad_proto::v1::gateway_client::GatewayClient;
+use nomad_proto::v1::{ExecuteCodeRequest, ExecuteResponse, GatewayStatusRequest};
+use serde_json::Value;
+use tonic::transport::Channel;
+
+/// A gateway on its own (no scheduler needed: the code here calls no tools).
+struct Gateway {
+    child: tokio::process::Child,
+    dir: PathBuf,
+    config: PathBuf,
+    client: GatewayClient<Channel>,
+    pid: u32,
+}
+
+impl Gateway {
+    async fn start(run_as: &RunAs, sandbox_yaml: &str) -> Gateway {
+        let dir = Fleet::new_dir();
+        run_as.own(&dir);
+        let config = dir.join("nomad.yaml");
+        std::fs::write(
+            &config,
+            format!("sandbox:\n  timeout_seconds: 5\n{sandbox_yaml}"),
+        )
+        .unwrap();
+        let addr_file = dir.join("gateway.addr");
+        let log = dir.join("gateway.stderr");
+        let mut command = run_as.command(&binary("nomad-gateway"));
+        command
+            .env_clear()
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .env("RUST_LOG", "info")
+            .env("GATEWAY_SECRET", "hunter2")
+            .arg("--config")
+            .arg(&config)
+            .args(["--listen", "127.0.0.1:0", "--mcp-listen", "127.0.0.1:0"])
+            .args(["--scheduler", "127.0.0.1:9", "--addr-file"])
+            .arg(&addr_file)
+            .stdout(std::fs::File::create(dir.join("gateway.stdout")).unwrap())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .kill_on_drop(true);
+        let mut child = command.spawn().unwrap();
+        let addr = wait_for_file(&addr_file, &mut child, "nomad-gateway", &log).await;
+        let client = GatewayClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        let pid = child.id().unwrap();
+        Gateway {
+            child,
+            dir,
+            config,
+            client,
+            pid,
+        }
+    }
+
+    async fn run(&self, code: impl Into<String>) -> ExecuteResponse {
+        self.client
+            .clone()
+            .execute_code(ExecuteCodeRequest {
+                code: code.into(),
+                env: Default::default(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// RESULT of `code`, which must succeed.
+    async fn result(&self, label: &str, code: &str) -> Value {
+        let reply = self.run(code).await;
+        assert!(
+            reply.error.is_empty(),
+            "{label}: {}\nstderr: {}",
+            reply.error,
+            reply.stderr
+        );
+        serde_json::from_str(&reply.result_json).unwrap()
+    }
+
+    /// The gateway still answers, and no process of a finished run is left (a warm runner's
+    /// Python has `--preload` on its command line; with `warm: 0` there are none).
+    async fn still_serving(&self, after: &str) {
+        let alive = self.run("RESULT = 40 + 2").await;
+        assert_eq!(alive.result_json, "42", "after {after}: {}", alive.error);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let left = descendants_running(self.pid, RUNNER);
+            if left == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "after {after}: {left} sandbox processes left behind"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(self.dir.join("gateway.stderr")).unwrap_or_default()
+    }
+
+    /// SIGTERM, and the gateway must exit cleanly.
+    async fn stop(mut self) {
+        // SAFETY: kill(2) on the gateway this test started.
+        unsafe { libc::kill(self.pid as i32, libc::SIGTERM) };
+        let status = tokio::time::timeout(Duration::from_secs(15), self.child.wait())
+            .await
+            .expect("the gateway exits within 15 s of SIGTERM")
+            .unwrap();
+        assert!(status.success(), "{status}: {}", self.stderr());
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// What only a sandboxed Python's command line holds (its init's holds the same words as JSON).
+const RUNNER: &str = "-B\0/nomad/runner.py";
+
+/// Python that calls `syscall(nr, *args)` through ctypes and names the errno (`OK` on success).
+const SYSCALL_HELPER: &str = "\
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    return errno.errorcode.get(ctypes.get_errno(), 'OK') if r == -1 else 'OK'
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_code_meets_the_specific_denial_and_the_gateway_keeps_serving() {
+    for run_as in gateway_users() {
+        hostile_code(&run_as).await;
+    }
+}
+
+async fn hostile_code(run_as: &RunAs) {
+    let who = run_as.label;
+    let gateway = Gateway::start(run_as, "  warm: 0\n").await;
+    let dir = gateway.dir.clone();
+
+    // A named Unix socket the gateway's own user listens on, outside the sandbox.
+    let socket_path = dir.join("outside.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket_path).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    run_as.own(&socket_path);
+    let code = format!(
+        "import socket\nout = {{}}\nfor path in [{path:?}, '/proc/self/root' + {path:?}, \
+         '/proc/{pid}/root' + {path:?}]:\n    s = socket.socket(socket.AF_UNIX)\n    try:\n        \
+         s.connect(path)\n        out[path] = 'connected'\n    except OSError as e:\n        \
+         out[path] = type(e).__name__\nRESULT = out",
+        path = socket_path.display().to_string(),
+        pid = gateway.pid,
+    );
+    let seen = gateway.result(who, &code).await;
+    for (path, outcome) in seen.as_object().unwrap() {
+        assert_eq!(outcome, "FileNotFoundError", "{who}: connect {path}");
+    }
+    assert!(
+        listener.accept().is_err(),
+        "{who}: the sandbox reached the socket"
+    );
+    gateway.still_serving("the Unix socket").await;
+
+    // Every socket family but AF_UNIX is refused by the filter (EPERM).
+    let seen = gateway
+        .result(
+            who,
+            "import socket\nout = {}\nfor name, family, kind in [('AF_INET', socket.AF_INET, \
+             socket.SOCK_STREAM), ('AF_INET6', socket.AF_INET6, socket.SOCK_STREAM), \
+             ('AF_NETLINK', socket.AF_NETLINK, socket.SOCK_RAW), ('AF_PACKET', \
+             socket.AF_PACKET, socket.SOCK_RAW)]:\n    try:\n        socket.socket(family, \
+             kind)\n        out[name] = 'created'\n    except OSError as e:\n        out[name] = \
+             type(e).__name__ + ' ' + str(e.errno)\nRESULT = out",
+        )
+        .await;
+    for family in ["AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET"] {
+        assert_eq!(
+            seen[family],
+            format!("PermissionError {}", libc::EPERM),
+            "{who}: {family}"
+        );
+    }
+    gateway.still_serving("sockets").await;
+
+    // Namespaces, mounts, bpf, io_uring and the rest: EPERM from the filter; clone3 ENOSYS.
+    let calls: Vec<(&str, i64, Vec<i64>)> = vec![
+        (
+            "unshare",
+            libc::SYS_unshare,
+            vec![libc::CLONE_NEWUSER as i64],
+        ),
+        (
+            "clone",
+            libc::SYS_clone,
+            vec![(libc::CLONE_NEWUSER | libc::SIGCHLD) as i64, 0, 0, 0, 0],
+        ),
+        ("clone3", libc::SYS_clone3, vec![0, 0]),
+        ("setns", libc::SYS_setns, vec![0, 0]),
+        ("mount", libc::SYS_mount, vec![0, 0, 0, 0, 0]),
+        ("bpf", libc::SYS_bpf, vec![0, 0, 0]),
+        ("io_uring_setup", libc::SYS_io_uring_setup, vec![1, 0]),
+        ("userfaultfd", libc::SYS_userfaultfd, vec![1]),
+        (
+            "perf_event_open",
+            libc::SYS_perf_event_open,
+            vec![0, 0, -1, -1, 0],
+        ),
+        ("keyctl", libc::SYS_keyctl, vec![0, -3, 0]),
+        ("ptrace", libc::SYS_ptrace, vec![0, 0, 0, 0]),
+    ];
+    let mut code = SYSCALL_HELPER.to_owned();
+    code.push_str("RESULT = {}\n");
+    for (name, nr, args) in &calls {
+        let args: Vec<String> = args.iter().map(i64::to_string).collect();
+        code.push_str(&format!(
+            "RESULT[{name:?}] = call({nr}, {})\n",
+            args.join(", ")
+        ));
+    }
+    code.push_str(
+        "status = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)\n\
+         RESULT['status'] = {k: status[k].strip() for k in ['Seccomp', 'NoNewPrivs', 'CapEff', 'CapBnd', 'Uid']}\n",
+    );
+    let seen = gateway.result(who, &code).await;
+    for (name, _, _) in &calls {
+        let expected = if *name == "clone3" { "ENOSYS" } else { "EPERM" };
+        assert_eq!(seen[name], expected, "{who}: {name}");
+    }
+    let status = &seen["status"];
+    assert_eq!(status["Seccomp"], "2", "{who}: {status}");
+    assert_eq!(status["NoNewPrivs"], "1", "{who}");
+    assert_eq!(status["CapEff"], "0000000000000000", "{who}");
+    assert_eq!(status["CapBnd"], "0000000000000000", "{who}");
+    let uid = status["Uid"]
+        .as_str()
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap();
+    assert_ne!(uid, "0", "{who}: the code runs as root");
+    gateway.still_serving("system calls").await;
+
+    // Nothing of the host's but the interpreter and libraries is in view.
+    let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models");
+    let secret_of_group = dir.join("group-secret.txt");
+    std::fs::write(&secret_of_group, "group-secret-content").unwrap();
+    if let Some(gid) = group_id(TEST_GROUP) {
+        std::os::unix::fs::chown(&secret_of_group, Some(0), Some(gid)).unwrap();
+        std::fs::set_permissions(
+            &secret_of_group,
+            std::os::unix::fs::PermissionsExt::from_mode(0o640),
+        )
+        .unwrap();
+    }
+    let paths = [
+        "/run".to_owned(),
+        "/home".to_owned(),
+        "/var".to_owned(),
+        "/root".to_owned(),
+        "/sys".to_owned(),
+        models.display().to_string(),
+        gateway.config.display().to_string(),
+        secret_of_group.display().to_string(),
+        format!("/proc/{}/environ", gateway.pid),
+    ];
+    let code = format!(
+        "import os\nout = {{}}\nfor path in {paths:?}:\n    if not os.path.lexists(path):\n        \
+         out[path] = 'absent'\n        continue\n    try:\n        if os.path.isdir(path):\n            \
+         os.listdir(path)\n            out[path] = 'listed'\n        else:\n            \
+         out[path] = 'read: ' + open(path).read()[:40]\n    except OSError as e:\n        \
+         out[path] = type(e).__name__\n\
+         out['pids'] = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n\
+         out['environ'] = 'hunter2' in str(os.environ)\nRESULT = out"
+    );
+    let seen = gateway.result(who, &code).await;
+    for path in &paths {
+        assert_eq!(seen[path.as_str()], "absent", "{who}: {path} is in view");
+    }
+    let pids = seen["pids"].as_array().unwrap();
+    assert_eq!(pids[0], 1, "{who}: the runner is PID 1 of its namespace");
+    assert!(pids.len() <= 3, "{who}: other processes in view: {pids:?}");
+    assert_eq!(
+        seen["environ"], false,
+        "{who}: the gateway's environment leaked"
+    );
+    gateway.still_serving("reading the host").await;
+
+    // Signals cannot reach the gateway: its pid is not even in the namespace.
+    let reply = gateway
+        .run(format!(
+            "import os, signal\ntry:\n    os.kill({}, signal.SIGKILL)\n    RESULT = 'signalled'\n\
+             except OSError as e:\n    RESULT = type(e).__name__",
+            gateway.pid
+        ))
+        .await;
+    assert_eq!(
+        reply.result_json, "\"ProcessLookupError\"",
+        "{who}: {}",
+        reply.error
+    );
+    gateway.still_serving("the signal").await;
+
+    // The usual bombs end at their limits.
+    let bombs = [
+        ("infinite loop", "while True:\n    pass\n", "timeout"),
+        (
+            "memory bomb",
+            "blob = bytearray(8 * 1024**3)\n",
+            "MemoryError",
+        ),
+        (
+            "fork bomb",
+            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+            "timeout",
+        ),
+    ];
+    for (name, code, expected) in bombs {
+        let reply = gateway.run(code).await;
+        assert!(
+            reply.error.contains(expected),
+            "{who}: {name}: expected {expected:?}, got {}",
+            reply.error
+        );
+        gateway.still_serving(name).await;
+    }
+    // What holds is reported: every layer but the per-run cgroup (none is delegated on a CI
+    // host), and the groups the kernel keeps for an unprivileged user's namespace.
+    let status = gateway
+        .client
+        .clone()
+        .status(GatewayStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    for layer in &status.sandbox_layers {
+        if layer.name != "cgroup" {
+            assert!(
+                layer.in_force,
+                "{who}: {} not in force: {status:?}",
+                layer.name
+            );
+        }
+    }
+    let groups = if run_as.ids.is_some() { 2 } else { 0 };
+    if run_as.ids.is_some() || run_as.label == "root" {
+        assert_eq!(status.supplementary_groups, groups, "{who}: {status:?}");
+    }
+    gateway.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_files_and_cleanup_are_bounded() {
+    for run_as in gateway_users() {
+        let who = run_as.label;
+        let gateway = Gateway::start(
+            &run_as,
+            "  warm: 0\n  disk_bytes: 16777216\n  max_files: 4096\n",
+        )
+        .await;
+        // Past disk_bytes, /tmp (a private tmpfs, which also holds the workspace) is full.
+        let seen = gateway
+            .result(
+                who,
+                "import errno\nwritten = 0\ntry:\n    with open('/tmp/fill', 'wb') as f:\n        \
+                 for _ in range(64):\n            f.write(b'x' * (1 << 20))\n            \
+                 f.flush()\n            written += 1\n    RESULT = ['wrote', written]\n\
+                 except OSError as e:\n    RESULT = [errno.errorcode[e.errno], written]",
+            )
+            .await;
+        assert_eq!(seen[0], "ENOSPC", "{who}: {seen}");
+        assert!(seen[1].as_u64().unwrap() <= 16, "{who}: {seen}");
+        // 100,000 files stop at max_files.
+        let seen = gateway
+            .result(
+                who,
+                "import errno, os\nmade = 0\ntry:\n    for i in range(100000):\n        \
+                 open(f'f{i}', 'w').close()\n        made += 1\n    RESULT = ['made', made]\n\
+                 except OSError as e:\n    RESULT = [errno.errorcode[e.errno], made]",
+            )
+            .await;
+        assert_eq!(seen[0], "ENOSPC", "{who}: {seen}");
+        assert!(seen[1].as_u64().unwrap() < 4096, "{who}: {seen}");
+        // A workspace made unreadable is gone all the same: nothing of a run is on the host.
+        let private: Vec<PathBuf> = std::fs::read_dir(std::env::temp_dir())
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("nomad-gateway-"))
+                    && std::fs::metadata(p)
+                        .is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == run_as.uid())
+            })
+            .collect();
+        let before: Vec<Vec<PathBuf>> = private.iter().map(|p| tree(p)).collect();
+        let reply = gateway
+            .run(
+                "import os\nos.makedirs('deep/er')\nopen('deep/er/f', 'w').write('x')\n\
+                 os.chmod('deep/er', 0)\nos.chmod('deep', 0)\nos.chmod('.', 0)\nRESULT = 'locked'",
+            )
+            .await;
+        assert_eq!(reply.result_json, "\"locked\"", "{who}: {}", reply.error);
+        let after: Vec<Vec<PathBuf>> = private.iter().map(|p| tree(p)).collect();
+        assert_eq!(
+            before, after,
+            "{who}: a run left files in the gateway's directory"
+        );
+        assert!(
+            after
+                .iter()
+                .flatten()
+                .all(|p| !p.to_string_lossy().contains("deep")),
+            "{who}"
+        );
+        gateway.still_serving("the locked workspace").await;
+        gateway.stop().await;
+    }
+}
+
+/// Every path under `dir`.
+fn tree(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            out.push(entry.path());
+            out.extend(tree(&entry.path()));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_private_directory_cannot_be_planted() {
+    for run_as in gateway_users() {
+        let who = run_as.label;
+        let base = Fleet::new_dir();
+        run_as.own(&base);
+        // Planted where a predictable name would have been, and a directory others can write.
+        let target = Fleet::new_dir();
+        std::os::unix::fs::symlink(&target, base.join("nomad-gateway-planted")).unwrap();
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+            .unwrap();
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        for (dir, expected) in [
+            (&open, "writable by other users and not sticky"),
+            (&link, "is not a directory (a symlink is refused too)"),
+        ] {
+            let failed =
+                start_failure(&run_as, &format!("  workspace_dir: {}\n", dir.display())).await;
+            assert!(failed.contains(expected), "{who}: {failed}");
+        }
+        let gateway =
+            Gateway::start(&run_as, &format!("  workspace_dir: {}\n", base.display())).await;
+        let made: Vec<PathBuf> = std::fs::read_dir(&base)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| !p.is_symlink() && p.is_dir() && *p != open)
+            .collect();
+        assert_eq!(made.len(), 1, "{who}: {made:?}");
+        let meta = std::fs::symlink_metadata(&made[0]).unwrap();
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::uid(&meta),
+            run_as.uid(),
+            "{who}"
+        );
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777,
+            0o755
+        );
+        assert!(
+            std::fs::read_dir(&target).unwrap().next().is_none(),
+            "{who}: wrote through the symlink"
+        );
+        assert_eq!(gateway.run("RESULT = 1").await.result_json, "1");
+        gateway.stop().await;
+        assert!(
+            !made[0].exists(),
+            "{who}: the private directory outlived the gateway"
+        );
+        let _ = std::fs::remove_dir_all(&base);
+        let _ = std::fs::remove_dir_all(&target);
+    }
+}
+
+/// Starts a gateway that must fail; returns what it said.
+async fn start_failure(run_as: &RunAs, sandbox_yaml: &str) -> String {
+    let dir = Fleet::new_dir();
+    run_as.own(&dir);
+    let config = dir.join("nomad.yaml");
+    std::fs::write(&config, format!("sandbox:\n{sandbox_yaml}")).unwrap();
+    let out = run_as
+        .command(&binary("nomad-gateway"))
+        .env_clear()
+        .arg("--config")
+        .arg(&config)
+        .args(["--listen", "127.0.0.1:0", "--mcp-listen", "127.0.0.1:0"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let _ = std::fs::remove_dir_all(&dir);
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_concurrent_calls_are_answered_within_the_bounds() {
+    for run_as in gateway_users() {
+        let who = run_as.label;
+        let gateway = Gateway::start(
+            &run_as,
+            "  warm: 2\n  max_concurrent: 4\n  max_queued: 40\n",
+        )
+        .await;
+        let rss = |pid: u32| -> u64 {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .unwrap()
+                .lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+                .unwrap()
+        };
+        let rss_before = rss(gateway.pid);
+        let most = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let sampler = {
+            let (most, pid) = (most.clone(), gateway.pid);
+            tokio::spawn(async move {
+                loop {
+                    most.fetch_max(
+                        descendants_running(pid, RUNNER),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+        };
+        let calls = (0..200).map(|i| {
+            let mut client = gateway.client.clone();
+            async move {
+                client
+                    .execute_code(ExecuteCodeRequest {
+                        code: format!("import time\ntime.sleep(0.2)\nRESULT = {i}"),
+                        env: Default::default(),
+                    })
+                    .await
+            }
+        });
+        let replies = futures::future::join_all(calls).await;
+        let (mut ok, mut refused) = (0, 0);
+        for (i, reply) in replies.iter().enumerate() {
+            match reply {
+                Ok(r) => {
+                    assert_eq!(
+                        r.get_ref().result_json,
+                        i.to_string(),
+                        "{who}: {}",
+                        r.get_ref().error
+                    );
+                    ok += 1;
+                }
+                Err(status) => {
+                    assert_eq!(
+                        status.code(),
+                        tonic::Code::ResourceExhausted,
+                        "{who}: {status}"
+                    );
+                    assert!(
+                        status.message().contains("sandbox.max_queued")
+                            || status.message().contains("sandbox.max_concurrent"),
+                        "{who}: {}",
+                        status.message()
+                    );
+                    refused += 1;
+                }
+            }
+        }
+        sampler.abort();
+        let status = gateway
+            .client
+            .clone()
+            .status(GatewayStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        eprintln!("{who}: {ok} ran, {refused} refused; {status:?}");
+        assert_eq!(ok + refused, 200);
+        assert!(ok >= 40, "{who}: only {ok} ran");
+        assert!(
+            refused > 0,
+            "{who}: 200 calls against 4 slots and 40 places should refuse some"
+        );
+        let most = most.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(most >= 1, "{who}: the sampler never saw a sandbox Python");
+        assert!(
+            most <= 4,
+            "{who}: {most} sandbox Pythons at once (max_concurrent 4)"
+        );
+        let growth_mib = rss(gateway.pid).saturating_sub(rss_before) / 1024;
+        assert!(
+            growth_mib < 64,
+            "{who}: the gateway's RSS grew {growth_mib} MiB"
+        );
+        gateway.still_serving_warm().await;
+        gateway.stop().await;
+    }
+}
+
+impl Gateway {
+    async fn still_serving_warm(&self) {
+        let alive = self.run("RESULT = 40 + 2").await;
+        assert_eq!(alive.result_json, "42", "{}", alive.error);
+    }
+}

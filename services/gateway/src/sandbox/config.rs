@@ -1,0 +1,191 @@
+//! The `sandbox:` config section.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxConfig {
+    /// Python interpreter (a path or a name on PATH).
+    pub python: String,
+    pub timeout_seconds: f64,
+    /// Bytes of stdout / stderr kept; the rest is read and dropped.
+    pub stdout_limit: usize,
+    pub stderr_limit: usize,
+    /// Largest RESULT, in bytes of JSON.
+    pub result_limit: usize,
+    /// Address space of each process; with a cgroup, also the memory of the whole run.
+    pub memory_bytes: u64,
+    /// Processes (and threads) of one run.
+    pub max_processes: u64,
+    pub file_size_bytes: u64,
+    pub open_files: u64,
+    /// Size of the run's private tmpfs, which holds its workspace and `/tmp`.
+    pub disk_bytes: u64,
+    /// Files and directories that tmpfs holds.
+    pub max_files: u64,
+    /// CPU of the whole run, in cores, where a cgroup applies.
+    pub cpu_cores: f64,
+    /// Runs executing at once (every Python the gateway starts, warm ones included, counts).
+    /// Default: twice the cores.
+    pub max_concurrent: Option<usize>,
+    /// Runs waiting for one of those; beyond that a call is refused at once.
+    pub max_queued: usize,
+    /// Runners kept started ahead, isolated and with the interpreter up.
+    pub warm: usize,
+    /// Modules a warm runner imports while it waits (a cold run imports them on first use).
+    pub preload: Vec<String>,
+    /// Tool calls one run may have in flight; more wait.
+    pub max_calls_in_flight: usize,
+    /// Tool calls one run may make in all.
+    pub max_tool_calls: u64,
+    /// Where the gateway makes its private directory (default: the system temp dir).
+    pub workspace_dir: Option<PathBuf>,
+    /// Environment passed to the code; nothing else of the gateway's environment is.
+    pub env: BTreeMap<String, String>,
+    /// Run even where the kernel cannot isolate (no namespaces, no seccomp). Off by default:
+    /// start-up then fails, saying which layer is missing.
+    pub allow_unisolated: bool,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        Self {
+            // A system interpreter: the unprivileged sandbox user must be able to reach it
+            // (one under a home directory, like pyenv's, usually is not).
+            python: if Path::new("/usr/bin/python3").is_file() {
+                "/usr/bin/python3"
+            } else {
+                "python3"
+            }
+            .into(),
+            timeout_seconds: 30.0,
+            stdout_limit: 64 << 10,
+            stderr_limit: 64 << 10,
+            result_limit: 65536,
+            memory_bytes: 1 << 30,
+            max_processes: 64,
+            file_size_bytes: 64 << 20,
+            open_files: 256,
+            disk_bytes: 256 << 20,
+            max_files: 16384,
+            cpu_cores: 1.0,
+            max_concurrent: None,
+            max_queued: 256,
+            warm: 2,
+            preload: ["json", "_thread", "inspect", "asyncio"]
+                .map(String::from)
+                .into(),
+            max_calls_in_flight: 16,
+            max_tool_calls: 10_000,
+            workspace_dir: None,
+            env: BTreeMap::new(),
+            allow_unisolated: false,
+        }
+    }
+}
+
+impl SandboxConfig {
+    /// Refuses values that cannot work, naming the field.
+    pub fn check(&self) -> Result<(), String> {
+        nomad_config::seconds("sandbox.timeout_seconds", self.timeout_seconds).and_then(|d| {
+            (d.as_secs_f64() <= 86_400.0)
+                .then_some(())
+                .ok_or_else(|| "sandbox.timeout_seconds must be at most a day (86400)".into())
+        })?;
+        let at_least = |name: &str, value: u64, min: u64| {
+            if value < min {
+                Err(format!(
+                    "sandbox.{name} must be at least {min}; got {value}"
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        at_least("memory_bytes", self.memory_bytes, 64 << 20)?;
+        at_least("max_processes", self.max_processes, 4)?;
+        at_least("open_files", self.open_files, 16)?;
+        at_least("disk_bytes", self.disk_bytes, 1 << 20)?;
+        at_least("max_files", self.max_files, 64)?;
+        at_least("max_calls_in_flight", self.max_calls_in_flight as u64, 1)?;
+        at_least("max_tool_calls", self.max_tool_calls, 1)?;
+        if let Some(n) = self.max_concurrent {
+            at_least("max_concurrent", n as u64, 1)?;
+        }
+        if !(self.cpu_cores > 0.0 && self.cpu_cores <= 4096.0) {
+            return Err(format!(
+                "sandbox.cpu_cores must be greater than 0 and at most 4096; got {}",
+                self.cpu_cores
+            ));
+        }
+        for name in &self.preload {
+            let ok = !name.is_empty()
+                && name.split('.').all(|part| {
+                    !part.is_empty() && part.chars().all(|c| c == '_' || c.is_ascii_alphanumeric())
+                });
+            if !ok {
+                return Err(format!("sandbox.preload: {name:?} is not a module name"));
+            }
+        }
+        Ok(())
+    }
+
+    /// `max_concurrent`, or twice the cores.
+    pub fn max_concurrent(&self) -> usize {
+        self.max_concurrent.unwrap_or_else(|| {
+            2 * std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_pass_and_bad_values_name_their_field() {
+        assert_eq!(SandboxConfig::default().check(), Ok(()));
+        for (config, field) in [
+            (
+                SandboxConfig {
+                    timeout_seconds: 0.0,
+                    ..Default::default()
+                },
+                "timeout_seconds",
+            ),
+            (
+                SandboxConfig {
+                    disk_bytes: 10,
+                    ..Default::default()
+                },
+                "disk_bytes",
+            ),
+            (
+                SandboxConfig {
+                    max_concurrent: Some(0),
+                    ..Default::default()
+                },
+                "max_concurrent",
+            ),
+            (
+                SandboxConfig {
+                    cpu_cores: f64::NAN,
+                    ..Default::default()
+                },
+                "cpu_cores",
+            ),
+            (
+                SandboxConfig {
+                    preload: vec!["os; import x".into()],
+                    ..Default::default()
+                },
+                "preload",
+            ),
+        ] {
+            let error = config.check().unwrap_err();
+            assert!(error.contains(field), "{field}: {error}");
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! Admission and the warm pool. Every sandbox process, waiting or running, holds one of
+//! `max_concurrent` slots, so never more Pythons run than that. A run takes a warm process when
+//! one is waiting, else starts one cold in a free slot, else waits (at most `max_queued` runs
+//! wait, each until its deadline). The pool refills in the background, only while no run is
+//! waiting for a slot, one process at a time.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+
+use super::cgroup::{Cgroups, RunLimits};
+use super::init::Report;
+use super::process::{Launch, Started};
+
+/// Why a run did not start.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Rejected {
+    #[error(
+        "the sandbox is at capacity: {max_queued} runs already wait for one of its \
+         {max_concurrent} slots (sandbox.max_queued, sandbox.max_concurrent)"
+    )]
+    QueueFull {
+        max_queued: usize,
+        max_concurrent: usize,
+    },
+    #[error(
+        "no sandbox slot came free within {waited:.1} s: all {max_concurrent} are busy \
+         (sandbox.max_concurrent)"
+    )]
+    NoSlot { waited: f64, max_concurrent: usize },
+    #[error("could not start the sandbox: {0}")]
+    Spawn(String),
+}
+
+impl Rejected {
+    /// The `reason` attribute of the rejection counter.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Rejected::QueueFull { .. } => "queue_full",
+            Rejected::NoSlot { .. } => "no_slot",
+            Rejected::Spawn(_) => "spawn",
+        }
+    }
+}
+
+/// Counts for gauges, `Status` and tests.
+#[derive(Debug, Default)]
+pub struct Counts {
+    pub running: AtomicUsize,
+    pub queued: AtomicUsize,
+    pub warm: AtomicUsize,
+    pub warm_starts: AtomicU64,
+    pub cold_starts: AtomicU64,
+}
+
+pub struct Pool {
+    pub launch: Launch,
+    /// The isolation every process must report.
+    pub expected: Report,
+    pub cgroups: Option<Cgroups>,
+    pub run_limits: RunLimits,
+    slots: Arc<Semaphore>,
+    max_concurrent: usize,
+    max_queued: usize,
+    warm: usize,
+    ready: Mutex<VecDeque<Started>>,
+    refill: Notify,
+    pub counts: Counts,
+}
+
+/// A running run's hold on its counters.
+pub struct Running<'a>(&'a Counts);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Pool {
+    pub fn new(
+        launch: Launch,
+        expected: Report,
+        cgroups: Option<Cgroups>,
+        run_limits: RunLimits,
+        max_concurrent: usize,
+        max_queued: usize,
+        warm: usize,
+    ) -> Self {
+        Self {
+            launch,
+            expected,
+            cgroups,
+            run_limits,
+            slots: Arc::new(Semaphore::new(max_concurrent)),
+            max_concurrent,
+            max_queued,
+            warm: warm.min(max_concurrent),
+            ready: Mutex::new(VecDeque::new()),
+            refill: Notify::new(),
+            counts: Counts::default(),
+        }
+    }
+
+    pub fn max_concurrent(&self) -> usize {
+        self.max_concurrent
+    }
+
+    fn spawn(&self, slot: OwnedSemaphorePermit, warm: bool) -> std::io::Result<Started> {
+        self.launch
+            .start(slot, self.cgroups.as_ref(), self.run_limits, warm)
+    }
+
+    /// A process for one run: a warm one, or a cold one in a free slot, or, after waiting up to
+    /// `wait`, one in the slot that came free.
+    pub async fn acquire(&self, wait: Duration) -> Result<(Started, Running<'_>), Rejected> {
+        let running = || {
+            self.counts.running.fetch_add(1, Ordering::Relaxed);
+            Running(&self.counts)
+        };
+        if let Some(process) = self.take_warm() {
+            self.counts.warm_starts.fetch_add(1, Ordering::Relaxed);
+            self.refill.notify_one();
+            return Ok((process, running()));
+        }
+        let slot = match self.slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => self.wait_for_slot(wait).await?,
+        };
+        self.counts.cold_starts.fetch_add(1, Ordering::Relaxed);
+        let process = self
+            .spawn(slot, false)
+            .map_err(|e| Rejected::Spawn(e.to_string()))?;
+        Ok((process, running()))
+    }
+
+    async fn wait_for_slot(&self, wait: Duration) -> Result<OwnedSemaphorePermit, Rejected> {
+        let queued = &self.counts.queued;
+        if queued.fetch_add(1, Ordering::AcqRel) >= self.max_queued {
+            queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(Rejected::QueueFull {
+                max_queued: self.max_queued,
+                max_concurrent: self.max_concurrent,
+            });
+        }
+        let slot = tokio::time::timeout(wait, self.slots.clone().acquire_owned()).await;
+        queued.fetch_sub(1, Ordering::AcqRel);
+        // With nobody waiting, the pool may take free slots again.
+        self.refill.notify_one();
+        match slot {
+            Ok(Ok(slot)) => Ok(slot),
+            Ok(Err(_)) => Err(Rejected::Spawn("the sandbox is shutting down".into())),
+            Err(_) => Err(Rejected::NoSlot {
+                waited: wait.as_secs_f64(),
+                max_concurrent: self.max_concurrent,
+            }),
+        }
+    }
+
+    fn take_warm(&self) -> Option<Started> {
+        let mut ready = self.ready.lock().expect("pool lock");
+        while let Some(mut process) = ready.pop_front() {
+            self.counts.warm.store(ready.len(), Ordering::Relaxed);
+            if process.alive() {
+                return Some(process);
+            }
+        }
+        None
+    }
+
+    /// A run finished: its slot is free, so the pool may refill.
+    pub fn finished(&self) {
+        self.refill.notify_one();
+    }
+
+    /// Keeps `warm` processes waiting. Runs until the pool is dropped by every holder.
+    pub async fn keep_warm(self: Arc<Self>) {
+        let mut failures = 0u32;
+        loop {
+            let short = self.ready.lock().expect("pool lock").len() < self.warm;
+            let idle_slot = short && self.counts.queued.load(Ordering::Acquire) == 0;
+            let slot = idle_slot
+                .then(|| self.slots.clone().try_acquire_owned().ok())
+                .flatten();
+            let Some(slot) = slot else {
+                // Woken by a take, a finished run or an emptied queue; a timer covers a slot
+                // freed by a process that died without a run.
+                let _ = tokio::time::timeout(Duration::from_secs(1), self.refill.notified()).await;
+                if Arc::strong_count(&self) == 1 {
+                    return;
+                }
+                continue;
+            };
+            let started = match self.spawn(slot, true) {
+                Ok(mut process) => {
+                    let checked = tokio::time::timeout(
+                        Duration::from_secs(30),
+                        process.check(Some(&self.expected), true),
+                    )
+                    .await;
+                    match checked {
+                        Ok(Ok(_)) => Ok(process),
+                        Ok(Err(e)) => Err(e.describe()),
+                        Err(_) => Err("the warm runner was not ready within 30 s".into()),
+                    }
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            match started {
+                Ok(process) => {
+                    failures = 0;
+                    let mut ready = self.ready.lock().expect("pool lock");
+                    ready.push_back(process);
+                    self.counts.warm.store(ready.len(), Ordering::Relaxed);
+                }
+                Err(e) => {
+                    // Runs still start cold; back off so a broken host is not hammered.
+                    failures += 1;
+                    if failures == 1 || failures.is_power_of_two() {
+                        tracing::warn!(failures, "starting a warm sandbox runner failed: {e}");
+                    }
+                    let backoff = Duration::from_millis(100 << failures.min(6));
+                    tokio::time::sleep(backoff).await;
+                }
+            }
+        }
+    }
+}
