@@ -239,6 +239,29 @@ async fn sandboxed_code_calls_every_kind_of_upstream_inside_the_callers_trace() 
         ),
         2.0
     );
+    // The sandbox says what holds: every layer but the per-run cgroup (none is delegated here)
+    // at 1, and the two runs counted as started.
+    let layers: std::collections::BTreeMap<&str, f64> = metrics
+        .iter()
+        .filter(|m| m.name == "nomad.gateway.sandbox.isolation")
+        .map(|m| (m.attributes["layer"].as_str(), m.value))
+        .collect();
+    for layer in [
+        "user_namespace",
+        "mount_namespace",
+        "network_namespace",
+        "pid_namespace",
+        "seccomp",
+        "landlock",
+        "no_new_privs",
+        "capabilities_dropped",
+        "unprivileged_user",
+        "rlimits",
+    ] {
+        assert_eq!(layers.get(layer), Some(&1.0), "{layer}: {layers:?}");
+    }
+    assert_eq!(layers.get("cgroup"), Some(&0.0), "{layers:?}");
+    assert_eq!(value("nomad.gateway.sandbox.starts", &[]), 2.0);
     for (server, tool) in [
         ("echo_stdio", "shout"),
         ("echo_http", "shout"),

@@ -628,3 +628,27 @@ impl Gateway {
         assert_eq!(alive.result_json, "42", "{}", alive.error);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_has_a_budget_of_bridge_calls() {
+    let run_as = &gateway_users()[0];
+    let gateway = Gateway::start(run_as, "  warm: 0\n  max_tool_calls: 5\n").await;
+    let seen = gateway
+        .result(
+            run_as.label,
+            "import sys\nbridge = next(f for f in sys.meta_path if hasattr(f, 'bridge')).bridge\n\
+             out = []\nfor _ in range(8):\n    try:\n        bridge.request('list_servers', {})\n        \
+             out.append('ok')\n    except Exception as e:\n        out.append(str(e))\nRESULT = out",
+        )
+        .await;
+    let seen: Vec<&str> = seen.as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(&seen[..5], ["ok"; 5]);
+    for refused in &seen[5..] {
+        assert!(
+            refused.contains("used its 5 bridge calls (sandbox.max_tool_calls)"),
+            "{refused}"
+        );
+    }
+    gateway.still_serving("the call budget").await;
+    gateway.stop().await;
+}

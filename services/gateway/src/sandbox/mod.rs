@@ -292,8 +292,10 @@ impl Sandbox {
             stdout_limit: config.stdout_limit,
             stderr_limit: config.stderr_limit,
             result_limit: config.result_limit,
-            max_calls_in_flight: config.max_calls_in_flight,
-            max_tool_calls: config.max_tool_calls,
+            budget: process::Budget {
+                in_flight: config.max_calls_in_flight,
+                total: config.max_tool_calls,
+            },
         };
         let cgroups = cgroup.as_ref().ok();
         let run_limits = cgroup::RunLimits {

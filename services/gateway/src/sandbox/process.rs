@@ -32,8 +32,14 @@ pub struct Launch {
     pub stdout_limit: usize,
     pub stderr_limit: usize,
     pub result_limit: usize,
-    pub max_calls_in_flight: usize,
-    pub max_tool_calls: u64,
+    pub budget: Budget,
+}
+
+/// Bridge calls one run may make: at once, and in all.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    pub in_flight: usize,
+    pub total: u64,
 }
 
 impl Launch {
@@ -244,7 +250,7 @@ impl Started {
         let mut end = BridgeEnd::default();
         let served = match prepared {
             Ok(Ok(())) => {
-                let serving = serve(bridge, decoder, host, launch, &mut end);
+                let serving = serve(bridge, decoder, host, launch.budget, &mut end);
                 let waited = tokio::time::timeout_at(deadline, async {
                     tokio::pin!(serving);
                     tokio::select! {
@@ -405,7 +411,7 @@ async fn serve(
     stream: UnixStream,
     mut decoder: Decoder,
     host: &impl ToolHost,
-    launch: &Launch,
+    budget: Budget,
     end: &mut BridgeEnd,
 ) {
     use futures::StreamExt as _;
@@ -417,7 +423,7 @@ async fn serve(
     let mut eof = false;
     loop {
         // Take every frame the budget allows before reading more.
-        while calls.len() < launch.max_calls_in_flight {
+        while calls.len() < budget.in_flight {
             let message = match decoder.next_frame() {
                 Ok(Some(m)) => m,
                 Ok(None) => break,
@@ -436,13 +442,13 @@ async fn serve(
                 _ => {}
             }
             let Some(id) = message.id else { continue };
-            let budget_left = total_calls < launch.max_tool_calls;
+            let budget_left = total_calls < budget.total;
             total_calls += 1;
             if message.method == "call_tool" {
                 end.tool_calls = end.tool_calls.saturating_add(1);
             }
             let writer = writer.clone();
-            let max = launch.max_tool_calls;
+            let max = budget.total;
             calls.push(async move {
                 let response = if budget_left {
                     handle(host, id, &message.method, message.params).await
@@ -465,7 +471,7 @@ async fn serve(
             break;
         }
         tokio::select! {
-            read = reader.read(&mut buffer), if !eof && calls.len() < launch.max_calls_in_flight => {
+            read = reader.read(&mut buffer), if !eof && calls.len() < budget.in_flight => {
                 match read {
                     Ok(0) | Err(_) => eof = true,
                     Ok(n) => decoder.push(&buffer[..n]),
@@ -516,5 +522,88 @@ impl Drop for HostWorkspace {
             Ok(handle) => drop(handle.spawn_blocking(remove)),
             Err(_) => remove(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Counts calls in flight; each takes 20 ms.
+    #[derive(Default)]
+    struct Slow {
+        now: AtomicUsize,
+        most: AtomicUsize,
+        calls: AtomicUsize,
+    }
+
+    impl ToolHost for Slow {
+        fn servers(&self) -> Vec<String> {
+            vec!["s".into()]
+        }
+
+        async fn tools(&self, _server: &str) -> Result<Vec<super::super::ToolSpec>, String> {
+            Ok(Vec::new())
+        }
+
+        async fn call(&self, _server: &str, _tool: &str, arguments: Value) -> Result<Value, String> {
+            let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most.fetch_max(now, Ordering::SeqCst);
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            self.now.fetch_sub(1, Ordering::SeqCst);
+            Ok(arguments)
+        }
+    }
+
+    #[tokio::test]
+    async fn frames_past_the_in_flight_budget_wait_and_the_total_budget_refuses() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        // 40 calls written at once, so every frame is in the first reads.
+        let mut frames = Vec::new();
+        for id in 1..=40u64 {
+            frames.extend(
+                bridge::encode(&serde_json::json!({
+                    "id": id, "method": "call_tool",
+                    "params": {"server": "s", "tool": "t", "arguments": {"n": id}}
+                }))
+                .unwrap(),
+            );
+        }
+        theirs.write_all(&frames).await.unwrap();
+        let host = Slow::default();
+        let budget = Budget {
+            in_flight: 4,
+            total: 30,
+        };
+        let mut end = BridgeEnd::default();
+        let reader = tokio::spawn(async move {
+            let mut decoder = Decoder::default();
+            let mut replies = Vec::new();
+            let mut buffer = [0u8; 4096];
+            while replies.len() < 40 {
+                let n = theirs.read(&mut buffer).await.unwrap();
+                decoder.push(&buffer[..n]);
+                while let Some(reply) = decoder.next_as::<Value>().unwrap() {
+                    replies.push(reply);
+                }
+            }
+            replies
+        });
+        let served = serve(ours, Decoder::default(), &host, budget, &mut end);
+        let (_, replies) = tokio::join!(
+            tokio::time::timeout(Duration::from_secs(10), served),
+            reader
+        );
+        let replies = replies.unwrap();
+        assert!(host.most.load(Ordering::SeqCst) <= 4, "{} at once", host.most.load(Ordering::SeqCst));
+        assert_eq!(host.calls.load(Ordering::SeqCst), 30, "the host served past the total budget");
+        let refused = replies
+            .iter()
+            .filter(|r| r["error"]["message"].as_str().is_some_and(|m| m.contains("sandbox.max_tool_calls")))
+            .count();
+        assert_eq!(refused, 10);
+        assert_eq!(end.tool_calls, 40);
     }
 }

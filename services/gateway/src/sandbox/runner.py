@@ -65,9 +65,6 @@ def _fields(body):
     return fields
 
 
-_PLAIN = {type(None): "null", bool: None, int: None}
-
-
 def _to_json(value):
     """JSON text of `value`; the common types without importing json (a cold run pays ~5 ms for
     that import), anything else through it."""
@@ -78,6 +75,8 @@ def _to_json(value):
         return "true" if value else "false"
     if kind is int:
         return str(value)
+    if kind is float and value - value == 0:  # finite: repr is valid JSON
+        return repr(value)
     if kind is str and value.isprintable() and '"' not in value and "\\" not in value:
         return '"' + value + '"'
     if kind in (list, tuple):
@@ -86,7 +85,7 @@ def _to_json(value):
         return "{" + ",".join(_to_json(k) + ":" + _to_json(v) for k, v in value.items()) + "}"
     import json
 
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
 class Bridge:
@@ -264,6 +263,7 @@ def main():
                 __import__(name)
             except ImportError:
                 pass
+    _write_frame(b'{"method":"ready"}')
     try:
         fields = _fields(_read_frame())
     except (EOFError, OSError, ValueError):

@@ -1,0 +1,217 @@
+//! The sandbox's start-up and run latency, side by side in one run, samples interleaved:
+//! a bare `python3 -I -c pass`, the same under `bwrap` with every namespace, and the gateway's
+//! `ExecuteCode` (the operation behind the MCP tool `execute_mcp_code`) of `RESULT = 6 * 7` and of
+//! code that calls the `embed` tool once, warm (a runner from the pool) and cold (`warm: 0`),
+//! next to the `embed` tool called directly through the gateway. Then the same at concurrency 8.
+//!
+//! Run: `cargo build --release --workspace --bins && target/release/nomad-sandbox-bench
+//! [--samples 40] [--python /usr/bin/python3]` (needs `bwrap`: Debian's `bubblewrap`).
+
+use std::time::{Duration, Instant};
+
+use nomad_integration_tests::fleet::models_dir;
+use nomad_integration_tests::{Fleet, FleetOptions, Service};
+use nomad_proto::v1::gateway_client::GatewayClient;
+use nomad_proto::v1::{ExecuteCodeRequest, GatewayCallToolRequest, GatewayStatusRequest};
+use tonic::transport::Channel;
+
+fn arg(name: &str, default: &str) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| default.to_owned())
+}
+
+const TRIVIAL: &str = "RESULT = 6 * 7";
+const EMBED: &str = "from mcp_tools.nomad import embed\nRESULT = len(embed('A sentence to embed.')['output'])";
+
+/// A fleet with the `embed` tool and a gateway whose pool keeps `warm` runners.
+async fn fleet(warm: usize) -> Fleet {
+    Fleet::start(
+        FleetOptions {
+            tools_yaml: Some(format!(
+                "tools:\n  - {{name: embed, kind: embed, source: {}, batch_size: 8}}\n\
+                 tool_manager:\n  heartbeat_interval_ms: 200\n  max_batch_delay_ms: 0\n",
+                models_dir().join("all-minilm-l6-v2").display()
+            )),
+            config_yaml: format!("sandbox:\n  warm: {warm}\n  max_concurrent: 16\n"),
+            ..Default::default()
+        }
+        .service_env(Service::Gateway, "RUST_LOG", "warn"),
+    )
+    .await
+}
+
+async fn client(fleet: &Fleet) -> GatewayClient<Channel> {
+    GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
+        .await
+        .unwrap()
+}
+
+async fn execute(client: &mut GatewayClient<Channel>, code: &str) -> Duration {
+    let started = Instant::now();
+    let reply = client
+        .execute_code(ExecuteCodeRequest {
+            code: code.into(),
+            env: Default::default(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.error.is_empty(), "{}", reply.error);
+    started.elapsed()
+}
+
+async fn embed_directly(client: &mut GatewayClient<Channel>) -> Duration {
+    let started = Instant::now();
+    client
+        .call_tool(GatewayCallToolRequest {
+            server: "nomad".into(),
+            tool: "embed".into(),
+            arguments_json: r#"{"text": "A sentence to embed."}"#.into(),
+        })
+        .await
+        .unwrap();
+    started.elapsed()
+}
+
+fn command(program: &str, args: &[&str]) -> Duration {
+    let started = Instant::now();
+    let status = std::process::Command::new(program)
+        .args(args)
+        .env_clear()
+        .status()
+        .unwrap();
+    assert!(status.success(), "{program} {args:?}");
+    started.elapsed()
+}
+
+/// `bwrap` with every namespace around the interpreter: the system directories read-only, its
+/// own /proc, a minimal /dev and a tmpfs /tmp.
+fn bwrap_args(python: &str) -> Vec<String> {
+    let mut args: Vec<String> = ["--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr"]
+        .map(String::from)
+        .into();
+    for dir in ["/bin", "/lib", "/lib64", "/sbin"] {
+        let path = std::path::Path::new(dir);
+        match std::fs::read_link(path) {
+            Ok(target) => args.extend(["--symlink".into(), target.display().to_string(), dir.into()]),
+            Err(_) if path.is_dir() => args.extend(["--ro-bind".into(), dir.into(), dir.into()]),
+            Err(_) => {}
+        }
+    }
+    args.extend(
+        [
+            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", python, "-I", "-c", "pass",
+        ]
+        .map(String::from),
+    );
+    args
+}
+
+fn quantile(samples: &mut [Duration], q: f64) -> f64 {
+    samples.sort();
+    let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
+    samples[i].as_secs_f64() * 1000.0
+}
+
+fn row(name: &str, samples: &mut [Duration]) {
+    println!(
+        "| {name} | {:.1} ms | {:.1} ms |",
+        quantile(samples, 0.5),
+        quantile(samples, 0.99)
+    );
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let samples: usize = arg("--samples", "40").parse().unwrap();
+    let python = arg("--python", "/usr/bin/python3");
+    let warm_fleet = fleet(2).await;
+    let cold_fleet = fleet(0).await;
+    let mut warm = client(&warm_fleet).await;
+    let mut cold = client(&cold_fleet).await;
+    let bwrap = bwrap_args(&python);
+    let bwrap: Vec<&str> = bwrap.iter().map(String::as_str).collect();
+    // Warm-up: load the model, fill the pool, touch every path once.
+    for _ in 0..3 {
+        execute(&mut warm, EMBED).await;
+        execute(&mut cold, EMBED).await;
+        embed_directly(&mut warm).await;
+    }
+    let pause = Duration::from_millis(150); // lets the pool refill between warm samples
+    let names = [
+        "bare `python3 -I -c pass`",
+        "`bwrap` (every namespace) + `python3 -I -c pass`",
+        "`RESULT = 6 * 7`, warm",
+        "`RESULT = 6 * 7`, cold",
+        "`embed` tool called directly through the gateway",
+        "code calling `embed` once, warm",
+        "code calling `embed` once, cold",
+    ];
+    let mut results: Vec<Vec<Duration>> = vec![Vec::new(); names.len()];
+    for _ in 0..samples {
+        results[0].push(command(&python, &["-I", "-c", "pass"]));
+        results[1].push(command("bwrap", &bwrap));
+        tokio::time::sleep(pause).await;
+        results[2].push(execute(&mut warm, TRIVIAL).await);
+        results[3].push(execute(&mut cold, TRIVIAL).await);
+        results[4].push(embed_directly(&mut warm).await);
+        tokio::time::sleep(pause).await;
+        results[5].push(execute(&mut warm, EMBED).await);
+        results[6].push(execute(&mut cold, EMBED).await);
+    }
+    println!("\nConcurrency 1, {samples} samples of each, interleaved:\n");
+    println!("| path | p50 | p99 |\n|---|---|---|");
+    for (name, samples) in names.iter().zip(&mut results) {
+        row(name, samples);
+    }
+
+    // Concurrency 8: eight callers, each with its own connection, for `samples` calls each.
+    println!("\nConcurrency 8 ({samples} calls per caller):\n");
+    println!("| path | runs/s | p50 | p99 | warm starts |\n|---|---|---|---|---|");
+    for (name, fleet, code) in [
+        ("`RESULT = 6 * 7`, pool of 2", &warm_fleet, TRIVIAL),
+        ("`RESULT = 6 * 7`, cold", &cold_fleet, TRIVIAL),
+        ("code calling `embed` once, pool of 2", &warm_fleet, EMBED),
+        ("code calling `embed` once, cold", &cold_fleet, EMBED),
+    ] {
+        let mut status_client = client(fleet).await;
+        let before = status_client
+            .status(GatewayStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let mut c = client(fleet).await;
+            tasks.push(tokio::spawn(async move {
+                let mut mine = Vec::new();
+                for _ in 0..samples {
+                    mine.push(execute(&mut c, code).await);
+                }
+                mine
+            }));
+        }
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.unwrap());
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let after = status_client
+            .status(GatewayStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let runs = all.len();
+        println!(
+            "| {name} | {:.1} | {:.1} ms | {:.1} ms | {} of {runs} |",
+            runs as f64 / elapsed,
+            quantile(&mut all, 0.5),
+            quantile(&mut all, 0.99),
+            after.warm_starts - before.warm_starts
+        );
+    }
+}
