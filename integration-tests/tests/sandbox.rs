@@ -641,7 +641,12 @@ async fn a_run_has_a_budget_of_bridge_calls() {
              out.append('ok')\n    except Exception as e:\n        out.append(str(e))\nRESULT = out",
         )
         .await;
-    let seen: Vec<&str> = seen.as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    let seen: Vec<&str> = seen
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
     assert_eq!(&seen[..5], ["ok"; 5]);
     for refused in &seen[5..] {
         assert!(

@@ -24,7 +24,8 @@ fn arg(name: &str, default: &str) -> String {
 }
 
 const TRIVIAL: &str = "RESULT = 6 * 7";
-const EMBED: &str = "from mcp_tools.nomad import embed\nRESULT = len(embed('A sentence to embed.')['output'])";
+const EMBED: &str =
+    "from mcp_tools.nomad import embed\nRESULT = len(embed('A sentence to embed.')['output'])";
 
 /// A fleet with the `embed` tool and a gateway whose pool keeps `warm` runners.
 async fn fleet(warm: usize) -> Fleet {
@@ -90,13 +91,21 @@ fn command(program: &str, args: &[&str]) -> Duration {
 /// `bwrap` with every namespace around the interpreter: the system directories read-only, its
 /// own /proc, a minimal /dev and a tmpfs /tmp.
 fn bwrap_args(python: &str) -> Vec<String> {
-    let mut args: Vec<String> = ["--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr"]
-        .map(String::from)
-        .into();
+    let mut args: Vec<String> = [
+        "--unshare-all",
+        "--die-with-parent",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
+    .map(String::from)
+    .into();
     for dir in ["/bin", "/lib", "/lib64", "/sbin"] {
         let path = std::path::Path::new(dir);
         match std::fs::read_link(path) {
-            Ok(target) => args.extend(["--symlink".into(), target.display().to_string(), dir.into()]),
+            Ok(target) => {
+                args.extend(["--symlink".into(), target.display().to_string(), dir.into()])
+            }
             Err(_) if path.is_dir() => args.extend(["--ro-bind".into(), dir.into(), dir.into()]),
             Err(_) => {}
         }

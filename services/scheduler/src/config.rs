@@ -65,7 +65,7 @@ impl Default for ToolManagerConfig {
 
 impl ToolManagerConfig {
     /// The core's timers; every duration must be finite and not negative.
-    pub fn timing(&self) -> Result<crate::core::Timing, String> {
+    pub fn timing(&self) -> Result<nomad_scheduler_core::Timing, String> {
         let duration = |name: &str, seconds: f64| {
             std::time::Duration::try_from_secs_f64(seconds).map_err(|_| {
                 format!(
@@ -74,7 +74,7 @@ impl ToolManagerConfig {
                 )
             })
         };
-        Ok(crate::core::Timing {
+        Ok(nomad_scheduler_core::Timing {
             idle: duration("idle_seconds", self.idle_seconds)?,
             disk_idle: duration("disk_idle_seconds", self.disk_idle_seconds)?,
             gc_idle: duration("gc_idle_seconds", self.gc_idle_seconds)?,

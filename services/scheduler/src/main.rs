@@ -2,7 +2,6 @@
 //! with it.
 
 mod config;
-mod core;
 mod driver;
 mod metrics;
 mod service;
@@ -67,7 +66,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
 
     let timing = manager.timing().map_err(anyhow::Error::msg)?;
     let registry = Arc::new(workers::WorkerRegistry::default());
-    let published = Arc::new(std::sync::Mutex::new(driver::Published::default()));
+    let published = Arc::new(std::sync::Mutex::new(metrics::Published::default()));
     let _gauges = metrics::gauges(published.clone(), registry.clone());
     let (driver, handle) = driver::Driver::new(
         tools.clone(),

@@ -1,14 +1,16 @@
 //! The scheduler's instruments, built from the shared definition table, and the observable
 //! gauges that read the driver's published snapshot and the workers' reports.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use nomad_telemetry::KeyValue;
 use nomad_telemetry::metrics as defs;
 use opentelemetry::metrics::{Counter, Histogram, ObservableGauge, ObservableUpDownCounter};
 
-use crate::driver::Published;
-use crate::workers::{Worker, WorkerRegistry};
+use nomad_scheduler_core::{SlotId, Snapshot};
+
+use crate::workers::WorkerRegistry;
 
 pub struct Metrics {
     pub requests: Counter<u64>,
@@ -54,19 +56,11 @@ impl Metrics {
     }
 }
 
-/// `tool`, `device`, `device.type`, `device.index` (and the worker's id, which tells two
-/// workers' `cpu:0` apart) for batch and device metrics.
-pub fn device_attributes(tool: &str, worker: &Worker) -> Vec<KeyValue> {
-    vec![
-        KeyValue::new("tool", tool.to_owned()),
-        KeyValue::new(
-            "device",
-            format!("{}:{}", worker.device.r#type, worker.device.index),
-        ),
-        KeyValue::new("device.type", worker.device.r#type.clone()),
-        KeyValue::new("device.index", i64::from(worker.device.index)),
-        KeyValue::new("nomad.worker.id", worker.id.clone()),
-    ]
+/// What the gauges read, published by the driver: the core's snapshot and each slot's device.
+#[derive(Default)]
+pub struct Published {
+    pub core: Snapshot,
+    pub devices: HashMap<SlotId, Vec<KeyValue>>,
 }
 
 /// The observable instruments; they report for as long as this value lives.

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::{DeviceInfo, WorkerInfo, WorkerStats};
+use nomad_telemetry::KeyValue;
 
 #[derive(Clone)]
 pub struct Worker {
@@ -15,6 +16,29 @@ pub struct Worker {
     pub client: DeviceWorkerClient<nomad_rpc::Channel>,
     /// Bumped on every (re-)registration so per-worker state from an earlier life is not reused.
     pub generation: u64,
+}
+
+impl Worker {
+    /// `device`, `device.type`, `device.index` and the worker's id (which tells two workers'
+    /// `cpu:0` apart), for slot metrics and spans.
+    pub fn device_attributes(&self) -> Vec<KeyValue> {
+        vec![
+            KeyValue::new(
+                "device",
+                format!("{}:{}", self.device.r#type, self.device.index),
+            ),
+            KeyValue::new("device.type", self.device.r#type.clone()),
+            KeyValue::new("device.index", i64::from(self.device.index)),
+            KeyValue::new("nomad.worker.id", self.id.clone()),
+        ]
+    }
+
+    /// `tool` and the device attributes, for batch and device metrics.
+    pub fn tool_attributes(&self, tool: &str) -> Vec<KeyValue> {
+        let mut attributes = vec![KeyValue::new("tool", tool.to_owned())];
+        attributes.extend(self.device_attributes());
+        attributes
+    }
 }
 
 struct Entry {
@@ -75,14 +99,10 @@ impl WorkerRegistry {
     }
 
     /// Each worker's device attributes and latest reported stats.
-    pub fn stats(&self) -> Vec<(Vec<nomad_telemetry::KeyValue>, WorkerStats)> {
+    pub fn stats(&self) -> Vec<(Vec<KeyValue>, WorkerStats)> {
         self.lock()
             .values()
-            .filter_map(|e| {
-                e.stats
-                    .clone()
-                    .map(|s| (crate::driver::slot_attributes(&e.worker), s))
-            })
+            .filter_map(|e| e.stats.clone().map(|s| (e.worker.device_attributes(), s)))
             .collect()
     }
 

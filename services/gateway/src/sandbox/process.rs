@@ -547,7 +547,12 @@ mod tests {
             Ok(Vec::new())
         }
 
-        async fn call(&self, _server: &str, _tool: &str, arguments: Value) -> Result<Value, String> {
+        async fn call(
+            &self,
+            _server: &str,
+            _tool: &str,
+            arguments: Value,
+        ) -> Result<Value, String> {
             let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
             self.most.fetch_max(now, Ordering::SeqCst);
             self.calls.fetch_add(1, Ordering::SeqCst);
@@ -597,11 +602,23 @@ mod tests {
             reader
         );
         let replies = replies.unwrap();
-        assert!(host.most.load(Ordering::SeqCst) <= 4, "{} at once", host.most.load(Ordering::SeqCst));
-        assert_eq!(host.calls.load(Ordering::SeqCst), 30, "the host served past the total budget");
+        assert!(
+            host.most.load(Ordering::SeqCst) <= 4,
+            "{} at once",
+            host.most.load(Ordering::SeqCst)
+        );
+        assert_eq!(
+            host.calls.load(Ordering::SeqCst),
+            30,
+            "the host served past the total budget"
+        );
         let refused = replies
             .iter()
-            .filter(|r| r["error"]["message"].as_str().is_some_and(|m| m.contains("sandbox.max_tool_calls")))
+            .filter(|r| {
+                r["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("sandbox.max_tool_calls"))
+            })
             .count();
         assert_eq!(refused, 10);
         assert_eq!(end.tool_calls, 40);

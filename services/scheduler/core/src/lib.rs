@@ -3,10 +3,11 @@
 //! Events come in (a request arrived, a batch finished, a worker registered or was lost, time
 //! passed) and actions come out (prepare a slot, dispatch a batch, complete a request, evict,
 //! unload, clear a cache). Time is an argument, so every rule is testable with a fake clock.
-//! The driver (`crate::driver`) carries the actions out over gRPC and feeds results back.
+//! The scheduler's driver carries the actions out over gRPC and feeds results back.
 //!
 //! Invariant: every accepted request is completed exactly once (ok, failed or cancelled).
 
+mod rules;
 mod snapshot;
 #[cfg(test)]
 mod tests;
@@ -120,11 +121,15 @@ pub enum Action {
         slot: SlotId,
         tool: ToolId,
         requests: Vec<RequestId>,
+        /// How long each request waited in its queue, in the same order.
+        queue_waits: Vec<Duration>,
     },
-    /// `request` ended; the driver replies to its caller.
+    /// `request` ended, `duration` after it was submitted; the driver replies to its caller.
     Complete {
         request: RequestId,
+        tool: ToolId,
         outcome: Outcome,
+        duration: Duration,
     },
     /// Idle eviction: give `tool`'s device allocation on `slot` back. Answer with `slot_freed`.
     Evict { slot: SlotId, tool: ToolId },
@@ -188,11 +193,13 @@ struct Request {
     requeued: bool,
 }
 
-#[derive(Debug)]
-struct Batch {
-    tool: ToolId,
-    slot: SlotId,
-    requests: Vec<RequestId>,
+/// A batch being executed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    pub tool: ToolId,
+    pub slot: SlotId,
+    /// In dispatch order (a cancelled one stays listed; its result is ignored).
+    pub requests: Vec<RequestId>,
 }
 
 #[derive(Debug)]
@@ -203,7 +210,6 @@ pub struct Core {
     slots: HashMap<SlotId, Slot>,
     requests: HashMap<RequestId, Request>,
     batches: HashMap<BatchId, Batch>,
-    next_request: RequestId,
     next_batch: BatchId,
     closed: bool,
     /// Last time a request arrived or a batch finished (for cache clearing).
@@ -235,7 +241,6 @@ impl Core {
             slots: HashMap::new(),
             requests: HashMap::new(),
             batches: HashMap::new(),
-            next_request: 0,
             next_batch: 0,
             closed: false,
             last_activity: now,
@@ -257,33 +262,43 @@ impl Core {
         self.requests.len()
     }
 
+    /// A batch still executing.
+    pub fn batch(&self, batch: BatchId) -> Option<&Batch> {
+        self.batches.get(&batch)
+    }
+
     pub fn is_closed(&self) -> bool {
         self.closed
     }
 
-    fn complete(&mut self, request: RequestId, outcome: Outcome) {
+    fn complete(&mut self, request: RequestId, outcome: Outcome, now: Instant) {
         if let Some(r) = self.requests.remove(&request) {
             if let RequestState::Executing(_) = r.state {
                 self.tools[r.tool].inflight = self.tools[r.tool].inflight.saturating_sub(1);
             }
-            self.actions.push(Action::Complete { request, outcome });
+            self.actions.push(Action::Complete {
+                request,
+                tool: r.tool,
+                outcome,
+                duration: now.saturating_duration_since(r.enqueued_at),
+            });
         }
     }
 
     // ---- events -------------------------------------------------------------------------
 
-    /// A request for `tool` arrived. Accepted requests are completed exactly once later.
-    pub fn submit(&mut self, tool: &str, now: Instant) -> Result<RequestId, Rejection> {
+    /// Request `id` (chosen by the caller, unique) for `tool` arrived. Accepted requests are
+    /// completed exactly once later.
+    pub fn submit(&mut self, id: RequestId, tool: &str, now: Instant) -> Result<(), Rejection> {
         if self.closed {
             return Err(Rejection::ManagerClosed);
         }
         let tool = self.tool_id(tool).ok_or(Rejection::UnknownTool)?;
+        debug_assert!(!self.requests.contains_key(&id), "request id {id} reused");
         let t = &mut self.tools[tool];
         if t.queue.len() >= t.spec.max_pending as usize {
             return Err(Rejection::QueueFull);
         }
-        let id = self.next_request;
-        self.next_request += 1;
         t.queue.push_back(id);
         self.requests.insert(
             id,
@@ -296,7 +311,7 @@ impl Core {
         );
         self.last_activity = now;
         self.schedule(now);
-        Ok(id)
+        Ok(())
     }
 
     /// The caller went away or asked to cancel. A queued request leaves its queue; an executing
@@ -311,7 +326,7 @@ impl Core {
                 queue.remove(pos);
             }
         }
-        self.complete(request, Outcome::Cancelled);
+        self.complete(request, Outcome::Cancelled, now);
         self.schedule(now);
     }
 
@@ -350,6 +365,7 @@ impl Core {
                         Outcome::Unavailable(format!(
                             "its worker was lost twice ({reason}); not retried again"
                         )),
+                        now,
                     );
                 } else {
                     r.requeued = true;
@@ -401,6 +417,7 @@ impl Core {
                             "loading {} failed: {message}",
                             self.tools[tool].spec.name
                         )),
+                        now,
                     );
                 }
             }
@@ -433,13 +450,14 @@ impl Core {
                         None => Outcome::Ok,
                         Some(message) => Outcome::InvalidInput(message),
                     };
-                    self.complete(*request, outcome);
+                    self.complete(*request, outcome, now);
                 }
                 // A short answer must not leave requests open.
                 for request in live {
                     self.complete(
                         request,
                         Outcome::Failed("the worker returned fewer results than inputs".into()),
+                        now,
                     );
                 }
             }
@@ -466,12 +484,12 @@ impl Core {
             }
             BatchResult::OutOfMemory(detail) => {
                 for request in live {
-                    self.complete(request, Outcome::OutOfMemory(detail.clone()));
+                    self.complete(request, Outcome::OutOfMemory(detail.clone()), now);
                 }
             }
             BatchResult::Failed(message) => {
                 for request in live {
-                    self.complete(request, Outcome::Failed(message.clone()));
+                    self.complete(request, Outcome::Failed(message.clone()), now);
                 }
             }
         }
@@ -541,225 +559,5 @@ impl Core {
             consider(self.last_activity + self.timing.gc_idle);
         }
         next
-    }
-
-    // ---- rules --------------------------------------------------------------------------
-
-    fn slots_holding(&self, tool: ToolId) -> usize {
-        self.slots
-            .values()
-            .filter(|s| s.on_device == Some(tool) || s.state == SlotState::Preparing(tool))
-            .count()
-    }
-
-    /// Assigns free slots to waiting tools and dispatches ready batches.
-    fn schedule(&mut self, now: Instant) {
-        // Oldest waiting request first, across tools.
-        let mut waiting: Vec<(Instant, ToolId)> = self
-            .tools
-            .iter()
-            .enumerate()
-            .filter_map(|(id, t)| t.queue.front().map(|r| (self.requests[r].enqueued_at, id)))
-            .collect();
-        waiting.sort();
-        for (_, tool) in waiting {
-            // Dispatch on every free slot that already holds the tool.
-            while !self.tools[tool].queue.is_empty() {
-                let Some(slot) = self.free_slot_holding(tool) else {
-                    break;
-                };
-                if !self.batch_ready(tool, now) {
-                    break;
-                }
-                self.dispatch(tool, slot);
-            }
-            if self.tools[tool].queue.is_empty() {
-                continue;
-            }
-            if let Some(slot) = self.slot_to_take(tool) {
-                let s = self.slots.get_mut(&slot).expect("slot exists");
-                let offload = s.on_device.filter(|&held| held != tool);
-                let load = (!s.resident.contains(&tool)).then(|| {
-                    if self.slots.values().any(|o| o.resident.contains(&tool)) {
-                        LoadKind::Replica
-                    } else {
-                        LoadKind::Resident
-                    }
-                });
-                let s = self.slots.get_mut(&slot).expect("slot exists");
-                if offload.is_some() {
-                    s.on_device = None;
-                }
-                // Counted as resident from now on, so a second load elsewhere is a replica.
-                s.resident.insert(tool);
-                s.state = SlotState::Preparing(tool);
-                self.actions.push(Action::Prepare {
-                    slot,
-                    tool,
-                    offload,
-                    load,
-                });
-            }
-        }
-    }
-
-    fn batch_ready(&self, tool: ToolId, now: Instant) -> bool {
-        let t = &self.tools[tool];
-        match t.queue.front() {
-            None => false,
-            Some(front) => {
-                t.queue.len() >= t.effective_batch()
-                    || now >= self.requests[front].enqueued_at + self.timing.max_batch_delay
-            }
-        }
-    }
-
-    fn free_slot_holding(&self, tool: ToolId) -> Option<SlotId> {
-        self.slots
-            .iter()
-            .filter(|(_, s)| s.state == SlotState::Idle && s.on_device == Some(tool))
-            .min_by_key(|(id, s)| (s.last_used, **id))
-            .map(|(id, _)| *id)
-    }
-
-    /// A slot `tool` may take: a new one only below `max_devices`; an empty slot before one
-    /// holding another tool (least recently used first); and never the last free slots that
-    /// waiting tools holding none need (fairness).
-    fn slot_to_take(&self, tool: ToolId) -> Option<SlotId> {
-        let held = self.slots_holding(tool);
-        if held >= self.tools[tool].spec.max_devices as usize {
-            return None;
-        }
-        let free: Vec<(&SlotId, &Slot)> = self
-            .slots
-            .iter()
-            .filter(|(_, s)| s.state == SlotState::Idle)
-            .collect();
-        if free.is_empty() {
-            return None;
-        }
-        if held > 0 {
-            let starving = self
-                .tools
-                .iter()
-                .enumerate()
-                .filter(|(id, t)| {
-                    *id != tool && !t.queue.is_empty() && self.slots_holding(*id) == 0
-                })
-                .count();
-            if free.len() <= starving {
-                return None;
-            }
-        }
-        free.into_iter()
-            .filter(|(_, s)| match s.on_device {
-                None => true,
-                // A slot whose tool still has work waiting is not taken from it.
-                Some(other) => self.tools[other].queue.is_empty(),
-            })
-            .min_by_key(|(id, s)| (s.on_device.is_some(), s.last_used, **id))
-            .map(|(id, _)| *id)
-    }
-
-    fn dispatch(&mut self, tool: ToolId, slot: SlotId) {
-        let take = self.tools[tool].effective_batch();
-        let t = &mut self.tools[tool];
-        let requests: Vec<RequestId> = t.queue.drain(..take.min(t.queue.len())).collect();
-        t.inflight += requests.len() as u32;
-        let batch = self.next_batch;
-        self.next_batch += 1;
-        for r in &requests {
-            if let Some(req) = self.requests.get_mut(r) {
-                req.state = RequestState::Executing(batch);
-            }
-        }
-        self.slots.get_mut(&slot).expect("slot exists").state = SlotState::Executing(batch);
-        self.batches.insert(
-            batch,
-            Batch {
-                tool,
-                slot,
-                requests: requests.clone(),
-            },
-        );
-        self.actions.push(Action::Dispatch {
-            batch,
-            slot,
-            tool,
-            requests,
-        });
-    }
-
-    /// Idle eviction: slots unused for `idle`, least recently used first.
-    fn evict_idle(&mut self, now: Instant) {
-        let mut due: Vec<(Instant, SlotId, ToolId)> = self
-            .slots
-            .iter()
-            .filter(|(_, s)| s.state == SlotState::Idle)
-            .filter_map(|(id, s)| s.on_device.map(|t| (s.last_used, *id, t)))
-            .filter(|(used, _, _)| now.duration_since(*used) >= self.timing.idle)
-            .collect();
-        due.sort();
-        for (_, slot, tool) in due {
-            let s = self.slots.get_mut(&slot).expect("slot exists");
-            s.on_device = None;
-            s.state = SlotState::Maintenance;
-            self.actions.push(Action::Evict { slot, tool });
-        }
-    }
-
-    /// No slot, nothing queued, nothing in flight: the tool may leave host memory.
-    fn unloadable(&self, tool: ToolId) -> bool {
-        let t = &self.tools[tool];
-        t.queue.is_empty()
-            && t.inflight == 0
-            && self.slots_holding(tool) == 0
-            && self.slots.values().any(|s| s.resident.contains(&tool))
-    }
-
-    fn unload_idle(&mut self, now: Instant) {
-        for tool in 0..self.tools.len() {
-            if !self.unloadable(tool)
-                || now.duration_since(self.tools[tool].last_used) < self.timing.disk_idle
-            {
-                continue;
-            }
-            let mut ids: Vec<SlotId> = self
-                .slots
-                .iter()
-                .filter(|(_, s)| s.state == SlotState::Idle && s.resident.contains(&tool))
-                .map(|(id, _)| *id)
-                .collect();
-            ids.sort();
-            for slot in ids {
-                let s = self.slots.get_mut(&slot).expect("slot exists");
-                s.resident.remove(&tool);
-                s.state = SlotState::Maintenance;
-                self.actions.push(Action::Unload { slot, tool });
-            }
-        }
-    }
-
-    /// Whole-server idleness: nothing open, every slot idle, `gc_idle` since the last activity.
-    fn clear_caches(&mut self, now: Instant) {
-        if !self.requests.is_empty()
-            || now.duration_since(self.last_activity) < self.timing.gc_idle
-            || self.slots.values().any(|s| s.state != SlotState::Idle)
-        {
-            return;
-        }
-        let mut ids: Vec<SlotId> = self
-            .slots
-            .iter()
-            .filter(|(_, s)| s.dirty)
-            .map(|(id, _)| *id)
-            .collect();
-        ids.sort();
-        for slot in ids {
-            let s = self.slots.get_mut(&slot).expect("slot exists");
-            s.dirty = false;
-            s.state = SlotState::Maintenance;
-            self.actions.push(Action::ClearCache { slot });
-        }
     }
 }

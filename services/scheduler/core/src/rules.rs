@@ -1,0 +1,231 @@
+//! The rules: which slot a tool takes, when a batch is ready, eviction, unloading and cache
+//! clearing. Called from the events in the crate root.
+
+use std::time::Instant;
+
+use super::{
+    Action, Batch, Core, LoadKind, RequestId, RequestState, Slot, SlotId, SlotState, ToolId,
+};
+
+impl Core {
+    pub(crate) fn slots_holding(&self, tool: ToolId) -> usize {
+        self.slots
+            .values()
+            .filter(|s| s.on_device == Some(tool) || s.state == SlotState::Preparing(tool))
+            .count()
+    }
+
+    /// Assigns free slots to waiting tools and dispatches ready batches.
+    pub(crate) fn schedule(&mut self, now: Instant) {
+        // Oldest waiting request first, across tools.
+        let mut waiting: Vec<(Instant, ToolId)> = self
+            .tools
+            .iter()
+            .enumerate()
+            .filter_map(|(id, t)| t.queue.front().map(|r| (self.requests[r].enqueued_at, id)))
+            .collect();
+        waiting.sort();
+        for (_, tool) in waiting {
+            // Dispatch on every free slot that already holds the tool.
+            while !self.tools[tool].queue.is_empty() {
+                let Some(slot) = self.free_slot_holding(tool) else {
+                    break;
+                };
+                if !self.batch_ready(tool, now) {
+                    break;
+                }
+                self.dispatch(tool, slot, now);
+            }
+            if self.tools[tool].queue.is_empty() {
+                continue;
+            }
+            if let Some(slot) = self.slot_to_take(tool) {
+                let s = self.slots.get_mut(&slot).expect("slot exists");
+                let offload = s.on_device.filter(|&held| held != tool);
+                let load = (!s.resident.contains(&tool)).then(|| {
+                    if self.slots.values().any(|o| o.resident.contains(&tool)) {
+                        LoadKind::Replica
+                    } else {
+                        LoadKind::Resident
+                    }
+                });
+                let s = self.slots.get_mut(&slot).expect("slot exists");
+                if offload.is_some() {
+                    s.on_device = None;
+                }
+                // Counted as resident from now on, so a second load elsewhere is a replica.
+                s.resident.insert(tool);
+                s.state = SlotState::Preparing(tool);
+                self.actions.push(Action::Prepare {
+                    slot,
+                    tool,
+                    offload,
+                    load,
+                });
+            }
+        }
+    }
+
+    fn batch_ready(&self, tool: ToolId, now: Instant) -> bool {
+        let t = &self.tools[tool];
+        match t.queue.front() {
+            None => false,
+            Some(front) => {
+                t.queue.len() >= t.effective_batch()
+                    || now >= self.requests[front].enqueued_at + self.timing.max_batch_delay
+            }
+        }
+    }
+
+    fn free_slot_holding(&self, tool: ToolId) -> Option<SlotId> {
+        self.slots
+            .iter()
+            .filter(|(_, s)| s.state == SlotState::Idle && s.on_device == Some(tool))
+            .min_by_key(|(id, s)| (s.last_used, **id))
+            .map(|(id, _)| *id)
+    }
+
+    /// A slot `tool` may take: a new one only below `max_devices`; an empty slot before one
+    /// holding another tool (least recently used first); and never the last free slots that
+    /// waiting tools holding none need (fairness).
+    fn slot_to_take(&self, tool: ToolId) -> Option<SlotId> {
+        let held = self.slots_holding(tool);
+        if held >= self.tools[tool].spec.max_devices as usize {
+            return None;
+        }
+        let free: Vec<(&SlotId, &Slot)> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.state == SlotState::Idle)
+            .collect();
+        if free.is_empty() {
+            return None;
+        }
+        if held > 0 {
+            let starving = self
+                .tools
+                .iter()
+                .enumerate()
+                .filter(|(id, t)| {
+                    *id != tool && !t.queue.is_empty() && self.slots_holding(*id) == 0
+                })
+                .count();
+            if free.len() <= starving {
+                return None;
+            }
+        }
+        free.into_iter()
+            .filter(|(_, s)| match s.on_device {
+                None => true,
+                // A slot whose tool still has work waiting is not taken from it.
+                Some(other) => self.tools[other].queue.is_empty(),
+            })
+            .min_by_key(|(id, s)| (s.on_device.is_some(), s.last_used, **id))
+            .map(|(id, _)| *id)
+    }
+
+    fn dispatch(&mut self, tool: ToolId, slot: SlotId, now: Instant) {
+        let take = self.tools[tool].effective_batch();
+        let t = &mut self.tools[tool];
+        let requests: Vec<RequestId> = t.queue.drain(..take.min(t.queue.len())).collect();
+        t.inflight += requests.len() as u32;
+        let batch = self.next_batch;
+        self.next_batch += 1;
+        let mut queue_waits = Vec::with_capacity(requests.len());
+        for r in &requests {
+            if let Some(req) = self.requests.get_mut(r) {
+                req.state = RequestState::Executing(batch);
+                queue_waits.push(now.saturating_duration_since(req.enqueued_at));
+            }
+        }
+        self.slots.get_mut(&slot).expect("slot exists").state = SlotState::Executing(batch);
+        self.batches.insert(
+            batch,
+            Batch {
+                tool,
+                slot,
+                requests: requests.clone(),
+            },
+        );
+        self.actions.push(Action::Dispatch {
+            batch,
+            slot,
+            tool,
+            requests,
+            queue_waits,
+        });
+    }
+
+    /// Idle eviction: slots unused for `idle`, least recently used first.
+    pub(crate) fn evict_idle(&mut self, now: Instant) {
+        let mut due: Vec<(Instant, SlotId, ToolId)> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.state == SlotState::Idle)
+            .filter_map(|(id, s)| s.on_device.map(|t| (s.last_used, *id, t)))
+            .filter(|(used, _, _)| now.duration_since(*used) >= self.timing.idle)
+            .collect();
+        due.sort();
+        for (_, slot, tool) in due {
+            let s = self.slots.get_mut(&slot).expect("slot exists");
+            s.on_device = None;
+            s.state = SlotState::Maintenance;
+            self.actions.push(Action::Evict { slot, tool });
+        }
+    }
+
+    /// No slot, nothing queued, nothing in flight: the tool may leave host memory.
+    pub(crate) fn unloadable(&self, tool: ToolId) -> bool {
+        let t = &self.tools[tool];
+        t.queue.is_empty()
+            && t.inflight == 0
+            && self.slots_holding(tool) == 0
+            && self.slots.values().any(|s| s.resident.contains(&tool))
+    }
+
+    pub(crate) fn unload_idle(&mut self, now: Instant) {
+        for tool in 0..self.tools.len() {
+            if !self.unloadable(tool)
+                || now.duration_since(self.tools[tool].last_used) < self.timing.disk_idle
+            {
+                continue;
+            }
+            let mut ids: Vec<SlotId> = self
+                .slots
+                .iter()
+                .filter(|(_, s)| s.state == SlotState::Idle && s.resident.contains(&tool))
+                .map(|(id, _)| *id)
+                .collect();
+            ids.sort();
+            for slot in ids {
+                let s = self.slots.get_mut(&slot).expect("slot exists");
+                s.resident.remove(&tool);
+                s.state = SlotState::Maintenance;
+                self.actions.push(Action::Unload { slot, tool });
+            }
+        }
+    }
+
+    /// Whole-server idleness: nothing open, every slot idle, `gc_idle` since the last activity.
+    pub(crate) fn clear_caches(&mut self, now: Instant) {
+        if !self.requests.is_empty()
+            || now.duration_since(self.last_activity) < self.timing.gc_idle
+            || self.slots.values().any(|s| s.state != SlotState::Idle)
+        {
+            return;
+        }
+        let mut ids: Vec<SlotId> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.dirty)
+            .map(|(id, _)| *id)
+            .collect();
+        ids.sort();
+        for slot in ids {
+            let s = self.slots.get_mut(&slot).expect("slot exists");
+            s.dirty = false;
+            s.state = SlotState::Maintenance;
+            self.actions.push(Action::ClearCache { slot });
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! Out of memory, cancellation, rejections, lost workers, failed prepares, model errors.
+
+use super::*;
+
+#[test]
+fn oom_halves_the_batch_8_4_2_1_and_requeues_at_the_front() {
+    let mut h = Harness::new(vec![spec("a", 8, 1, 64)], 1);
+    let ids: Vec<_> = (0..10).map(|_| h.submit("a")).collect();
+    let actions = h.take();
+    let mut d = dispatches(&h.prepare_ok(&actions));
+    assert_eq!(d[0].2, ids[..8]);
+    for (old, new) in [(8, 4), (4, 2), (2, 1)] {
+        let after = h.finish(d[0].0, BatchResult::OutOfMemory("too big".into()));
+        assert!(
+            after.contains(&Action::OomReduced { tool: 0, old, new }),
+            "{old}->{new}: {after:?}"
+        );
+        d = dispatches(&after);
+        // The retried batch starts with the same first requests, in order.
+        assert_eq!(d[0].2, ids[..new as usize], "{old}->{new}");
+        assert!(completions(&after).is_empty());
+    }
+    // Out of memory with a batch of one: nothing left to halve, that request fails.
+    let after = h.finish(d[0].0, BatchResult::OutOfMemory("too big".into()));
+    assert_eq!(
+        completions(&after),
+        vec![(ids[0], Outcome::OutOfMemory("too big".into()))]
+    );
+    assert_eq!(
+        dispatches(&after)[0].2,
+        vec![ids[1]],
+        "the rest continue one by one"
+    );
+    assert_eq!(h.core.snapshot().tools[0].batch_size, 1);
+}
+
+#[test]
+fn cancelling_a_queued_request_removes_it_from_the_queue() {
+    let mut h = Harness::new(vec![spec("a", 4, 1, 64)], 1);
+    let a = h.submit("a");
+    let b = h.submit("a");
+    let actions = h.take();
+    h.prepare_ok(&actions); // two of four: waiting for the delay
+    h.core.cancel(a, h.now);
+    assert_eq!(completions(&h.take()), vec![(a, Outcome::Cancelled)]);
+    let d = dispatches(&h.advance(DELAY));
+    assert_eq!(d[0].2, vec![b]);
+    assert_eq!(h.core.snapshot().tools[0].queue_length, 0);
+}
+
+#[test]
+fn cancelling_an_executing_request_answers_now_and_drops_its_result() {
+    let mut h = Harness::new(vec![spec("a", 2, 1, 64)], 1);
+    let a = h.submit("a");
+    let b = h.submit("a");
+    let actions = h.take();
+    let d = dispatches(&h.prepare_ok(&actions));
+    h.core.cancel(a, h.now);
+    assert_eq!(completions(&h.take()), vec![(a, Outcome::Cancelled)]);
+    let done = h.finish(d[0].0, BatchResult::Done(vec![None, None]));
+    assert_eq!(
+        completions(&done),
+        vec![(b, Outcome::Ok)],
+        "a completes once only"
+    );
+    h.core.cancel(a, h.now);
+    assert!(
+        h.take().is_empty(),
+        "cancelling a finished request does nothing"
+    );
+}
+
+#[test]
+fn each_rejection_reason() {
+    let mut h = Harness::new(vec![spec("a", 1, 1, 2)], 0);
+    assert_eq!(
+        h.try_submit("nope").map(|_| ()),
+        Err(Rejection::UnknownTool)
+    );
+    h.submit("a");
+    h.submit("a");
+    assert_eq!(h.try_submit("a").map(|_| ()), Err(Rejection::QueueFull));
+    h.core.close();
+    assert_eq!(h.try_submit("a").map(|_| ()), Err(Rejection::ManagerClosed));
+    assert_eq!(
+        [
+            Rejection::UnknownTool,
+            Rejection::QueueFull,
+            Rejection::ManagerClosed
+        ]
+        .map(Rejection::reason),
+        ["unknown_tool", "queue_full", "manager_closed"]
+    );
+    // Closing keeps what was accepted: both queued requests still get served.
+    h.core.worker_registered(9, h.now);
+    let actions = h.take();
+    let d = dispatches(&h.prepare_ok(&actions));
+    assert_eq!(d.len(), 1);
+}
+
+#[test]
+fn a_lost_workers_batch_is_requeued_once_then_failed() {
+    let mut h = Harness::new(vec![spec("a", 2, 1, 64)], 1);
+    let ids = [h.submit("a"), h.submit("a")];
+    let actions = h.take();
+    dispatches(&h.prepare_ok(&actions));
+    h.core.worker_lost(0, "heartbeats stopped", h.now);
+    assert!(completions(&h.take()).is_empty(), "requeued, not failed");
+    h.core.worker_registered(1, h.now);
+    let actions = h.take();
+    let d = dispatches(&h.prepare_ok(&actions));
+    assert_eq!(d[0].2, ids, "requeued at the front, same order");
+    h.core.worker_lost(1, "connection refused", h.now);
+    let failed = completions(&h.take());
+    assert_eq!(failed.len(), 2);
+    assert!(
+        failed
+            .iter()
+            .all(|(_, o)| matches!(o, Outcome::Unavailable(m) if m.contains("lost twice")))
+    );
+}
+
+#[test]
+fn a_failed_prepare_fails_the_requests_waiting_for_that_tool() {
+    let mut h = Harness::new(vec![spec("a", 1, 1, 64)], 1);
+    let r = h.submit("a");
+    h.take();
+    h.core
+        .prepare_finished(0, 0, Err("model source /m: not found".into()), h.now);
+    let done = completions(&h.take());
+    assert!(
+        matches!(&done[..], [(id, Outcome::Unavailable(m))] if *id == r && m.contains("not found"))
+    );
+}
+
+#[test]
+fn model_errors_fail_the_whole_batch_and_invalid_inputs_only_their_request() {
+    let mut h = Harness::new(vec![spec("a", 2, 1, 64)], 1);
+    let ids = [h.submit("a"), h.submit("a")];
+    let actions = h.take();
+    let d = dispatches(&h.prepare_ok(&actions));
+    let done = h.finish(
+        d[0].0,
+        BatchResult::Done(vec![Some("request 0: bad".into()), None]),
+    );
+    assert_eq!(
+        completions(&done),
+        vec![
+            (ids[0], Outcome::InvalidInput("request 0: bad".into())),
+            (ids[1], Outcome::Ok)
+        ]
+    );
+    let ids = [h.submit("a"), h.submit("a")];
+    let d = dispatches(&h.take());
+    let done = h.finish(d[0].0, BatchResult::Failed("kernel panic".into()));
+    assert_eq!(
+        completions(&done),
+        ids.map(|id| (id, Outcome::Failed("kernel panic".into())))
+            .to_vec()
+    );
+}
+
+#[test]
+fn snapshot_reports_queues_slots_and_residency() {
+    let mut h = Harness::new(vec![spec("a", 1, 1, 64), spec("b", 1, 1, 64)], 1);
+    h.submit("a");
+    h.submit("a");
+    let actions = h.take();
+    h.prepare_ok(&actions);
+    let s = h.core.snapshot();
+    assert_eq!(s.tools[0].queue_length, 1);
+    assert_eq!(s.tools[0].inflight, 1);
+    assert!(s.tools[0].resident && !s.tools[1].resident);
+    assert_eq!(s.pending_tools, 1);
+    assert_eq!(
+        s.slots,
+        vec![SlotSnapshot {
+            slot: 0,
+            busy: true,
+            on_device: Some("a".into())
+        }]
+    );
+}

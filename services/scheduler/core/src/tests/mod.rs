@@ -1,0 +1,133 @@
+//! The core under a fake clock: one module per concern, the harness here.
+
+mod failures;
+mod idle;
+mod placement;
+mod random;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::snapshot::SlotSnapshot;
+
+const DELAY: Duration = Duration::from_millis(5);
+const IDLE: Duration = Duration::from_secs(10);
+const DISK_IDLE: Duration = Duration::from_secs(20);
+const GC_IDLE: Duration = Duration::from_secs(30);
+
+fn spec(name: &str, batch_size: u32, max_devices: u32, max_pending: u32) -> ToolSpec {
+    ToolSpec {
+        name: name.into(),
+        batch_size,
+        max_devices,
+        max_pending,
+    }
+}
+
+/// A core with a fake clock.
+struct Harness {
+    core: Core,
+    now: Instant,
+    next_id: RequestId,
+}
+
+impl Harness {
+    fn new(tools: Vec<ToolSpec>, slots: u64) -> Self {
+        let now = Instant::now();
+        let timing = Timing {
+            idle: IDLE,
+            disk_idle: DISK_IDLE,
+            gc_idle: GC_IDLE,
+            max_batch_delay: DELAY,
+        };
+        let mut core = Core::new(tools, timing, now);
+        for slot in 0..slots {
+            core.worker_registered(slot, now);
+        }
+        Harness {
+            core,
+            now,
+            next_id: 0,
+        }
+    }
+
+    fn advance(&mut self, by: Duration) -> Vec<Action> {
+        self.now += by;
+        self.core.tick(self.now);
+        self.core.take_actions()
+    }
+
+    fn submit(&mut self, tool: &str) -> RequestId {
+        self.try_submit(tool).unwrap()
+    }
+
+    fn try_submit(&mut self, tool: &str) -> Result<RequestId, Rejection> {
+        self.next_id += 1;
+        self.core.submit(self.next_id, tool, self.now)?;
+        Ok(self.next_id)
+    }
+
+    fn take(&mut self) -> Vec<Action> {
+        self.core.take_actions()
+    }
+
+    /// Answers every Prepare in `actions` with success; returns the actions that follow.
+    fn prepare_ok(&mut self, actions: &[Action]) -> Vec<Action> {
+        let mut out = Vec::new();
+        for a in actions {
+            if let Action::Prepare { slot, tool, .. } = a {
+                self.core.prepare_finished(*slot, *tool, Ok(()), self.now);
+                out.extend(self.take());
+            }
+        }
+        out
+    }
+
+    fn finish(&mut self, batch: BatchId, result: BatchResult) -> Vec<Action> {
+        self.core.batch_finished(batch, result, self.now);
+        self.take()
+    }
+}
+
+fn prepares(actions: &[Action]) -> Vec<(SlotId, ToolId, Option<ToolId>)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Prepare {
+                slot,
+                tool,
+                offload,
+                ..
+            } => Some((*slot, *tool, *offload)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn dispatches(actions: &[Action]) -> Vec<(BatchId, SlotId, Vec<RequestId>)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Dispatch {
+                batch,
+                slot,
+                requests,
+                ..
+            } => Some((*batch, *slot, requests.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn completions(actions: &[Action]) -> Vec<(RequestId, Outcome)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Complete {
+                request, outcome, ..
+            } => Some((*request, outcome.clone())),
+            _ => None,
+        })
+        .collect()
+}

@@ -1,0 +1,318 @@
+//! The driver's calls to workers, each in its own task, reporting back on the driver's channel:
+//! execute a batch, prepare a slot (offload, load, place), and maintenance (evict, unload,
+//! clear the cache). Spans and metrics of each call are recorded here.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use nomad_proto::v1::{
+    ClearCacheRequest, ExecuteBatchRequest, ItemResult, LoadRequest, ModelSpec, OffloadRequest,
+    PlaceRequest, ToolOutput, UnloadRequest, execute_batch_response, item_result,
+};
+use nomad_scheduler_core::{BatchId, BatchResult, LoadKind, SlotId, ToolId};
+use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions};
+use opentelemetry::trace::FutureExt as _;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::handle::Command;
+
+/// Where a call reports: its metrics, and the driver's channel.
+#[derive(Clone)]
+pub(super) struct Back {
+    pub metrics: Arc<Metrics>,
+    pub tx: mpsc::Sender<Command>,
+}
+use super::status::lost;
+use crate::config::ToolConfig;
+use crate::metrics::Metrics;
+use crate::workers::Worker;
+
+/// Runs one batch on `worker` inside `batch_span` and reports `BatchDone`.
+pub(super) async fn execute_batch(
+    worker: Worker,
+    batch: BatchId,
+    request: ExecuteBatchRequest,
+    batch_span: GroupSpan,
+    mut attributes: Vec<KeyValue>,
+    back: Back,
+) {
+    let Back { metrics, tx } = back;
+    let size = request.inputs.len();
+    let started = Instant::now();
+    let mut client = worker.client.clone();
+    let reply = client
+        .execute_batch(request)
+        .with_context(batch_span.context().clone())
+        .await;
+    let (result, outputs, lost_reason) = match reply {
+        Ok(reply) => match reply.into_inner().outcome {
+            Some(execute_batch_response::Outcome::Results(results)) => {
+                let (outputs, items) = split_items(results.items, size);
+                (BatchResult::Done(items), outputs, None)
+            }
+            Some(execute_batch_response::Outcome::OutOfMemory(oom)) => {
+                (BatchResult::OutOfMemory(oom.detail), vec![], None)
+            }
+            None => (
+                BatchResult::Failed("the worker returned an empty batch outcome".into()),
+                vec![],
+                None,
+            ),
+        },
+        Err(status) if lost(&status) => (
+            BatchResult::Failed(status.message().to_owned()),
+            vec![],
+            Some(format!(
+                "worker {} unreachable during a batch: {}",
+                worker.id,
+                status.message()
+            )),
+        ),
+        Err(status) => (
+            BatchResult::Failed(format!("{:?}: {}", status.code(), status.message())),
+            vec![],
+            None,
+        ),
+    };
+    let status = match (&result, &lost_reason) {
+        (BatchResult::Done(_), None) => "ok",
+        _ => "error",
+    };
+    match (&result, &lost_reason) {
+        (_, Some(reason)) => batch_span.set_error("worker_lost", reason.clone()),
+        (BatchResult::OutOfMemory(d), _) => batch_span.set_error("out_of_memory", d.clone()),
+        (BatchResult::Failed(m), _) => batch_span.set_error("execution_failed", m.clone()),
+        (BatchResult::Done(_), _) => batch_span.set_ok(),
+    }
+    attributes.push(KeyValue::new("status", status));
+    metrics
+        .batch_duration
+        .record(started.elapsed().as_secs_f64(), &attributes);
+    metrics.batch_size.record(size as u64, &attributes);
+    drop(batch_span);
+    let _ = tx
+        .send(Command::BatchDone {
+            batch,
+            result,
+            outputs,
+            lost: lost_reason,
+        })
+        .await;
+}
+
+/// Per item: the output, or why the model refused that input.
+fn split_items(
+    items: Vec<ItemResult>,
+    expected: usize,
+) -> (Vec<Option<ToolOutput>>, Vec<Option<String>>) {
+    let mut outputs = Vec::with_capacity(expected);
+    let mut refusals = Vec::with_capacity(expected);
+    for item in items {
+        match item.result {
+            Some(item_result::Result::Output(o)) => {
+                outputs.push(Some(o));
+                refusals.push(None);
+            }
+            Some(item_result::Result::InvalidInput(m)) => {
+                outputs.push(None);
+                refusals.push(Some(m));
+            }
+            None => {
+                outputs.push(None);
+                refusals.push(Some("the worker returned an empty result".into()));
+            }
+        }
+    }
+    (outputs, refusals)
+}
+
+/// Makes `config`'s tool runnable on `worker` and reports `Prepared`.
+pub(super) async fn prepare(
+    worker: Worker,
+    slot: SlotId,
+    tool: ToolId,
+    config: ToolConfig,
+    offload: Option<String>,
+    load: Option<LoadKind>,
+    back: Back,
+) {
+    let Back { metrics, tx } = back;
+    let mut attributes = worker.tool_attributes(&config.name);
+    if let Some(o) = &offload {
+        attributes.push(KeyValue::new("nomad.tool.offload", o.clone()));
+    }
+    if let Some(kind) = load {
+        attributes.push(KeyValue::new("load.kind", kind.as_str()));
+    }
+    let span = GroupSpan::start_with(
+        SpanGroup::Device,
+        "nomad.tool.prepare",
+        &Context::new(),
+        SpanOptions {
+            attributes,
+            ..Default::default()
+        },
+    );
+    let outcome = prepare_on_worker(&worker, &config, offload, load, &metrics)
+        .with_context(span.context().clone())
+        .await;
+    let (result, lost_reason) = match outcome {
+        Ok(()) => (Ok(()), None),
+        Err(status) if lost(&status) => (
+            Err(status.message().to_owned()),
+            Some(format!(
+                "worker {} unreachable: {}",
+                worker.id,
+                status.message()
+            )),
+        ),
+        Err(status) => (Err(status.message().to_owned()), None),
+    };
+    if let Err(e) = &result {
+        span.set_error("prepare_failed", e.clone());
+        tracing::warn!(tool = %config.name, worker_id = %worker.id, "preparing failed: {e}");
+    }
+    drop(span);
+    let _ = tx
+        .send(Command::Prepared {
+            slot,
+            tool,
+            result,
+            lost: lost_reason,
+        })
+        .await;
+}
+
+/// Offload what the slot holds, load from disk when the worker lacks a host copy, place.
+async fn prepare_on_worker(
+    worker: &Worker,
+    config: &ToolConfig,
+    offload: Option<String>,
+    load: Option<LoadKind>,
+    metrics: &Metrics,
+) -> Result<(), Status> {
+    let mut client = worker.client.clone();
+    if let Some(other) = offload {
+        metrics
+            .device_offloads
+            .add(1, &worker.tool_attributes(&other));
+        client.offload(OffloadRequest { tool: other }).await?;
+    }
+    if let Some(kind) = load {
+        let attributes = [
+            KeyValue::new("tool", config.name.clone()),
+            KeyValue::new("load.kind", kind.as_str()),
+        ];
+        metrics.disk_loads.add(1, &attributes);
+        let started = Instant::now();
+        client
+            .load(LoadRequest {
+                model: Some(ModelSpec {
+                    tool: config.name.clone(),
+                    kind: config.kind.clone(),
+                    source: config.source.clone(),
+                }),
+            })
+            .await?;
+        metrics
+            .disk_load_duration
+            .record(started.elapsed().as_secs_f64(), &attributes);
+    }
+    let started = Instant::now();
+    client
+        .place(PlaceRequest {
+            tool: config.name.clone(),
+        })
+        .await?;
+    metrics.device_load_duration.record(
+        started.elapsed().as_secs_f64(),
+        &worker.tool_attributes(&config.name),
+    );
+    Ok(())
+}
+
+/// Maintenance on a slot.
+#[derive(Clone, Debug)]
+pub(super) enum Maintenance {
+    /// Idle eviction of this tool's device allocation.
+    Evict(String),
+    /// Disk unload of this tool's host copy.
+    Unload(String),
+    ClearCache,
+}
+
+/// Carries out `what` on `worker` and reports `SlotFreed`.
+pub(super) async fn maintain(worker: Worker, slot: SlotId, what: Maintenance, back: Back) {
+    let Back { metrics, tx } = back;
+    let (name, attributes) = match &what {
+        Maintenance::Evict(t) => ("nomad.tool.evict", worker.tool_attributes(t)),
+        Maintenance::Unload(t) => ("nomad.tool.unload", worker.tool_attributes(t)),
+        Maintenance::ClearCache => ("nomad.device.cache_clear", worker.device_attributes()),
+    };
+    let span = GroupSpan::start_with(
+        SpanGroup::Device,
+        name,
+        &Context::new(),
+        SpanOptions {
+            attributes: attributes.clone(),
+            ..Default::default()
+        },
+    );
+    let mut client = worker.client.clone();
+    let cx = span.context().clone();
+    let result = match what {
+        Maintenance::Evict(tool) => {
+            metrics.device_idle_evictions.add(1, &attributes);
+            metrics.device_offloads.add(1, &attributes);
+            client
+                .offload(OffloadRequest { tool })
+                .with_context(cx)
+                .await
+                .map(|_| ())
+        }
+        Maintenance::Unload(tool) => {
+            metrics
+                .disk_unloads
+                .add(1, &[KeyValue::new("tool", tool.clone())]);
+            client
+                .unload(UnloadRequest { tool })
+                .with_context(cx)
+                .await
+                .map(|_| ())
+        }
+        Maintenance::ClearCache => {
+            metrics.cache_clears.add(1, &attributes);
+            let started = Instant::now();
+            let r = client
+                .clear_cache(ClearCacheRequest {})
+                .with_context(cx)
+                .await
+                .map(|_| ());
+            metrics
+                .cache_clear_duration
+                .record(started.elapsed().as_secs_f64(), &attributes);
+            r
+        }
+    };
+    let lost_reason = match &result {
+        Err(status) if lost(status) => Some(format!(
+            "worker {} unreachable: {}",
+            worker.id,
+            status.message()
+        )),
+        Err(status) => {
+            span.set_error(format!("{:?}", status.code()), status.message());
+            tracing::warn!(worker_id = %worker.id, "{name} failed: {}", status.message());
+            None
+        }
+        Ok(()) => None,
+    };
+    drop(span);
+    let _ = tx
+        .send(Command::SlotFreed {
+            slot,
+            lost: lost_reason,
+        })
+        .await;
+}

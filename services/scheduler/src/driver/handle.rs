@@ -1,0 +1,137 @@
+//! The callers' side of the driver: a cheap clone per gRPC handler. It allocates request ids
+//! (so a cancellation can name its request before the driver has seen it), sends commands and
+//! waits for answers, and cancels a request whose caller goes away.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use nomad_proto::v1::{ToolInput, ToolOutput};
+use nomad_scheduler_core::{BatchId, BatchResult, RequestId, SlotId, ToolId};
+use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
+use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
+
+use super::status::stopped;
+use crate::workers::Worker;
+
+/// A request's answer.
+#[derive(Debug)]
+pub struct Served {
+    pub output: ToolOutput,
+    pub worker_id: String,
+    pub queue_wait: Duration,
+    pub batch_size: u32,
+}
+
+/// What the driver's loop receives: from callers, and from its own worker-call tasks.
+pub(super) enum Command {
+    Submit {
+        request: RequestId,
+        tool: String,
+        input: ToolInput,
+        cx: Context,
+        reply: oneshot::Sender<Result<Served, Status>>,
+    },
+    Cancel {
+        request: RequestId,
+    },
+    WorkerUp(Worker),
+    WorkerDown {
+        slot: SlotId,
+        reason: String,
+    },
+    Prepared {
+        slot: SlotId,
+        tool: ToolId,
+        result: Result<(), String>,
+        lost: Option<String>,
+    },
+    BatchDone {
+        batch: BatchId,
+        result: BatchResult,
+        outputs: Vec<Option<ToolOutput>>,
+        lost: Option<String>,
+    },
+    SlotFreed {
+        slot: SlotId,
+        lost: Option<String>,
+    },
+    Close,
+}
+
+/// The gRPC side's handle on the driver.
+#[derive(Clone)]
+pub struct Handle {
+    pub(super) tx: mpsc::Sender<Command>,
+    pub(super) next_request: Arc<AtomicU64>,
+}
+
+/// Sends `Cancel` if the caller goes away before its answer arrives.
+struct CancelOnDrop {
+    tx: mpsc::Sender<Command>,
+    request: RequestId,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            // A full channel is fine: the periodic sweep finds the closed reply channel.
+            let _ = self.tx.try_send(Command::Cancel {
+                request: self.request,
+            });
+        }
+    }
+}
+
+impl Handle {
+    /// Runs one request on `tool`; the caller's context is current.
+    pub async fn call(&self, tool: &str, input: ToolInput) -> Result<Served, Status> {
+        let span = GroupSpan::start(SpanGroup::Tool, "nomad.tool.request", &Context::current());
+        span.set_attribute(KeyValue::new("tool", tool.to_owned()));
+        let request = self.next_request.fetch_add(1, Ordering::Relaxed);
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Command::Submit {
+                request,
+                tool: tool.to_owned(),
+                input,
+                cx: span.context().clone(),
+                reply,
+            })
+            .await
+            .map_err(|_| stopped())?;
+        let mut guard = CancelOnDrop {
+            tx: self.tx.clone(),
+            request,
+            armed: true,
+        };
+        let result = answer.await.unwrap_or_else(|_| Err(stopped()));
+        guard.armed = false;
+        match &result {
+            Ok(served) => {
+                span.set_attribute(KeyValue::new(
+                    "nomad.tool.queue_wait_seconds",
+                    served.queue_wait.as_secs_f64(),
+                ));
+                span.set_ok();
+            }
+            Err(status) => span.set_error(format!("{:?}", status.code()), status.message()),
+        }
+        result
+    }
+
+    pub async fn worker_up(&self, worker: Worker) {
+        let _ = self.tx.send(Command::WorkerUp(worker)).await;
+    }
+
+    pub async fn worker_down(&self, slot: SlotId, reason: String) {
+        let _ = self.tx.send(Command::WorkerDown { slot, reason }).await;
+    }
+
+    /// Stop accepting requests; accepted ones still finish.
+    pub async fn close(&self) {
+        let _ = self.tx.send(Command::Close).await;
+    }
+}

@@ -1,0 +1,536 @@
+//! Runs the core: one task owns it and a bounded command channel. It feeds the core events,
+//! carries its actions out (worker calls in `calls`, each in a task that reports back on the
+//! same channel), keeps what the core cannot hold (callers' reply channels, inputs, outputs and
+//! spans), records the request metrics and publishes a snapshot for the observable gauges.
+//!
+//! - `handle`: the callers' side (commands, request ids, cancellation);
+//! - `calls`: the worker RPCs;
+//! - `status`: the gRPC statuses callers get.
+
+mod calls;
+mod handle;
+mod status;
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nomad_proto::v1::{ExecuteBatchRequest, ToolInput, ToolOutput, TraceCarrier};
+use nomad_scheduler_core::{
+    Action, BatchId, BatchResult, Core, LoadKind, Outcome, RequestId, SlotId, Timing, ToolId,
+    ToolSpec,
+};
+use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions, propagation};
+use opentelemetry::trace::{Link, SpanKind, TraceContextExt as _};
+use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
+
+use self::calls::Maintenance;
+use self::handle::Command;
+pub use self::handle::{Handle, Served};
+use crate::config::ToolConfig;
+use crate::metrics::{Metrics, Published};
+use crate::workers::{Worker, WorkerRegistry};
+
+/// Capacity of the command channel: callers wait (backpressure) when it is full.
+const CHANNEL_CAPACITY: usize = 8192;
+/// How often abandoned requests are swept and the gauges' snapshot refreshed.
+const SWEEP_INTERVAL: Duration = Duration::from_millis(100);
+
+/// What the driver holds for an open request besides the core's record of it.
+struct Pending {
+    input: ToolInput,
+    /// The request span's context (or the caller's, when the `tool` group is off).
+    cx: Context,
+    reply: oneshot::Sender<Result<Served, Status>>,
+    /// Set while a batch holds the request.
+    execution: Option<Execution>,
+    /// The worker's answer, held until the core completes the request. Kept here rather than
+    /// in a map of its own so that a request cancelled while its batch runs cannot leave an
+    /// output behind.
+    output: Option<ToolOutput>,
+}
+
+/// A request's part in its current batch.
+struct Execution {
+    /// Its share of the batch, in its own trace.
+    share: GroupSpan,
+    worker_id: String,
+    queue_wait: Duration,
+    batch_size: u32,
+}
+
+pub struct Driver {
+    core: Core,
+    tools: Vec<ToolConfig>,
+    rx: mpsc::Receiver<Command>,
+    tx: mpsc::Sender<Command>,
+    registry: Arc<WorkerRegistry>,
+    workers: HashMap<SlotId, Worker>,
+    pending: HashMap<RequestId, Pending>,
+    metrics: Arc<Metrics>,
+    published: Arc<Mutex<Published>>,
+}
+
+impl Driver {
+    /// Creates the driver and its handle; run it with [`Driver::run`].
+    pub fn new(
+        tools: Vec<ToolConfig>,
+        timing: Timing,
+        registry: Arc<WorkerRegistry>,
+        metrics: Arc<Metrics>,
+        published: Arc<Mutex<Published>>,
+    ) -> (Self, Handle) {
+        let specs = tools
+            .iter()
+            .map(|t| ToolSpec {
+                name: t.name.clone(),
+                batch_size: t.batch_size,
+                max_devices: t.max_devices,
+                max_pending: t.max_pending,
+            })
+            .collect();
+        let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
+        let driver = Driver {
+            core: Core::new(specs, timing, Instant::now()),
+            tools,
+            rx,
+            tx: tx.clone(),
+            registry,
+            workers: HashMap::new(),
+            pending: HashMap::new(),
+            metrics,
+            published,
+        };
+        let handle = Handle {
+            tx,
+            next_request: Arc::new(AtomicU64::new(0)),
+        };
+        (driver, handle)
+    }
+
+    /// Runs until closed and every accepted request has been answered.
+    pub async fn run(mut self) {
+        let mut sweep = tokio::time::interval(SWEEP_INTERVAL);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            if self.core.is_closed() && self.core.open_requests() == 0 {
+                break;
+            }
+            let deadline = self.core.next_deadline();
+            tokio::select! {
+                command = self.rx.recv() => match command {
+                    Some(command) => self.handle(command),
+                    None => break,
+                },
+                _ = sleep_until(deadline), if deadline.is_some() => {
+                    self.core.tick(Instant::now());
+                }
+                _ = sweep.tick() => {
+                    self.sweep();
+                    self.publish();
+                }
+            }
+            self.execute();
+            // Everything the driver holds for a request lives in `pending`, so this is what
+            // keeps a long-running scheduler's memory flat.
+            debug_assert_eq!(self.pending.len(), self.core.open_requests());
+        }
+        self.publish();
+    }
+
+    fn handle(&mut self, command: Command) {
+        let now = Instant::now();
+        match command {
+            Command::Submit {
+                request,
+                tool,
+                input,
+                cx,
+                reply,
+            } => match self.core.submit(request, &tool, now) {
+                Ok(()) => {
+                    self.metrics
+                        .requests
+                        .add(1, &[KeyValue::new("tool", tool.clone())]);
+                    self.pending.insert(
+                        request,
+                        Pending {
+                            input,
+                            cx,
+                            reply,
+                            execution: None,
+                            output: None,
+                        },
+                    );
+                }
+                Err(rejection) => {
+                    self.metrics.request_rejections.add(
+                        1,
+                        &[
+                            KeyValue::new("tool", tool.clone()),
+                            KeyValue::new("reason", rejection.reason()),
+                        ],
+                    );
+                    let _ = reply.send(Err(status::rejection(rejection, &tool, &self.tools)));
+                }
+            },
+            Command::Cancel { request } => self.core.cancel(request, now),
+            Command::WorkerUp(worker) => {
+                let slot = worker.generation;
+                self.workers.insert(slot, worker);
+                self.core.worker_registered(slot, now);
+            }
+            Command::WorkerDown { slot, reason } => self.worker_lost(slot, &reason, now),
+            Command::Prepared {
+                slot,
+                tool,
+                result,
+                lost,
+            } => match lost {
+                Some(reason) => self.worker_lost(slot, &reason, now),
+                None => self.core.prepare_finished(slot, tool, result, now),
+            },
+            Command::BatchDone {
+                batch,
+                result,
+                outputs,
+                lost,
+            } => self.batch_done(batch, result, outputs, lost, now),
+            Command::SlotFreed { slot, lost } => match lost {
+                Some(reason) => self.worker_lost(slot, &reason, now),
+                None => self.core.slot_freed(slot, now),
+            },
+            Command::Close => self.core.close(),
+        }
+    }
+
+    fn batch_done(
+        &mut self,
+        batch: BatchId,
+        result: BatchResult,
+        outputs: Vec<Option<ToolOutput>>,
+        lost: Option<String>,
+        now: Instant,
+    ) {
+        let Some(info) = self.core.batch(batch) else {
+            return;
+        };
+        let (slot, requests) = (info.slot, info.requests.clone());
+        let ended = |pending: &mut HashMap<RequestId, Pending>, kind: &str, detail: &str| {
+            for request in &requests {
+                if let Some(execution) = pending.get_mut(request).and_then(|p| p.execution.take()) {
+                    execution
+                        .share
+                        .set_error(kind.to_owned(), detail.to_owned());
+                }
+            }
+        };
+        if let Some(reason) = lost {
+            ended(&mut self.pending, "worker_lost", &reason);
+            self.worker_lost(slot, &reason, now);
+            return;
+        }
+        for (request, output) in requests.iter().zip(outputs) {
+            // A request cancelled while its batch ran is already answered.
+            if let Some(p) = self.pending.get_mut(request) {
+                p.output = output;
+            }
+        }
+        if let BatchResult::OutOfMemory(detail) = &result {
+            ended(&mut self.pending, "out_of_memory", detail);
+        }
+        self.core.batch_finished(batch, result, now);
+    }
+
+    fn worker_lost(&mut self, slot: SlotId, reason: &str, now: Instant) {
+        if let Some(worker) = self.workers.remove(&slot) {
+            tracing::warn!(worker_id = %worker.id, %reason, "worker lost");
+            self.registry.forget(&worker.id, worker.generation);
+        }
+        self.core.worker_lost(slot, reason, now);
+    }
+
+    /// Cancels requests whose callers went away without a `Cancel` getting through.
+    fn sweep(&mut self) {
+        let now = Instant::now();
+        let abandoned: Vec<RequestId> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.reply.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for request in abandoned {
+            self.core.cancel(request, now);
+        }
+    }
+
+    fn publish(&self) {
+        let devices = self
+            .workers
+            .iter()
+            .map(|(slot, w)| (*slot, w.device_attributes()))
+            .collect();
+        let mut published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        *published = Published {
+            core: self.core.snapshot(),
+            devices,
+        };
+    }
+
+    fn execute(&mut self) {
+        // Carrying out an action can feed the core an event (a dispatch to a vanished worker),
+        // whose actions are carried out in the same pass.
+        loop {
+            let actions = self.core.take_actions();
+            if actions.is_empty() {
+                return;
+            }
+            for action in actions {
+                self.carry_out(action);
+            }
+        }
+    }
+
+    fn carry_out(&mut self, action: Action) {
+        match action {
+            Action::Complete {
+                request,
+                tool,
+                outcome,
+                duration,
+            } => self.complete(request, tool, outcome, duration),
+            Action::Dispatch {
+                batch,
+                slot,
+                tool,
+                requests,
+                queue_waits,
+            } => self.dispatch(batch, slot, tool, &requests, &queue_waits),
+            Action::Prepare {
+                slot,
+                tool,
+                offload,
+                load,
+            } => self.prepare(slot, tool, offload, load),
+            Action::Evict { slot, tool } => {
+                self.maintain(slot, Maintenance::Evict(self.tools[tool].name.clone()))
+            }
+            Action::Unload { slot, tool } => {
+                self.maintain(slot, Maintenance::Unload(self.tools[tool].name.clone()))
+            }
+            Action::ClearCache { slot } => self.maintain(slot, Maintenance::ClearCache),
+            Action::OomReduced { tool, old, new } => {
+                let name = &self.tools[tool].name;
+                tracing::warn!(tool = %name, old, new, "out of memory: batch size halved");
+                self.metrics.batch_oom_reductions.add(
+                    1,
+                    &[
+                        KeyValue::new("tool", name.clone()),
+                        KeyValue::new("old_batch_size", i64::from(old)),
+                        KeyValue::new("new_batch_size", i64::from(new)),
+                    ],
+                );
+            }
+        }
+    }
+
+    fn complete(&mut self, request: RequestId, tool: ToolId, outcome: Outcome, duration: Duration) {
+        let Some(p) = self.pending.remove(&request) else {
+            return;
+        };
+        let tool = &self.tools[tool].name;
+        let status = match &outcome {
+            Outcome::Ok => "ok",
+            Outcome::Cancelled => "cancelled",
+            _ => "error",
+        };
+        let tool_attr = [KeyValue::new("tool", tool.clone())];
+        match status {
+            "error" => self.metrics.request_errors.add(1, &tool_attr),
+            "cancelled" => self.metrics.request_cancellations.add(1, &tool_attr),
+            _ => {}
+        }
+        self.metrics.request_duration.record(
+            duration.as_secs_f64(),
+            &[tool_attr[0].clone(), KeyValue::new("status", status)],
+        );
+        let result = match (outcome, p.output, &p.execution) {
+            (Outcome::Ok, Some(output), Some(execution)) => Ok(Served {
+                output,
+                worker_id: execution.worker_id.clone(),
+                queue_wait: execution.queue_wait,
+                batch_size: execution.batch_size,
+            }),
+            (outcome, _, _) => Err(status::failure(outcome, tool)),
+        };
+        if let Some(execution) = p.execution {
+            match &result {
+                Ok(_) => execution.share.set_ok(),
+                Err(s) => execution
+                    .share
+                    .set_error(format!("{:?}", s.code()), s.message()),
+            }
+        }
+        let _ = p.reply.send(result);
+    }
+
+    fn dispatch(
+        &mut self,
+        batch: BatchId,
+        slot: SlotId,
+        tool: ToolId,
+        requests: &[RequestId],
+        queue_waits: &[Duration],
+    ) {
+        let Some(worker) = self.workers.get(&slot).cloned() else {
+            // The core only dispatches to slots it knows, and they are added with the worker.
+            self.core.batch_finished(
+                batch,
+                BatchResult::Failed("no worker for the slot".into()),
+                Instant::now(),
+            );
+            return;
+        };
+        let name = self.tools[tool].name.clone();
+        let size = requests.len() as u32;
+        let attributes = worker.tool_attributes(&name);
+        let batch_span = self.batch_span(requests, &attributes, size);
+        let batch_link: Vec<Link> = {
+            let sc = batch_span.context().span().span_context().clone();
+            if sc.is_valid() {
+                vec![Link::with_context(sc)]
+            } else {
+                vec![]
+            }
+        };
+        let mut inputs = Vec::with_capacity(requests.len());
+        let mut traces = Vec::with_capacity(requests.len());
+        for (request, &queue_wait) in requests.iter().zip(queue_waits) {
+            let Some(p) = self.pending.get_mut(request) else {
+                continue;
+            };
+            self.metrics.request_queue_wait.record(
+                queue_wait.as_secs_f64(),
+                &[KeyValue::new("tool", name.clone())],
+            );
+            let share = GroupSpan::start_with(
+                SpanGroup::Batch,
+                "nomad.tool.execute",
+                &p.cx,
+                SpanOptions {
+                    attributes: vec![
+                        KeyValue::new("tool", name.clone()),
+                        KeyValue::new("nomad.tool.batch.size", i64::from(size)),
+                        KeyValue::new("nomad.tool.queue_wait_seconds", queue_wait.as_secs_f64()),
+                    ],
+                    links: batch_link.clone(),
+                    ..Default::default()
+                },
+            );
+            traces.push(TraceCarrier {
+                fields: propagation::inject_map(share.context()),
+            });
+            p.execution = Some(Execution {
+                share,
+                worker_id: worker.id.clone(),
+                queue_wait,
+                batch_size: size,
+            });
+            inputs.push(p.input.clone());
+        }
+        // With telemetry off there is no context to carry: send none rather than empty maps.
+        if traces.iter().all(|t| t.fields.is_empty()) {
+            traces.clear();
+        }
+        let request = ExecuteBatchRequest {
+            tool: name,
+            inputs,
+            traces,
+        };
+        tokio::spawn(calls::execute_batch(
+            worker,
+            batch,
+            request,
+            batch_span,
+            attributes,
+            self.back(),
+        ));
+    }
+
+    /// The batch span starts its own trace, linked to every request it serves.
+    fn batch_span(&self, requests: &[RequestId], attributes: &[KeyValue], size: u32) -> GroupSpan {
+        let links: Vec<Link> = requests
+            .iter()
+            .filter_map(|r| self.pending.get(r))
+            .map(|p| p.cx.span().span_context().clone())
+            .filter(|sc| sc.is_valid())
+            .map(Link::with_context)
+            .collect();
+        GroupSpan::start_with(
+            SpanGroup::Batch,
+            "nomad.tool.batch",
+            &Context::new(),
+            SpanOptions {
+                kind: Some(SpanKind::Internal),
+                attributes: attributes
+                    .iter()
+                    .cloned()
+                    .chain([KeyValue::new("nomad.tool.batch.size", i64::from(size))])
+                    .collect(),
+                links,
+                new_root: true,
+            },
+        )
+    }
+
+    fn back(&self) -> calls::Back {
+        calls::Back {
+            metrics: self.metrics.clone(),
+            tx: self.tx.clone(),
+        }
+    }
+
+    fn prepare(
+        &mut self,
+        slot: SlotId,
+        tool: ToolId,
+        offload: Option<ToolId>,
+        load: Option<LoadKind>,
+    ) {
+        let Some(worker) = self.workers.get(&slot).cloned() else {
+            return;
+        };
+        tokio::spawn(calls::prepare(
+            worker,
+            slot,
+            tool,
+            self.tools[tool].clone(),
+            offload.map(|t| self.tools[t].name.clone()),
+            load,
+            self.back(),
+        ));
+    }
+
+    fn maintain(&mut self, slot: SlotId, what: Maintenance) {
+        let Some(worker) = self.workers.get(&slot).cloned() else {
+            return;
+        };
+        tokio::spawn(calls::maintain(worker, slot, what, self.back()));
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        // A deadline already due still yields once, so a stuck timer cannot starve the loop.
+        Some(d) => {
+            tokio::time::sleep_until(
+                tokio::time::Instant::from_std(d)
+                    .max(tokio::time::Instant::now() + Duration::from_micros(50)),
+            )
+            .await
+        }
+        None => std::future::pending().await,
+    }
+}
