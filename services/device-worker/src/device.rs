@@ -110,6 +110,16 @@ pub fn capabilities() -> String {
     )
 }
 
+/// On CPU, candle's f32 matmuls scale poorly across threads at these model sizes; the worker
+/// instead runs them single-threaded and splits a batch's sequences across the cores (see
+/// `models::embed`). Set before any thread exists; an explicit RAYON_NUM_THREADS wins.
+pub fn single_threaded_matmuls_on_cpu(device: DeviceSpec) {
+    if device == DeviceSpec::Cpu && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // SAFETY: called first thing in main, before any other thread is started.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

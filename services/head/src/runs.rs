@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use nomad_proto::v1::{Run, RunState};
 
-use crate::driver::RolloutResult;
+use crate::rollouts::RolloutResult;
 
 /// Finished runs kept for GetRun.
 const KEEP_FINISHED: usize = 256;

@@ -3,7 +3,7 @@
 //! files, or from Jaeger's api_v3 query service.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use nomad_proto::jaeger::query_service_client::QueryServiceClient;
@@ -438,4 +438,58 @@ mod tests {
         ];
         assert!(waterfall(&rollouts(spans, "run")[0]).contains("lost (parent missing)"));
     }
+}
+
+#[derive(clap::Args)]
+pub struct TracesArgs {
+    /// The run id (`nomad.run.id`).
+    pub run_id: String,
+    /// A run directory of console-exporter files (default: runs/<RUN_ID>).
+    #[arg(long, conflicts_with = "jaeger")]
+    pub from: Option<PathBuf>,
+    /// Query Jaeger's api_v3 gRPC QueryService at this address (e.g. 127.0.0.1:16685).
+    #[arg(long)]
+    pub jaeger: Option<String>,
+    /// How far back to search Jaeger, in hours.
+    #[arg(long, default_value_t = 24.0)]
+    pub lookback_hours: f64,
+    /// Most traces Jaeger is asked for.
+    #[arg(long, default_value_t = 1000)]
+    pub search_depth: i32,
+    /// Print every rollout with its spans as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Waterfalls to print (the slowest rollouts).
+    #[arg(long, default_value_t = 5)]
+    pub limit: usize,
+}
+
+/// Returns whether the run has any rollouts.
+pub async fn show(args: TracesArgs) -> anyhow::Result<bool> {
+    let spans = match &args.jaeger {
+        Some(url) => {
+            let lookback = Duration::try_from_secs_f64(args.lookback_hours * 3600.0)
+                .ok()
+                .filter(|d| !d.is_zero() && *d < Duration::from_secs(100 * 365 * 86_400))
+                .ok_or_else(|| {
+                    anyhow::anyhow!("--lookback-hours must be a positive number of hours")
+                })?;
+            anyhow::ensure!(args.search_depth > 0, "--search-depth must be at least 1");
+            load_jaeger(url, &args.run_id, lookback, args.search_depth).await?
+        }
+        None => {
+            let dir = args
+                .from
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("runs").join(&args.run_id));
+            load_dir(&dir)?
+        }
+    };
+    let rollouts = rollouts(spans, &args.run_id);
+    if rollouts.is_empty() {
+        eprintln!("no rollouts of run {} found", args.run_id);
+        return Ok(false);
+    }
+    print(&rollouts, args.json, args.limit);
+    Ok(true)
 }

@@ -78,7 +78,10 @@ pub async fn shutdown_signal() {
     }
 }
 
+pub mod bootstrap;
 pub mod tls;
+
+pub use bootstrap::{Service, ServiceArgs, StartOptions};
 
 /// `host:port` or a URL, as the URL this process dials: `https://` when TLS is on (an
 /// `http://` URL too: a peer's advertised address does not know this process's settings),

@@ -61,6 +61,36 @@ struct Execution {
     batch_size: u32,
 }
 
+/// The running driver: its handle, its task, and the gauges that read what it publishes.
+pub struct Running {
+    pub handle: Handle,
+    task: tokio::task::JoinHandle<()>,
+    _gauges: crate::metrics::Gauges,
+}
+
+/// Starts the driver for `tools`, with the model-serving instruments.
+pub fn start(tools: Vec<ToolConfig>, timing: Timing, registry: Arc<WorkerRegistry>) -> Running {
+    let published = Arc::new(Mutex::new(Published::default()));
+    let gauges = crate::metrics::gauges(published.clone(), registry.clone());
+    let (driver, handle) =
+        Driver::new(tools, timing, registry, Arc::new(Metrics::new()), published);
+    Running {
+        handle,
+        task: tokio::spawn(driver.run()),
+        _gauges: gauges,
+    }
+}
+
+impl Running {
+    /// Refuses new requests and waits (at most `within`) for the accepted ones to be answered.
+    pub async fn finish(self, within: Duration) {
+        self.handle.close().await;
+        if tokio::time::timeout(within, self.task).await.is_err() {
+            tracing::warn!("requests still open after {within:?}; stopping anyway");
+        }
+    }
+}
+
 pub struct Driver {
     core: Core,
     tools: Vec<ToolConfig>,

@@ -5,7 +5,7 @@ use nomad_proto::v1::head_server::Head;
 use nomad_proto::v1::{GetRunRequest, Run, StartRunRequest, StartRunResponse};
 use tonic::{Request, Response, Status};
 
-use crate::driver::Driver;
+use crate::rollouts::Runner;
 use crate::runs::RunRegistry;
 use crate::tasks;
 
@@ -33,13 +33,13 @@ impl Head for HeadService {
             None,
         )
         .map_err(Status::invalid_argument)?;
-        let run_id = crate::run_id::resolve(None, &[] as &[(&str, &str)]);
+        let run_id = crate::run_id::random();
         let concurrency = if concurrency == 0 {
             self.default_concurrency
         } else {
             concurrency as usize
         };
-        let driver = Driver::new(
+        let runner = Runner::new(
             self.gateway.clone(),
             run_id.clone(),
             concurrency,
@@ -50,7 +50,7 @@ impl Head for HeadService {
         let id = run_id.clone();
         tracing::info!(run_id = %run_id, tasks = tasks.len(), "run started");
         tokio::spawn(async move {
-            driver.run(tasks, |result| runs.record(&id, result)).await;
+            runner.run(tasks, |result| runs.record(&id, result)).await;
             runs.finish(&id);
             tracing::info!(run_id = %id, "run finished");
         });

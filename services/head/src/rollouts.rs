@@ -1,7 +1,7 @@
-//! The rollout driver: runs each task as one rollout (its own trace, rooted at `nomad.rollout`),
+//! The rollout runner: runs each task as one rollout (its own trace, rooted at `nomad.rollout`),
 //! at most `concurrency` at a time: the agent step through the gateway, then verification.
 
-use std::io::IsTerminal as _;
+use std::io::{IsTerminal as _, Write};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
@@ -79,7 +79,7 @@ fn clip(text: &str, max: usize) -> String {
     format!("{}... [{} more bytes]", &text[..end], text.len() - end)
 }
 
-pub struct Driver {
+pub struct Runner {
     pub gateway: GatewayClient<nomad_rpc::Channel>,
     pub run_id: String,
     pub concurrency: usize,
@@ -89,7 +89,7 @@ pub struct Driver {
     verify_duration: Histogram<f64>,
 }
 
-impl Driver {
+impl Runner {
     pub fn new(
         gateway: GatewayClient<nomad_rpc::Channel>,
         run_id: String,
@@ -414,6 +414,39 @@ impl Progress {
             eprintln!("[{stats}]");
         }
     }
+}
+
+/// Runs `tasks` with a progress bar, writing each result to `out` (`-`: stdout) as it comes.
+pub async fn run_to_file(
+    runner: &Runner,
+    tasks: Vec<Task>,
+    out: &std::path::Path,
+) -> anyhow::Result<Vec<RolloutResult>> {
+    let mut sink: Box<dyn Write + Send> = if out.as_os_str() == "-" {
+        Box::new(std::io::stdout())
+    } else {
+        Box::new(
+            std::fs::File::create(out)
+                .map_err(|e| anyhow::anyhow!("creating results file {}: {e}", out.display()))?,
+        )
+    };
+    let mut progress = Progress::new(tasks.len());
+    let mut write_error = None;
+    let results = runner
+        .run(tasks, |result| {
+            progress.record(result);
+            if write_error.is_none() {
+                let line = serde_json::to_string(result).expect("results serialize");
+                if let Err(e) = writeln!(sink, "{line}").and_then(|_| sink.flush()) {
+                    write_error = Some(e);
+                }
+            }
+        })
+        .await;
+    if let Some(e) = write_error {
+        anyhow::bail!("writing results to {}: {e}", out.display());
+    }
+    Ok(results)
 }
 
 #[cfg(test)]

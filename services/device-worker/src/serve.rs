@@ -1,0 +1,119 @@
+//! Serving: the DeviceWorker gRPC API on one device, and registration with the scheduler.
+
+use std::sync::Arc;
+
+use nomad_proto::v1::device_worker_server::DeviceWorkerServer;
+use nomad_proto::v1::scheduler_client::SchedulerClient;
+use nomad_rpc::{Service, ServiceArgs, StartOptions};
+use nomad_telemetry::ServerType;
+
+use crate::device::{self, DeviceSpec};
+use crate::{models, registration, service, store};
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    service: ServiceArgs,
+    /// Address to serve gRPC on.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// Address the scheduler should dial (default: the bound listen address, or this host's
+    /// name and the port when listening on every interface).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// The scheduler to register with.
+    #[arg(long, env = "NOMAD_SCHEDULER", default_value = "127.0.0.1:7002")]
+    scheduler: String,
+    /// cpu, cuda:N or metal:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
+    /// `candle` runs real models; `sim` simulates them from the config's `sim:` section.
+    #[arg(long, default_value = "candle")]
+    backend: BackendKind,
+    /// Memory one batch may use on this worker (weights plus estimated activations); a batch
+    /// over it is refused as out of memory, as a GPU would fail it. Default: no limit.
+    #[arg(long)]
+    memory_budget_bytes: Option<u64>,
+    /// Worker id (default: host-pid-device).
+    #[arg(long)]
+    worker_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BackendKind {
+    Candle,
+    Sim,
+}
+
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let options = StartOptions {
+        gpu_count: (args.device != DeviceSpec::Cpu).then_some(1),
+        ..Default::default()
+    };
+    let service =
+        Service::start_with(ServerType::DeviceWorker, &args.service, options, |_| Ok(()))?;
+    let file = &service.config;
+
+    let backend = match args.backend {
+        BackendKind::Candle => models::Backend::Candle,
+        BackendKind::Sim => models::Backend::Sim(Arc::new(models::sim::SimDevice::new(
+            models::sim::SimConfig::checked(file.section("sim")?)?,
+        ))),
+    };
+    tracing::info!("{}", device::capabilities());
+    let device = args.device.open()?;
+    let mut device_info = args.device.info();
+    device_info.memory_total_bytes = device::memory_info(&device).map(|(_, total)| total);
+    tracing::info!(device = %args.device, backend = ?args.backend, memory_total_bytes = ?device_info.memory_total_bytes, "device ready");
+    let backend = Arc::new(backend);
+    let store = Arc::new(store::ModelStore::new(device));
+    let on_accelerator = args.device != DeviceSpec::Cpu;
+
+    let (listener, local) = service
+        .listen(
+            "nomad-device-worker",
+            &args.listen,
+            args.service.addr_file.as_deref(),
+        )
+        .await?;
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    let worker_id = args
+        .worker_id
+        .unwrap_or_else(|| format!("{host}-{}-{}", std::process::id(), args.device));
+    // Listening on every interface (a container): the scheduler reaches us by host name, which
+    // stays distinct when a service is scaled to several replicas.
+    let address = match args.advertise {
+        Some(a) => nomad_rpc::normalize_address(&a),
+        None if local.ip().is_unspecified() => format!("http://{host}:{}", local.port()),
+        None => format!("http://{local}"),
+    };
+    tracing::info!(%worker_id, %address, "registering with the scheduler");
+
+    let registration = registration::Registration {
+        scheduler: SchedulerClient::new(nomad_rpc::channel(&args.scheduler)?),
+        worker_id,
+        address,
+        device: device_info,
+        store: store.clone(),
+        backend: backend.clone(),
+        on_accelerator,
+    };
+    let registering = tokio::spawn(registration.run());
+
+    let mut server = nomad_rpc::RpcServer::new();
+    server
+        .routes()
+        .add_service(DeviceWorkerServer::new(service::WorkerService {
+            store,
+            backend,
+            limits: models::ExecLimits {
+                memory_budget: args.memory_budget_bytes,
+            },
+            device_name: args.device.to_string(),
+            on_accelerator,
+        }));
+    server.serve(listener, nomad_rpc::shutdown_signal()).await?;
+    registering.abort();
+    service.stop().await;
+    Ok(())
+}

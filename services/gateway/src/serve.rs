@@ -1,0 +1,124 @@
+//! Serving: the gateway built from its config (sandbox, upstreams, policy), then its gRPC
+//! service and its MCP front end (Streamable HTTP or stdio) until a shutdown signal.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use nomad_proto::v1::gateway_server::GatewayServer;
+use nomad_proto::v1::scheduler_client::SchedulerClient;
+use nomad_rpc::{Service, StartOptions};
+use nomad_telemetry::{ConsoleSink, InitOptions, ServerType};
+use rmcp::ServiceExt as _;
+use tokio::sync::watch;
+
+use crate::{Args, config, execute, mcp_http, mcp_server, sandbox, service, upstream};
+
+pub async fn serve(args: Args) -> anyhow::Result<()> {
+    let options = StartOptions {
+        init: InitOptions {
+            console_sink: if args.mcp_stdio {
+                ConsoleSink::Stderr
+            } else {
+                ConsoleSink::Stdout
+            },
+        },
+        ..Default::default()
+    };
+    let telemetry = Service::start_with(ServerType::Gateway, &args.service, options, |_| Ok(()))?;
+    let file = &telemetry.config;
+    let gateway_config: config::GatewayConfig = file.section("gateway")?;
+    let servers: BTreeMap<String, config::ServerConfig> = file.section("servers")?;
+    let sandbox_config: sandbox::SandboxConfig = file.section("sandbox")?;
+    for (name, server) in &servers {
+        server.check(name).map_err(anyhow::Error::msg)?;
+        anyhow::ensure!(
+            name != upstream::nomad::NAME,
+            "servers.nomad: the name `nomad` is the built-in server"
+        );
+    }
+    let token = std::env::var("NOMAD_GATEWAY_TOKEN")
+        .ok()
+        .or(gateway_config.token.clone());
+
+    let sandbox = sandbox::Sandbox::new(sandbox_config).await?;
+    let upstreams = upstream::Upstreams::new(
+        upstream::nomad::Nomad {
+            scheduler: SchedulerClient::new(nomad_rpc::channel(&args.scheduler)?),
+        },
+        servers
+            .into_iter()
+            .map(|(name, c)| (name.clone(), upstream::mcp::McpServer::new(name, c)))
+            .collect(),
+        upstream::policy::Policy::new(gateway_config.allowlist.clone(), gateway_config.redaction),
+    );
+    let gateway = Arc::new(
+        execute::Gateway::new(upstreams, sandbox, gateway_config.workspace_root.clone())
+            .context("gateway.workspace_root")?,
+    );
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        nomad_rpc::shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+
+    let grpc_listen = args
+        .listen
+        .clone()
+        .or_else(|| (!args.mcp_stdio).then(|| "127.0.0.1:7001".to_owned()));
+    let grpc = match grpc_listen {
+        Some(listen) => {
+            let (listener, _) = telemetry
+                .listen(
+                    "nomad-gateway gRPC",
+                    &listen,
+                    args.service.addr_file.as_deref(),
+                )
+                .await?;
+            let mut server = nomad_rpc::RpcServer::new();
+            server
+                .routes()
+                .add_service(GatewayServer::new(service::GatewayService {
+                    gateway: gateway.clone(),
+                }));
+            Some(tokio::spawn(
+                server.serve(listener, stopped(stop_rx.clone())),
+            ))
+        }
+        None => None,
+    };
+
+    let front = mcp_server::McpFrontEnd {
+        gateway: gateway.clone(),
+    };
+    if args.mcp_stdio {
+        tracing::info!("nomad-gateway serving MCP on stdio");
+        let running = front
+            .serve(rmcp::transport::stdio())
+            .await
+            .context("MCP over stdio")?;
+        tokio::select! {
+            _ = running.waiting() => {},
+            _ = stopped(stop_rx.clone()) => {},
+        }
+    } else {
+        mcp_http::serve(
+            front,
+            &args.mcp_listen,
+            token,
+            args.mcp_addr_file.as_deref(),
+            stopped(stop_rx.clone()),
+        )
+        .await?;
+    }
+    if let Some(grpc) = grpc {
+        grpc.await??;
+    }
+    gateway.sandbox.remove_directory();
+    telemetry.stop().await;
+    Ok(())
+}

@@ -1,0 +1,118 @@
+//! The environment `nomad up` gives its children: the `telemetry:` block as `NOMAD_OTEL_*`
+//! variables, and its own defaults, never over a variable of the user's.
+
+use nomad_config::Env;
+use nomad_telemetry::TelemetryBlock;
+
+/// The user's environment with defaults under it: a variable the user set always wins.
+pub struct Layered<'a> {
+    pub user: &'a dyn Env,
+    pub defaults: &'a [(String, String)],
+}
+
+impl Env for Layered<'_> {
+    fn var(&self, name: &str) -> Option<String> {
+        self.user.var(name).or_else(|| {
+            self.defaults
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        })
+    }
+}
+
+/// Telemetry settings `nomad up` hands its children (and itself) when neither the config nor
+/// the environment configures telemetry: console export into the run directory, with memory
+/// profiling. Set-if-unset: nothing here replaces a variable of the user's.
+pub fn telemetry_defaults(block: &TelemetryBlock, env: &dyn Env) -> Vec<(String, String)> {
+    let configured = block.enabled.is_some()
+        || block.exporter.is_some()
+        || block.otlp_endpoint.is_some()
+        || [
+            "NOMAD_OTEL_ENABLED",
+            "NOMAD_OTEL_EXPORTER",
+            "NOMAD_OTEL_OTLP_ENDPOINT",
+            "OTEL_SDK_DISABLED",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+            "OTEL_TRACES_EXPORTER",
+            "OTEL_METRICS_EXPORTER",
+        ]
+        .iter()
+        .any(|v| env.non_empty(v).is_some());
+    if configured {
+        return Vec::new();
+    }
+    [
+        ("NOMAD_OTEL_ENABLED", "true"),
+        ("NOMAD_OTEL_EXPORTER", "console"),
+        ("NOMAD_OTEL_MEMORY_PROFILING_ENABLED", "true"),
+    ]
+    .into_iter()
+    .filter(|(k, _)| env.non_empty(k).is_none())
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nomad_telemetry::ExporterKind;
+
+    fn env(pairs: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_apply_only_where_nothing_configures_telemetry() {
+        let none = TelemetryBlock::default();
+        let defaults = telemetry_defaults(&none, &env(&[]));
+        assert_eq!(defaults.len(), 3);
+        // The user's own choice of a field is left alone; the others still default.
+        let d = telemetry_defaults(
+            &none,
+            &env(&[("NOMAD_OTEL_MEMORY_PROFILING_ENABLED", "off")]),
+        );
+        assert!(
+            !d.iter()
+                .any(|(k, _)| k == "NOMAD_OTEL_MEMORY_PROFILING_ENABLED")
+        );
+        assert_eq!(d.len(), 2);
+        for configured in [
+            ("NOMAD_OTEL_ENABLED", "false"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
+            ("OTEL_SDK_DISABLED", "true"),
+        ] {
+            assert!(
+                telemetry_defaults(&none, &env(&[configured])).is_empty(),
+                "{configured:?}"
+            );
+        }
+        let block = TelemetryBlock {
+            exporter: Some("otlp".into()),
+            ..Default::default()
+        };
+        assert!(telemetry_defaults(&block, &env(&[])).is_empty());
+    }
+
+    #[test]
+    fn the_user_env_wins_over_defaults_and_the_config_block() {
+        let block = TelemetryBlock {
+            enabled: Some(true),
+            exporter: Some("otlp".into()),
+            ..Default::default()
+        };
+        let user = env(&[("NOMAD_OTEL_EXPORTER", "console")]);
+        let defaults = vec![("NOMAD_OTEL_EXPORTER".to_owned(), "otlp".to_owned())];
+        let layered = Layered {
+            user: &user,
+            defaults: &defaults,
+        };
+        let settings = nomad_telemetry::config::resolve(&block, &layered).unwrap();
+        assert_eq!(settings.exporter, ExporterKind::Console);
+    }
+}

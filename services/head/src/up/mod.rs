@@ -1,0 +1,448 @@
+//! `nomad up`: the whole fleet as child processes on loopback (scheduler, one device worker per
+//! GPU or `--workers` CPU workers, gateway), with a run directory holding every server's log and
+//! telemetry; optionally a task set run through it (`--tasks`, `--demo`) before it stops.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use nomad_config::{ConfigFile, Env, ProcessEnv};
+use nomad_proto::v1::gateway_client::GatewayClient;
+use nomad_telemetry::metrics as defs;
+use nomad_telemetry::{ConsoleSink, ExporterKind, InitOptions, KeyValue, TelemetryBlock};
+use serde_json::json;
+
+use self::env::Layered;
+use self::fleet::FleetPlan;
+use crate::rollouts::{self, Runner};
+use crate::supervisor::Supervisor;
+use crate::{memory, run_id, tasks, traces};
+
+mod env;
+mod fleet;
+mod models;
+
+/// The bundled task set of `--demo` and the agent script its tasks run.
+const DEMO_TASKS: &str = include_str!("../../demo/tasks.jsonl");
+const DEMO_AGENT: &str = include_str!("../../demo/agent.py");
+/// The fleet to start and what to do with it.
+#[derive(Debug, Clone)]
+pub struct UpOptions {
+    /// Config file; `None` uses the default (the `embed` and `generate` tools).
+    pub config: Option<PathBuf>,
+    /// CPU device workers; `None`: one per GPU `nvidia-smi` lists, else one.
+    pub workers: Option<usize>,
+    pub runs_dir: PathBuf,
+    pub models_dir: PathBuf,
+    /// Where the service binaries are (default: beside `nomad`).
+    pub bin_dir: Option<PathBuf>,
+    /// Tasks to run once the fleet is ready; the fleet stops after them.
+    pub tasks: Option<TaskSet>,
+    pub concurrency: usize,
+    pub embed_tool: String,
+    /// How long the fleet may take to become ready.
+    pub ready_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct TaskSet {
+    /// Names the tasks in messages.
+    pub source: String,
+    pub text: String,
+    pub template: Option<String>,
+    /// Results JSONL; default `<run dir>/results.jsonl`.
+    pub out: Option<PathBuf>,
+    /// Print the run's rollout traces after the run.
+    pub show_traces: bool,
+}
+
+impl TaskSet {
+    pub fn demo() -> Self {
+        Self {
+            source: "the demo task set".into(),
+            text: DEMO_TASKS.into(),
+            template: Some(DEMO_AGENT.into()),
+            out: None,
+            show_traces: true,
+        }
+    }
+}
+
+fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
+    std::path::absolute(path).with_context(|| format!("resolving {}", path.display()))
+}
+
+/// Runs the fleet. Returns whether everything it ran succeeded.
+pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
+    let user_env = ProcessEnv;
+    let bin_dir = match &options.bin_dir {
+        Some(dir) => dir.clone(),
+        None => std::env::current_exe()
+            .context("locating the nomad binary")?
+            .parent()
+            .context("the nomad binary has no directory")?
+            .to_owned(),
+    };
+    // Fail on a bad config before anything starts.
+    let user_config = options.config.as_deref().map(absolute).transpose()?;
+    let file = ConfigFile::load(user_config.as_deref())?;
+    // The head dials the fleet (health checks, the gateway) as the children serve it.
+    nomad_rpc::tls::configure_from(&file, false)?;
+    let block: TelemetryBlock = file.section("telemetry")?;
+    // Children get the block as NOMAD_OTEL_* variables (and read the same file), plus the
+    // defaults; none of it replaces a variable of the user's.
+    let defaults = env::telemetry_defaults(&block, &user_env);
+    let mut settings = nomad_telemetry::config::resolve(
+        &block,
+        &Layered {
+            user: &user_env,
+            defaults: &defaults,
+        },
+    )?;
+    let mut child_env = nomad_telemetry::config::block_env(&block, &user_env);
+    child_env.extend(defaults);
+    let run_id = run_id::assign(&mut settings, &user_env)?;
+    // The run id may have come from SLURM_JOB_ID or chance: every child gets this one.
+    child_env.retain(|(k, _)| k != "NOMAD_OTEL_RUN_ID");
+    if user_env.non_empty("NOMAD_OTEL_RUN_ID").is_none() {
+        child_env.push(("NOMAD_OTEL_RUN_ID".into(), run_id.clone()));
+    }
+    if user_env.non_empty("RUST_LOG").is_none() {
+        child_env.push(("RUST_LOG".into(), "info".into()));
+    }
+    let tasks = options
+        .tasks
+        .as_ref()
+        .map(|set| tasks::parse(&set.text, &set.source, set.template.as_deref()))
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+
+    let run_dir = absolute(&options.runs_dir.join(&run_id))?;
+    if run_dir.exists() {
+        anyhow::bail!(
+            "run directory {} already exists: run id {run_id} was used before \
+             (set another NOMAD_OTEL_RUN_ID, or remove the directory)",
+            run_dir.display()
+        );
+    }
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("creating run directory {}", run_dir.display()))?;
+    let config = match user_config {
+        Some(path) => path,
+        None => {
+            let models = absolute(&options.models_dir)?;
+            if !models::models_present(&models) {
+                models::fetch_models(&models)?;
+            }
+            let path = run_dir.join("nomad.yaml");
+            std::fs::write(&path, models::default_config(&models))
+                .with_context(|| format!("writing {}", path.display()))?;
+            path
+        }
+    };
+
+    let console = settings.enabled && settings.exporter == ExporterKind::Console;
+    let identity = nomad_telemetry::ServerIdentity::new(nomad_telemetry::ServerType::Head);
+    let telemetry = nomad_telemetry::init(
+        settings.clone(),
+        &identity,
+        InitOptions {
+            console_sink: ConsoleSink::File(run_dir.join("head.jsonl")),
+        },
+    )?;
+
+    let gpus = if options.workers.is_some() {
+        0
+    } else {
+        fleet::gpu_count()
+    };
+    let workers = options.workers.unwrap_or(gpus.max(1));
+    anyhow::ensure!(workers > 0, "--workers must be at least 1");
+    eprintln!(
+        "nomad up: run {run_id}: starting scheduler, {workers} device worker{} ({}), gateway",
+        if workers == 1 { "" } else { "s" },
+        if gpus > 0 { "one per GPU" } else { "CPU" }
+    );
+    let mut sup = Supervisor::new(&run_dir);
+    let active = sup.active.clone();
+    let _servers_active = defs::SERVERS_ACTIVE.i64_observable_up_down_counter(move |o| {
+        for (server_type, count) in active.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            o.observe(
+                count.load(Ordering::Relaxed),
+                &[KeyValue::new("server.type", *server_type)],
+            );
+        }
+    });
+
+    let plan = FleetPlan {
+        bin_dir: &bin_dir,
+        run_dir: &run_dir,
+        config: &config,
+        env: &child_env,
+        workers,
+        gpus,
+        timeout: options.ready_timeout,
+    };
+    let started = fleet::start_fleet(&mut sup, &plan).await;
+    let addresses = match started {
+        Ok(a) => a,
+        Err(e) => {
+            sup.stop(Duration::from_secs(15)).await;
+            telemetry.shutdown(Duration::from_secs(5)).await;
+            return Err(e.context(format!(
+                "starting the fleet (logs in {})",
+                run_dir.display()
+            )));
+        }
+    };
+
+    let servers = sup.running();
+    let fleet = json!({
+        "run_id": run_id,
+        "run_dir": run_dir,
+        "config": config,
+        "scheduler": addresses.scheduler,
+        "gateway": addresses.gateway,
+        "gateway_mcp": addresses.mcp_url,
+        "head_pid": std::process::id(),
+        "servers": servers.iter().map(|(name, pid)| json!({"name": name, "pid": pid})).collect::<Vec<_>>(),
+    });
+    // Written whole, then renamed: whoever waits for the file never reads half of it.
+    let fleet_path = run_dir.join("fleet.json");
+    let partial = run_dir.join("fleet.json.partial");
+    std::fs::write(&partial, format!("{fleet:#}\n"))
+        .and_then(|()| std::fs::rename(&partial, &fleet_path))
+        .with_context(|| format!("writing {}", fleet_path.display()))?;
+    eprintln!("nomad up: run {run_id} is ready");
+    eprintln!("  run directory   {}", run_dir.display());
+    eprintln!("  scheduler       {}", addresses.scheduler);
+    eprintln!("  gateway (gRPC)  {}", addresses.gateway);
+    eprintln!("  gateway (MCP)   {}", addresses.mcp_url);
+    for (name, pid) in &servers {
+        eprintln!(
+            "  {name:<15} pid {pid}, log {}",
+            run_dir.join(format!("{name}.log")).display()
+        );
+    }
+
+    let profiler = (settings.memory_profiling_enabled && settings.metrics_on()).then(|| {
+        let profiler = Arc::new(memory::Profiler::new());
+        profiler
+            .clone()
+            .run(servers.clone(), settings.memory_profiling_interval)
+    });
+
+    let mut ok = true;
+    let mut results = None;
+    match (&options.tasks, tasks) {
+        (Some(set), Some(tasks)) => {
+            let out = match &set.out {
+                Some(path) => path.clone(),
+                None => run_dir.join("results.jsonl"),
+            };
+            let runner = Runner::new(
+                GatewayClient::new(nomad_rpc::channel(&addresses.gateway)?),
+                run_id.clone(),
+                options.concurrency,
+                options.embed_tool.clone(),
+            );
+            eprintln!(
+                "nomad up: running {} tasks from {} (concurrency {})",
+                tasks.len(),
+                set.source,
+                options.concurrency
+            );
+            tokio::select! {
+                outcome = rollouts::run_to_file(&runner, tasks, &out) => {
+                    let outcome = outcome?;
+                    ok = outcome.iter().all(|r| r.status == "ok");
+                    results = Some((outcome, out));
+                }
+                exit = sup.next_exit() => {
+                    eprintln!("nomad up: {}", sup.report(&exit));
+                    ok = false;
+                }
+                () = nomad_rpc::shutdown_signal() => {
+                    eprintln!("nomad up: interrupted; stopping the fleet");
+                    ok = false;
+                }
+            }
+        }
+        _ => {
+            eprintln!("nomad up: Ctrl-C (or SIGTERM) stops the fleet");
+            tokio::select! {
+                exit = sup.next_exit() => {
+                    eprintln!("nomad up: {}", sup.report(&exit));
+                    ok = false;
+                }
+                () = nomad_rpc::shutdown_signal() => {}
+            }
+        }
+    }
+
+    if let Some(profiler) = profiler {
+        profiler.abort();
+    }
+    eprintln!("nomad up: stopping the fleet");
+    for exit in sup.stop(Duration::from_secs(15)).await {
+        // A server stopped by our SIGTERM exits 0 after flushing; anything else is news.
+        if !exit.status.success() {
+            eprintln!("  {} exited ({})", exit.name, exit.status);
+        }
+    }
+    telemetry.shutdown(Duration::from_secs(5)).await;
+
+    if let Some((results, out)) = results {
+        summarize(&results, &out);
+        if options.tasks.as_ref().is_some_and(|t| t.show_traces) {
+            if console {
+                let spans = traces::load_dir(&run_dir)?;
+                let rollouts = traces::rollouts(spans, &run_id);
+                traces::print(&rollouts, false, 1);
+            } else {
+                println!(
+                    "Traces went to the configured OTLP endpoint; find them by nomad.run.id = {run_id}."
+                );
+            }
+        }
+    }
+    eprintln!(
+        "nomad up: run {run_id} done; logs and telemetry in {}{}",
+        run_dir.display(),
+        if console {
+            format!(
+                "; all traces: nomad traces {run_id} --from {}",
+                run_dir.display()
+            )
+        } else {
+            String::new()
+        }
+    );
+    Ok(ok)
+}
+
+/// Results by kind of verification: count, passed, mean reward.
+fn summarize(results: &[rollouts::RolloutResult], out: &Path) {
+    let failed = results.iter().filter(|r| r.status != "ok").count();
+    let passed = results.iter().filter(|r| r.passed == Some(true)).count();
+    let rewards: Vec<f64> = results.iter().filter_map(|r| r.reward).collect();
+    let mean = if rewards.is_empty() {
+        0.0
+    } else {
+        rewards.iter().sum::<f64>() / rewards.len() as f64
+    };
+    println!(
+        "{} rollouts: {} ok, {failed} failed; {passed} of {} verified passed; mean reward {mean:.3}",
+        results.len(),
+        results.len() - failed,
+        rewards.len()
+    );
+    println!("Results: {}", out.display());
+}
+
+#[derive(clap::Args)]
+pub struct UpArgs {
+    /// Fleet config (YAML or TOML): tools, and the `telemetry:` block every server reads.
+    /// Default: the `embed` and `generate` tools on the models of scripts/fetch-models.
+    #[arg(long, env = "NOMAD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// CPU device workers to start (default: one per GPU that nvidia-smi lists, else one).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Fetch the default models if missing, run the bundled demo tasks, print a summary and
+    /// the run's traces, then stop.
+    #[arg(long, conflicts_with = "tasks")]
+    pub demo: bool,
+    /// Run this tasks JSONL file through the fleet, then stop.
+    #[arg(long)]
+    pub tasks: Option<PathBuf>,
+    /// Python script for tasks that give `inputs` (with --tasks).
+    #[arg(long, requires = "tasks")]
+    pub template: Option<PathBuf>,
+    /// Results file (default: results.jsonl in the run directory).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Rollouts in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// The `nomad` tool that embeds texts for `similarity` verification.
+    #[arg(long, default_value = "embed")]
+    pub embed_tool: String,
+    /// Run directories go here: runs/<run id>/ holds each server's log and telemetry.
+    #[arg(long, default_value = "runs")]
+    pub runs_dir: PathBuf,
+    /// Where the default models are (fetched here when missing).
+    #[arg(long, env = "NOMAD_MODELS_DIR", default_value = "models")]
+    pub models_dir: PathBuf,
+    /// Directory of the service binaries (default: the one holding `nomad`).
+    #[arg(long)]
+    pub bin_dir: Option<PathBuf>,
+    /// Seconds the fleet may take to start.
+    #[arg(long, default_value_t = 120.0)]
+    pub ready_timeout: f64,
+}
+
+/// `nomad up` from its arguments.
+pub async fn command(args: UpArgs) -> anyhow::Result<bool> {
+    anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
+    let ready_timeout = Duration::try_from_secs_f64(args.ready_timeout)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| anyhow::anyhow!("--ready-timeout must be a positive number of seconds"))?;
+    let tasks = if args.demo {
+        Some(TaskSet::demo())
+    } else {
+        args.tasks
+            .as_ref()
+            .map(|path| -> anyhow::Result<TaskSet> {
+                let read = |p: &PathBuf, what: &str| {
+                    std::fs::read_to_string(p)
+                        .with_context(|| format!("reading {what} {}", p.display()))
+                };
+                Ok(TaskSet {
+                    source: path.display().to_string(),
+                    text: read(path, "tasks file")?,
+                    template: args
+                        .template
+                        .as_ref()
+                        .map(|t| read(t, "template"))
+                        .transpose()?,
+                    out: None,
+                    show_traces: false,
+                })
+            })
+            .transpose()?
+    }
+    .map(|set| TaskSet {
+        out: args.out.clone(),
+        ..set
+    });
+    up(UpOptions {
+        config: args.config,
+        workers: args.workers,
+        runs_dir: args.runs_dir,
+        models_dir: args.models_dir,
+        bin_dir: args.bin_dir,
+        tasks,
+        concurrency: args.concurrency,
+        embed_tool: args.embed_tool,
+        ready_timeout,
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_demo_tasks_parse_with_their_agent() {
+        let tasks = tasks::parse(DEMO_TASKS, "demo", Some(DEMO_AGENT)).unwrap();
+        assert_eq!(tasks.len(), 20);
+        let kinds: std::collections::BTreeSet<&str> =
+            tasks.iter().map(|t| t.verify.name()).collect();
+        assert_eq!(kinds, ["exact", "numeric", "similarity"].into());
+    }
+}

@@ -1,0 +1,123 @@
+//! The one start-up every Nomad service shares: read the config file, install TLS, resolve the
+//! telemetry settings and start them under the service's identity; bind and serve gRPC with the
+//! standard stack; flush telemetry on the way out. A `main.rs` then only wires its own parts.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use nomad_config::ConfigFile;
+use nomad_telemetry::{InitOptions, ServerIdentity, ServerType, Telemetry, TelemetrySettings};
+use tokio::net::TcpListener;
+
+/// The arguments every service takes (`#[command(flatten)]`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ServiceArgs {
+    /// Config file (YAML or TOML): `telemetry:`, `tls:` and the service's own sections.
+    #[arg(long, env = "NOMAD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Server name in telemetry (default: the service's kind).
+    #[arg(long)]
+    pub server_name: Option<String>,
+    /// Write the bound gRPC address here once listening.
+    #[arg(long)]
+    pub addr_file: Option<PathBuf>,
+}
+
+/// How a service starts beyond its arguments.
+#[derive(Debug, Clone)]
+pub struct StartOptions {
+    /// Whether it serves gRPC (TLS then needs a certificate, not only a CA).
+    pub serves: bool,
+    pub init: InitOptions,
+    /// Number of GPUs, for the `host.gpu.count` resource attribute.
+    pub gpu_count: Option<u64>,
+}
+
+impl Default for StartOptions {
+    fn default() -> Self {
+        Self {
+            serves: true,
+            init: InitOptions::default(),
+            gpu_count: None,
+        }
+    }
+}
+
+/// A started service: its config, identity and running telemetry.
+pub struct Service {
+    pub config: ConfigFile,
+    pub identity: ServerIdentity,
+    telemetry: Telemetry,
+}
+
+impl Service {
+    /// Config, TLS and telemetry for a service of `kind`.
+    pub fn start(kind: ServerType, args: &ServiceArgs) -> anyhow::Result<Self> {
+        Self::start_with(kind, args, StartOptions::default(), |_| Ok(()))
+    }
+
+    /// As [`Service::start`]; `adjust` may change the resolved telemetry settings before they
+    /// take effect (the head gives its run id there).
+    pub fn start_with(
+        kind: ServerType,
+        args: &ServiceArgs,
+        options: StartOptions,
+        adjust: impl FnOnce(&mut TelemetrySettings) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Self> {
+        let config = ConfigFile::load(args.config.as_deref())?;
+        crate::tls::configure_from(&config, options.serves)?;
+        let mut settings = nomad_telemetry::load_settings(&config)?;
+        adjust(&mut settings)?;
+        let mut identity = ServerIdentity::new(kind).named(args.server_name.clone());
+        identity.gpu_count = options.gpu_count;
+        let telemetry = nomad_telemetry::init(settings, &identity, options.init)?;
+        Ok(Self {
+            config,
+            identity,
+            telemetry,
+        })
+    }
+
+    /// Binds `listen` (`127.0.0.1:0` picks a free port), writes `addr_file` and says where it
+    /// listens.
+    pub async fn listen(
+        &self,
+        what: &str,
+        listen: &str,
+        addr_file: Option<&std::path::Path>,
+    ) -> anyhow::Result<(TcpListener, SocketAddr)> {
+        let (listener, local) = crate::bind(listen).await?;
+        if let Some(path) = addr_file {
+            crate::write_addr_file(path, local)?;
+        }
+        tracing::info!("{what} listening on {local}");
+        Ok((listener, local))
+    }
+
+    /// Flushes telemetry (at most 5 s).
+    pub async fn stop(self) {
+        tracing::info!("shutting down");
+        self.telemetry.shutdown(Duration::from_secs(5)).await;
+    }
+}
+
+/// Runs `body` on the standard runtime. An error is printed as `<name>: <error>` with its
+/// causes, and the exit status is `failure`.
+pub fn main<F>(name: &str, failure: u8, body: impl FnOnce() -> F) -> ExitCode
+where
+    F: Future<Output = anyhow::Result<ExitCode>>,
+{
+    let result = crate::runtime()
+        .map_err(|e| anyhow::anyhow!("starting the runtime: {e}"))
+        .and_then(|rt| rt.block_on(body()));
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("{name}: {e:#}");
+            ExitCode::from(failure)
+        }
+    }
+}
