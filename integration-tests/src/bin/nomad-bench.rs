@@ -84,10 +84,7 @@ async fn throughput(workers: usize, concurrency: usize, seconds: f64) -> (f64, f
 
 /// Resident memory of a process, in bytes.
 fn rss(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/statm"))
-        .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |pages| pages * 4096)
+    nomad_telemetry::process::rss_bytes(Some(pid)).unwrap_or(0)
 }
 
 /// Throughput with telemetry on (every span group) and OTLP going to a healthy receiver, to a

@@ -34,6 +34,7 @@ pub struct BenchArgs {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    nomad_config::seconds("--seconds", args.seconds).map_err(anyhow::Error::msg)?;
     match args.what.as_str() {
         "embed" => embed(&args),
         "generate" => generate(&args),

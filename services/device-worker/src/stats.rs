@@ -6,15 +6,6 @@ use nomad_proto::v1::WorkerStats;
 use crate::models::Backend;
 use crate::store::ModelStore;
 
-/// Resident set size of this process from `/proc/self/statm` (Linux only).
-pub fn process_rss_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    u64::try_from(page).ok().map(|p| pages * p)
-}
-
 /// Bytes of the models placed on the device.
 pub fn placed_bytes(store: &ModelStore) -> u64 {
     store
@@ -49,7 +40,7 @@ pub fn collect(store: &ModelStore, backend: &Backend, on_accelerator: bool) -> W
         memory_allocated_bytes: allocated,
         memory_reserved_bytes: reserved,
         utilization,
-        process_rss_bytes: process_rss_bytes(),
+        process_rss_bytes: nomad_telemetry::process::rss_bytes(None),
         models,
     }
 }

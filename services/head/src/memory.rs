@@ -40,11 +40,6 @@ pub fn parse_meminfo(text: &str) -> Option<(u64, u64)> {
     ))
 }
 
-fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as u64 }
-}
-
 /// `pid` and all its descendants.
 pub fn process_tree(pid: u32) -> Vec<u32> {
     let mut tree = vec![pid];
@@ -83,13 +78,10 @@ pub fn tree_memory(pid: u32) -> Option<TreeMemory> {
         {
             Some((rss, pss)) => (rss, Some(pss)),
             None => {
-                let Some(rss) = std::fs::read_to_string(format!("/proc/{p}/statm"))
-                    .ok()
-                    .and_then(|t| t.split_whitespace().nth(1)?.parse::<u64>().ok())
-                else {
+                let Some(rss) = nomad_telemetry::process::rss_bytes(Some(p)) else {
                     continue; // exited between listing and reading
                 };
-                (rss * page_size(), None)
+                (rss, None)
             }
         };
         seen = true;

@@ -468,12 +468,11 @@ pub struct TracesArgs {
 pub async fn show(args: TracesArgs) -> anyhow::Result<bool> {
     let spans = match &args.jaeger {
         Some(url) => {
-            let lookback = Duration::try_from_secs_f64(args.lookback_hours * 3600.0)
-                .ok()
-                .filter(|d| !d.is_zero() && *d < Duration::from_secs(100 * 365 * 86_400))
-                .ok_or_else(|| {
-                    anyhow::anyhow!("--lookback-hours must be a positive number of hours")
-                })?;
+            let lookback = nomad_config::seconds(
+                "--lookback-hours (in seconds)",
+                args.lookback_hours * 3600.0,
+            )
+            .map_err(anyhow::Error::msg)?;
             anyhow::ensure!(args.search_depth > 0, "--search-depth must be at least 1");
             load_jaeger(url, &args.run_id, lookback, args.search_depth).await?
         }

@@ -67,12 +67,7 @@ impl ToolManagerConfig {
     /// The core's timers; every duration must be finite and not negative.
     pub fn timing(&self) -> Result<nomad_scheduler_core::Timing, String> {
         let duration = |name: &str, seconds: f64| {
-            std::time::Duration::try_from_secs_f64(seconds).map_err(|_| {
-                format!(
-                    "tool_manager.{name} must be a number of seconds, at least 0 (and not \
-                     absurdly large); got {seconds}"
-                )
-            })
+            nomad_config::seconds_or_zero(&format!("tool_manager.{name}"), seconds)
         };
         Ok(nomad_scheduler_core::Timing {
             idle: duration("idle_seconds", self.idle_seconds)?,

@@ -315,14 +315,8 @@ fn bool_field(
 }
 
 fn seconds(variable: &str, value: f64) -> Result<Duration, ConfigError> {
-    match Duration::try_from_secs_f64(value) {
-        Ok(d) if value > 0.0 => Ok(d),
-        _ => Err(invalid(
-            variable,
-            &value.to_string(),
-            "must be a number of seconds greater than 0 (and not absurdly large)",
-        )),
-    }
+    nomad_config::seconds(variable, value)
+        .map_err(|reason| invalid(variable, &value.to_string(), &reason))
 }
 
 fn seconds_field(

@@ -12,7 +12,7 @@ mod export_log;
 pub mod groups;
 pub mod grpc;
 pub mod metrics;
-mod process;
+pub mod process;
 pub mod propagation;
 pub mod resource;
 pub mod spans;

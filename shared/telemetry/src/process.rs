@@ -40,11 +40,22 @@ fn cpu_seconds() -> Option<(f64, f64)> {
     Some((field(11)? / ticks, field(12)? / ticks))
 }
 
-fn rss_bytes() -> Option<i64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: i64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+/// The page size the kernel counts `/proc/<pid>/statm` in.
+pub fn page_size() -> u64 {
     // SAFETY: sysconf has no preconditions.
-    Some(pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as i64)
+    u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
+}
+
+/// Resident set size of process `pid` (`None`: this process) from `/proc/<pid>/statm`; `None`
+/// when it cannot be read (the process is gone, or this is not Linux).
+pub fn rss_bytes(pid: Option<u32>) -> Option<u64> {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/statm"),
+        None => "/proc/self/statm".to_owned(),
+    };
+    let statm = std::fs::read_to_string(path).ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * page_size())
 }
 
 fn threads() -> Option<i64> {
@@ -71,7 +82,7 @@ pub(crate) fn start(runtime_interval: Duration, task_count: bool) -> ProcessMetr
         })),
         Box::new(
             defs::PROCESS_MEMORY_USAGE.i64_observable_up_down_counter(|o| {
-                if let Some(v) = rss_bytes() {
+                if let Some(v) = rss_bytes(None).and_then(|v| i64::try_from(v).ok()) {
                     o.observe(v, &[]);
                 }
             }),
@@ -156,7 +167,8 @@ mod tests {
     fn proc_readers_give_plausible_figures_for_this_process() {
         let (user, system) = cpu_seconds().unwrap();
         assert!(user >= 0.0 && system >= 0.0);
-        assert!(rss_bytes().unwrap() > 1 << 20);
+        assert!(rss_bytes(None).unwrap() > 1 << 20);
+        assert_eq!(rss_bytes(Some(u32::MAX)), None);
         assert!(threads().unwrap() >= 1);
         assert!(open_fds().unwrap() >= 3);
     }

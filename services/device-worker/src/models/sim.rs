@@ -55,10 +55,8 @@ impl SimConfig {
             );
         }
         for (what, ms) in latencies {
-            anyhow::ensure!(
-                (0.0..=3_600_000.0).contains(&ms),
-                "{what} must be between 0 and 3600000 milliseconds; got {ms}"
-            );
+            nomad_config::seconds_or_zero(&what, ms / 1000.0)
+                .map_err(|e| anyhow::anyhow!("{e} (milliseconds: {ms})"))?;
         }
         Ok(self)
     }

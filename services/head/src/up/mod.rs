@@ -387,10 +387,8 @@ pub struct UpArgs {
 /// `nomad up` from its arguments.
 pub async fn command(args: UpArgs) -> anyhow::Result<bool> {
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
-    let ready_timeout = Duration::try_from_secs_f64(args.ready_timeout)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| anyhow::anyhow!("--ready-timeout must be a positive number of seconds"))?;
+    let ready_timeout =
+        nomad_config::seconds("--ready-timeout", args.ready_timeout).map_err(anyhow::Error::msg)?;
     let tasks = if args.demo {
         Some(TaskSet::demo())
     } else {
