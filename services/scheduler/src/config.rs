@@ -4,9 +4,6 @@ use std::collections::HashSet;
 
 use serde::Deserialize;
 
-/// Model kinds device workers know how to run.
-pub const KINDS: &[&str] = &["embed", "generate", "mlp"];
-
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ToolConfig {
@@ -84,7 +81,7 @@ pub enum ToolConfigError {
     EmptyName { index: usize },
     #[error("tools[{index}] ({name}): tool name appears twice")]
     Duplicate { index: usize, name: String },
-    #[error("tools[{index}] ({name}): unknown kind {kind:?}; kinds: embed, generate, mlp")]
+    #[error("tools[{index}] ({name}): unknown kind {kind:?}; kinds: {}", nomad_proto::kinds::names().join(", "))]
     UnknownKind {
         index: usize,
         name: String,
@@ -110,7 +107,7 @@ pub fn validate(
         if !seen.insert(name.clone()) {
             return Err(ToolConfigError::Duplicate { index, name });
         }
-        if !KINDS.contains(&tool.kind.as_str()) {
+        if nomad_proto::kinds::kind(&tool.kind).is_none() {
             return Err(ToolConfigError::UnknownKind {
                 index,
                 name,

@@ -10,6 +10,7 @@ pub mod jaeger {
     tonic::include_proto!("jaeger.api_v3");
 }
 
+pub mod kinds;
 mod tensor;
 
 pub use tensor::TensorError;

@@ -11,10 +11,12 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config};
-use nomad_proto::v1::{ItemResult, ToolInput, ToolOutput, item_result, tool_input, tool_output};
+use nomad_proto::v1::{ItemResult, ToolInput, tool_input};
 use tokenizers::{Tokenizer, TruncationParams};
 
-use super::{ExecError, ExecLimits, LoadError, Model, invalid, options};
+use super::options::Options;
+use super::{ExecError, ExecLimits, LoadError, Model, invalid};
+use nomad_proto::kinds;
 
 pub struct Embedder {
     dir: PathBuf,
@@ -112,8 +114,7 @@ impl Embedder {
                 return Err(invalid(index, "embed takes a text input, got a tensor"));
             }
         };
-        let opts = options::parse(index, &input.options_json, &["truncate"])?;
-        let truncate = options::bool_option(index, &opts, "truncate", false)?;
+        let truncate = Options::parse(index, &input.options_json, &kinds::EMBED)?.flag("truncate");
         let encoding = self
             .tokenizer
             .encode(text.as_str(), true)
@@ -238,15 +239,8 @@ impl Model for Embedder {
                 self.activation_bytes(rows.len(), len),
                 rows.len(),
             )?;
-            let width = self.config.hidden_size as u64;
             for (pos, embedding) in positions.into_iter().zip(self.forward_parallel(&rows)?) {
-                results[pos] = Some(ItemResult {
-                    result: Some(item_result::Result::Output(ToolOutput {
-                        value: Some(tool_output::Value::Tensor(
-                            nomad_proto::v1::Tensor::from_f32(&embedding, vec![width]),
-                        )),
-                    })),
-                });
+                results[pos] = Some(super::vector(&embedding));
             }
         }
         Ok(results
@@ -259,6 +253,7 @@ impl Model for Embedder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nomad_proto::v1::item_result;
 
     fn text(s: &str, options: &str) -> ToolInput {
         ToolInput {
@@ -267,14 +262,7 @@ mod tests {
         }
     }
 
-    fn vector(r: &ItemResult) -> Vec<f32> {
-        match &r.result {
-            Some(item_result::Result::Output(ToolOutput {
-                value: Some(tool_output::Value::Tensor(t)),
-            })) => t.to_f32_vec().unwrap(),
-            other => panic!("expected an embedding, got {other:?}"),
-        }
-    }
+    use super::super::vector_of as vector;
 
     fn refusal(r: &ItemResult) -> &str {
         match &r.result {

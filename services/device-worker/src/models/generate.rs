@@ -20,7 +20,9 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, Tokenizer};
 
-use super::{ExecError, ExecLimits, LoadError, Model, invalid, options};
+use super::options::Options;
+use super::{ExecError, ExecLimits, LoadError, Model, invalid};
+use nomad_proto::kinds;
 
 /// The chat template of SmolLM2 (ChatML with its default system line).
 const SYSTEM: &str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
@@ -321,15 +323,11 @@ impl Generator {
                 return Err(invalid(index, "generate takes a text prompt, got a tensor"));
             }
         };
-        let opts = options::parse(
-            index,
-            &input.options_json,
-            &["max_tokens", "temperature", "seed", "chat"],
-        )?;
-        let max_tokens = options::u64_option(index, &opts, "max_tokens", 64, 1..=2048)? as usize;
-        let temperature = options::f64_option(index, &opts, "temperature", 0.0, 0.0..=2.0)?;
-        let seed = options::u64_option(index, &opts, "seed", 0, 0..=u64::MAX)?;
-        let chat = options::bool_option(index, &opts, "chat", true)?;
+        let opts = Options::parse(index, &input.options_json, &kinds::GENERATE)?;
+        let max_tokens = opts.integer("max_tokens") as usize;
+        let temperature = opts.number("temperature");
+        let seed = opts.integer("seed");
+        let chat = opts.flag("chat");
         let prompt = self
             .encode(&Self::prompt(text, chat))
             .map_err(|e| invalid(index, e))?;

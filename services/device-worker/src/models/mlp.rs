@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use nomad_proto::v1::{ItemResult, ToolInput, ToolOutput, item_result, tool_input, tool_output};
+use nomad_proto::v1::{ItemResult, ToolInput, tool_input};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
@@ -81,10 +81,6 @@ impl Mlp {
 
     fn input_width(&self) -> usize {
         self.dims[0]
-    }
-
-    fn output_width(&self) -> usize {
-        *self.dims.last().expect("at least two layers")
     }
 
     /// The rows of one request, or why it cannot run.
@@ -205,15 +201,8 @@ impl Model for Mlp {
                 (rows.len() * widest * 2 * 4) as u64,
                 rows.len(),
             )?;
-            let width = self.output_width() as u64;
             for (pos, out) in positions.into_iter().zip(self.forward(&rows)?) {
-                results[pos] = Some(ItemResult {
-                    result: Some(item_result::Result::Output(ToolOutput {
-                        value: Some(tool_output::Value::Tensor(
-                            nomad_proto::v1::Tensor::from_f32(&out, vec![width]),
-                        )),
-                    })),
-                });
+                results[pos] = Some(super::vector(&out));
             }
         }
         Ok(results
@@ -226,6 +215,7 @@ impl Model for Mlp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nomad_proto::v1::item_result;
 
     fn tensor_input(values: &[f32], shape: Vec<u64>) -> ToolInput {
         ToolInput {
@@ -236,14 +226,7 @@ mod tests {
         }
     }
 
-    fn output(r: &ItemResult) -> Vec<f32> {
-        match &r.result {
-            Some(item_result::Result::Output(ToolOutput {
-                value: Some(tool_output::Value::Tensor(t)),
-            })) => t.to_f32_vec().unwrap(),
-            other => panic!("expected an output, got {other:?}"),
-        }
-    }
+    use super::super::vector_of as output;
 
     fn temp_model(dims: &[usize], seed: u64) -> (std::path::PathBuf, Mlp) {
         let dir = std::env::temp_dir().join(format!(

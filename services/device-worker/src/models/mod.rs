@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::Device;
-use nomad_proto::v1::{ItemResult, ModelSpec, ToolInput, item_result};
+use nomad_proto::v1::{ItemResult, ModelSpec, ToolInput, ToolOutput, item_result, tool_output};
 
 /// A model in memory, on the host or on the worker's device.
 pub trait Model: Send + Sync + 'static {
@@ -121,6 +121,28 @@ pub(crate) fn invalid(index: usize, message: impl std::fmt::Display) -> ItemResu
         result: Some(item_result::Result::InvalidInput(format!(
             "request {index}: {message}"
         ))),
+    }
+}
+
+/// A vector output (an embedding, an MLP's last layer).
+pub(crate) fn vector(values: &[f32]) -> ItemResult {
+    ItemResult {
+        result: Some(item_result::Result::Output(ToolOutput {
+            value: Some(tool_output::Value::Tensor(
+                nomad_proto::v1::Tensor::from_f32(values, vec![values.len() as u64]),
+            )),
+        })),
+    }
+}
+
+/// The vector of an output, in tests.
+#[cfg(test)]
+pub(crate) fn vector_of(result: &ItemResult) -> Vec<f32> {
+    match &result.result {
+        Some(item_result::Result::Output(ToolOutput {
+            value: Some(tool_output::Value::Tensor(t)),
+        })) => t.to_f32_vec().unwrap(),
+        other => panic!("expected a vector, got {other:?}"),
     }
 }
 

@@ -9,38 +9,46 @@ use crate::sandbox::ToolSpec;
 
 pub const NAME: &str = "nomad";
 
-/// The JSON Schema of a tool's arguments, from its kind.
+/// The JSON Schema of a tool's arguments, from its kind's table.
 pub fn input_schema(kind: &str) -> Value {
-    match kind {
-        "embed" => json!({
-            "type": "object",
-            "properties": {
-                "text": {"type": "string", "description": "Text to embed."},
-                "truncate": {"type": "boolean", "default": false,
-                             "description": "Cut a text longer than the model's limit instead of refusing it."}
-            },
-            "required": ["text"]
-        }),
-        "generate" => json!({
-            "type": "object",
-            "properties": {
-                "text": {"type": "string", "description": "The prompt (a user message unless chat is false)."},
-                "max_tokens": {"type": "integer", "default": 64, "minimum": 1, "maximum": 2048},
-                "temperature": {"type": "number", "default": 0, "minimum": 0, "maximum": 2},
-                "seed": {"type": "integer", "default": 0},
-                "chat": {"type": "boolean", "default": true}
-            },
-            "required": ["text"]
-        }),
-        _ => json!({
-            "type": "object",
-            "properties": {
-                "input": {"type": "array", "items": {"type": "number"}, "description": "Tensor values, row-major."},
-                "shape": {"type": "array", "items": {"type": "integer"}, "description": "Default: [len(input)]."}
-            },
-            "required": ["input"]
-        }),
+    use nomad_proto::kinds::{InputType, OptionType};
+    let Some(spec) = nomad_proto::kinds::kind(kind) else {
+        return json!({"type": "object"});
+    };
+    let mut properties = serde_json::Map::new();
+    let required = match spec.input {
+        InputType::Text => {
+            properties.insert(
+                "text".into(),
+                json!({"type": "string", "description": spec.input_description}),
+            );
+            "text"
+        }
+        InputType::Tensor => {
+            properties.insert(
+                "input".into(),
+                json!({"type": "array", "items": {"type": "number"}, "description": spec.input_description}),
+            );
+            properties.insert(
+                "shape".into(),
+                json!({"type": "array", "items": {"type": "integer"}, "description": "Default: [len(input)]."}),
+            );
+            "input"
+        }
+    };
+    for o in spec.options {
+        let schema = match o.ty {
+            OptionType::Bool => json!({"type": "boolean", "default": o.default != 0.0}),
+            OptionType::Integer => json!({"type": "integer", "default": o.default as u64,
+                                          "minimum": o.min as u64, "maximum": o.max as u64}),
+            OptionType::Number => json!({"type": "number", "default": o.default,
+                                         "minimum": o.min, "maximum": o.max}),
+        };
+        let mut schema = schema;
+        schema["description"] = json!(o.description);
+        properties.insert(o.name.into(), schema);
     }
+    json!({"type": "object", "properties": properties, "required": [required]})
 }
 
 #[derive(Clone)]

@@ -1,0 +1,190 @@
+//! The model kinds device workers run, and the options each takes. One table: the scheduler
+//! accepts only these kinds, the worker checks every request's options against it, and the
+//! gateway turns it into the JSON Schema agents see.
+
+/// What an option holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptionType {
+    Bool,
+    /// A whole number in `min..=max`.
+    Integer,
+    /// A number in `min..=max`.
+    Number,
+}
+
+/// One option of a kind (a key of `ToolInput.options_json`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptionSpec {
+    pub name: &'static str,
+    pub ty: OptionType,
+    /// The value when the request does not give one (`0` or `1` for a bool).
+    pub default: f64,
+    pub min: f64,
+    pub max: f64,
+    pub description: &'static str,
+}
+
+/// What a kind takes as its input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputType {
+    Text,
+    Tensor,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KindSpec {
+    pub name: &'static str,
+    pub input: InputType,
+    /// How the input is described to agents.
+    pub input_description: &'static str,
+    pub options: &'static [OptionSpec],
+}
+
+impl KindSpec {
+    pub fn option(&self, name: &str) -> Option<&'static OptionSpec> {
+        self.options.iter().find(|o| o.name == name)
+    }
+
+    /// The option names, for messages.
+    pub fn option_names(&self) -> Vec<&'static str> {
+        self.options.iter().map(|o| o.name).collect()
+    }
+}
+
+const fn flag(name: &'static str, default: bool, description: &'static str) -> OptionSpec {
+    OptionSpec {
+        name,
+        ty: OptionType::Bool,
+        default: if default { 1.0 } else { 0.0 },
+        min: 0.0,
+        max: 1.0,
+        description,
+    }
+}
+
+const fn integer(
+    name: &'static str,
+    default: f64,
+    min: f64,
+    max: f64,
+    description: &'static str,
+) -> OptionSpec {
+    OptionSpec {
+        name,
+        ty: OptionType::Integer,
+        default,
+        min,
+        max,
+        description,
+    }
+}
+
+const fn number(
+    name: &'static str,
+    default: f64,
+    min: f64,
+    max: f64,
+    description: &'static str,
+) -> OptionSpec {
+    OptionSpec {
+        name,
+        ty: OptionType::Number,
+        default,
+        min,
+        max,
+        description,
+    }
+}
+
+pub const EMBED: KindSpec = KindSpec {
+    name: "embed",
+    input: InputType::Text,
+    input_description: "Text to embed.",
+    options: &[flag(
+        "truncate",
+        false,
+        "Cut a text longer than the model's limit instead of refusing it.",
+    )],
+};
+
+pub const GENERATE: KindSpec = KindSpec {
+    name: "generate",
+    input: InputType::Text,
+    input_description: "The prompt (a user message unless chat is false).",
+    options: &[
+        integer(
+            "max_tokens",
+            64.0,
+            1.0,
+            2048.0,
+            "Tokens to generate at most.",
+        ),
+        number(
+            "temperature",
+            0.0,
+            0.0,
+            2.0,
+            "Sampling temperature; 0 is greedy.",
+        ),
+        integer(
+            "seed",
+            0.0,
+            0.0,
+            u64::MAX as f64,
+            "Seed of the sampler (with a temperature above 0).",
+        ),
+        flag(
+            "chat",
+            true,
+            "Wrap the text in the model's chat template as a user message.",
+        ),
+    ],
+};
+
+pub const MLP: KindSpec = KindSpec {
+    name: "mlp",
+    input: InputType::Tensor,
+    input_description: "Tensor values, row-major.",
+    options: &[],
+};
+
+/// Every kind.
+pub const KINDS: &[KindSpec] = &[EMBED, GENERATE, MLP];
+
+/// The kind called `name`.
+pub fn kind(name: &str) -> Option<&'static KindSpec> {
+    KINDS.iter().find(|k| k.name == name)
+}
+
+/// The kind names, for messages.
+pub fn names() -> Vec<&'static str> {
+    KINDS.iter().map(|k| k.name).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_default_lies_in_its_range_and_names_are_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for kind in KINDS {
+            assert!(seen.insert(kind.name));
+            let mut options = std::collections::HashSet::new();
+            for o in kind.options {
+                assert!(options.insert(o.name), "{}.{}", kind.name, o.name);
+                assert!(
+                    o.min <= o.default && o.default <= o.max,
+                    "{}.{}",
+                    kind.name,
+                    o.name
+                );
+            }
+        }
+        assert_eq!(
+            kind("generate").unwrap().option("max_tokens").unwrap().max,
+            2048.0
+        );
+        assert!(kind("nope").is_none());
+    }
+}
