@@ -76,15 +76,23 @@ pub fn models_dir() -> PathBuf {
     dir.canonicalize().unwrap()
 }
 
-/// A fresh command for `service` with an environment free of the caller's OTEL_/NOMAD_ settings.
-fn command(service: Service, env: &[(String, String)]) -> Command {
-    let mut cmd = Command::new(binary(service.binary()));
+/// A command for the Nomad binary `name` with none of the caller's settings that a Nomad
+/// process reads (`OTEL_*`, `NOMAD_*`, `SLURM_JOB_ID`), logging at info.
+pub fn clean(name: &str) -> Command {
+    let mut cmd = Command::new(binary(name));
     for (key, _) in std::env::vars() {
         if key.starts_with("OTEL_") || key.starts_with("NOMAD_") || key == "SLURM_JOB_ID" {
             cmd.env_remove(key);
         }
     }
-    cmd.env("RUST_LOG", "info").envs(env.iter().cloned());
+    cmd.env("RUST_LOG", "info");
+    cmd
+}
+
+/// A clean command for `service` with `env` on top.
+fn command(service: Service, env: &[(String, String)]) -> Command {
+    let mut cmd = clean(service.binary());
+    cmd.envs(env.iter().cloned());
     cmd
 }
 

@@ -1,129 +1,28 @@
-//! One span, as seen by a backend: from OTLP protobuf or from a console JSON line.
+//! Checks over spans as a backend sees them (read by `nomad_telemetry::records`): whole
+//! rollout traces, batch links.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
-use opentelemetry_proto::tonic::trace::v1::ResourceSpans;
 use serde_json::Value;
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct SpanRecord {
-    pub service_name: String,
-    pub resource: BTreeMap<String, String>,
-    pub trace_id: String,
-    pub span_id: String,
-    pub parent_span_id: Option<String>,
-    pub name: String,
-    pub attributes: BTreeMap<String, String>,
-    /// Linked span ids.
-    pub links: Vec<String>,
-}
+pub use nomad_telemetry::records::{SpanRecord, from_otlp};
 
-impl SpanRecord {
-    pub fn attr(&self, key: &str) -> Option<&str> {
-        self.attributes.get(key).map(String::as_str)
-    }
-}
-
-fn any_to_string(v: &Option<AnyValue>) -> String {
-    match v.as_ref().and_then(|v| v.value.as_ref()) {
-        Some(any_value::Value::StringValue(s)) => s.clone(),
-        Some(any_value::Value::IntValue(i)) => i.to_string(),
-        Some(any_value::Value::DoubleValue(f)) => f.to_string(),
-        Some(any_value::Value::BoolValue(b)) => b.to_string(),
-        Some(other) => format!("{other:?}"),
-        None => String::new(),
-    }
-}
-
-pub(crate) fn kv_map(kvs: &[KeyValue]) -> BTreeMap<String, String> {
-    kvs.iter()
-        .map(|kv| (kv.key.clone(), any_to_string(&kv.value)))
-        .collect()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Flattens an OTLP export request's spans.
-pub fn from_otlp(resource_spans: &[ResourceSpans]) -> Vec<SpanRecord> {
-    let mut out = Vec::new();
-    for rs in resource_spans {
-        let resource = rs
-            .resource
-            .as_ref()
-            .map(|r| kv_map(&r.attributes))
-            .unwrap_or_default();
-        let service_name = resource.get("service.name").cloned().unwrap_or_default();
-        for scope in &rs.scope_spans {
-            for span in &scope.spans {
-                let parent = (!span.parent_span_id.is_empty()).then(|| hex(&span.parent_span_id));
-                out.push(SpanRecord {
-                    service_name: service_name.clone(),
-                    resource: resource.clone(),
-                    trace_id: hex(&span.trace_id),
-                    span_id: hex(&span.span_id),
-                    parent_span_id: parent,
-                    name: span.name.clone(),
-                    attributes: kv_map(&span.attributes),
-                    links: span.links.iter().map(|l| hex(&l.span_id)).collect(),
-                });
-            }
-        }
-    }
-    out
-}
-
-fn json_map(v: &Value) -> BTreeMap<String, String> {
-    v.as_object()
-        .map(|o| {
-            o.iter()
-                .map(|(k, v)| {
-                    let s = match v {
-                        Value::String(s) => s.clone(),
-                        other => other.to_string(),
-                    };
-                    (k.clone(), s)
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// Parses the span lines of a console exporter's output; panics on a line that is not JSON,
-/// since the console exporter promises one JSON object per line.
+/// The spans of console-exporter output; panics on a line that is not JSON, since the console
+/// exporter promises one JSON object per line.
 pub fn from_console(stdout: &str) -> Vec<SpanRecord> {
-    stdout
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            serde_json::from_str::<Value>(l)
-                .unwrap_or_else(|e| panic!("console output line is not JSON ({e}): {l}"))
-        })
-        .filter(|v| v["signal"] == "span")
-        .map(|v| {
-            let resource = json_map(&v["resource"]);
-            SpanRecord {
-                service_name: resource.get("service.name").cloned().unwrap_or_default(),
-                resource,
-                trace_id: v["trace_id"].as_str().unwrap_or_default().to_owned(),
-                span_id: v["span_id"].as_str().unwrap_or_default().to_owned(),
-                parent_span_id: v["parent_span_id"].as_str().map(str::to_owned),
-                name: v["name"].as_str().unwrap_or_default().to_owned(),
-                attributes: json_map(&v["attributes"]),
-                links: v["links"]
-                    .as_array()
-                    .map(|links| {
-                        links
-                            .iter()
-                            .filter_map(|l| l["span_id"].as_str().map(str::to_owned))
-                            .collect()
-                    })
-                    .unwrap_or_default(),
-            }
-        })
-        .collect()
+    let (spans, bad) = nomad_telemetry::records::from_console(stdout);
+    assert!(
+        bad.is_empty(),
+        "console output lines that are not JSON: {bad:?}"
+    );
+    spans
+}
+
+/// OTLP attributes as a map of texts.
+pub(crate) fn kv_map(
+    kvs: &[opentelemetry_proto::tonic::common::v1::KeyValue],
+) -> BTreeMap<String, String> {
+    nomad_telemetry::records::attributes(kvs)
 }
 
 pub const ALL_SERVICES: [&str; 4] = [

@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{binary, mlp_tasks};
+use nomad_integration_tests::fleet::{binary, clean, mlp_tasks};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use serde_json::Value;
 
@@ -26,16 +26,6 @@ fn make_certificates(dir: &Path, name: &str) {
     std::fs::write(dir.join(format!("{name}-ca.pem")), ca.pem()).unwrap();
     std::fs::write(dir.join(format!("{name}-cert.pem")), cert.pem()).unwrap();
     std::fs::write(dir.join(format!("{name}-key.pem")), key.serialize_pem()).unwrap();
-}
-
-fn clean(name: &str) -> tokio::process::Command {
-    let mut cmd = tokio::process::Command::new(binary(name));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("OTEL_") || key.starts_with("NOMAD_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

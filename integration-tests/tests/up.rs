@@ -8,24 +8,11 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{binary, mlp_tasks, models_dir};
+use nomad_integration_tests::fleet::{binary, clean, mlp_tasks, models_dir};
 use nomad_integration_tests::jaeger::JaegerQuery;
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
 use serde_json::Value;
-use tokio::process::Command;
-
-/// A command for a Nomad binary with none of the caller's telemetry settings.
-fn clean(name: &str) -> Command {
-    let mut cmd = Command::new(binary(name));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("OTEL_") || key.starts_with("NOMAD_") || key == "SLURM_JOB_ID" {
-            cmd.env_remove(key);
-        }
-    }
-    cmd.env("RUST_LOG", "info");
-    cmd
-}
 
 fn write_tasks(path: &Path, tasks: &[Value]) {
     let text: String = tasks.iter().map(|t| format!("{t}\n")).collect();

@@ -2,45 +2,17 @@
 //! start offset, duration, status), slowest first. From a run directory's console-exporter
 //! files, or from Jaeger's api_v3 query service.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use nomad_proto::jaeger::query_service_client::QueryServiceClient;
 use nomad_proto::jaeger::{FindTracesRequest, TraceQueryParameters};
-use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
 use opentelemetry_proto::tonic::trace::v1::ResourceSpans;
 use prost::Message as _;
 use serde_json::{Value, json};
 
-/// One span, from either source.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Span {
-    pub trace_id: String,
-    pub span_id: String,
-    pub parent_span_id: Option<String>,
-    pub name: String,
-    pub service: String,
-    pub start_ns: u128,
-    pub end_ns: u128,
-    /// `ok`, `error` or `unset`.
-    pub status: String,
-    pub attributes: BTreeMap<String, String>,
-    pub resource: BTreeMap<String, String>,
-}
-
-impl Span {
-    fn duration_ms(&self) -> f64 {
-        self.end_ns.saturating_sub(self.start_ns) as f64 / 1e6
-    }
-
-    fn run_id(&self) -> Option<&str> {
-        self.attributes
-            .get("nomad.run.id")
-            .or_else(|| self.resource.get("nomad.run.id"))
-            .map(String::as_str)
-    }
-}
+pub use nomad_telemetry::records::SpanRecord as Span;
 
 /// One rollout's trace.
 #[derive(Debug, Clone)]
@@ -59,21 +31,6 @@ impl Rollout {
     }
 }
 
-fn json_map(v: &Value) -> BTreeMap<String, String> {
-    v.as_object()
-        .map(|o| {
-            o.iter()
-                .map(|(k, v)| {
-                    (
-                        k.clone(),
-                        v.as_str().map_or_else(|| v.to_string(), str::to_owned),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// Span lines of every `*.jsonl` file in `dir` (other lines are skipped).
 pub fn load_dir(dir: &Path) -> anyhow::Result<Vec<Span>> {
     let mut spans = Vec::new();
@@ -85,86 +42,10 @@ pub fn load_dir(dir: &Path) -> anyhow::Result<Vec<Span>> {
             continue;
         }
         let text = std::fs::read_to_string(&path)?;
-        for line in text.lines() {
-            let Ok(v) = serde_json::from_str::<Value>(line) else {
-                continue;
-            };
-            if v["signal"] != "span" {
-                continue;
-            }
-            let resource = json_map(&v["resource"]);
-            spans.push(Span {
-                trace_id: v["trace_id"].as_str().unwrap_or_default().to_owned(),
-                span_id: v["span_id"].as_str().unwrap_or_default().to_owned(),
-                parent_span_id: v["parent_span_id"].as_str().map(str::to_owned),
-                name: v["name"].as_str().unwrap_or_default().to_owned(),
-                service: resource.get("service.name").cloned().unwrap_or_default(),
-                start_ns: v["start_time_unix_nano"]
-                    .as_u64()
-                    .unwrap_or_default()
-                    .into(),
-                end_ns: v["end_time_unix_nano"].as_u64().unwrap_or_default().into(),
-                status: v["status"].as_str().unwrap_or("unset").to_owned(),
-                attributes: json_map(&v["attributes"]),
-                resource,
-            });
-        }
+        // A line a killed process left half-written is skipped.
+        spans.extend(nomad_telemetry::records::from_console(&text).0);
     }
     Ok(spans)
-}
-
-fn any_text(v: &Option<AnyValue>) -> String {
-    match v.as_ref().and_then(|v| v.value.as_ref()) {
-        Some(any_value::Value::StringValue(s)) => s.clone(),
-        Some(any_value::Value::IntValue(i)) => i.to_string(),
-        Some(any_value::Value::DoubleValue(f)) => f.to_string(),
-        Some(any_value::Value::BoolValue(b)) => b.to_string(),
-        _ => String::new(),
-    }
-}
-
-fn kv_map(kvs: &[KeyValue]) -> BTreeMap<String, String> {
-    kvs.iter()
-        .map(|kv| (kv.key.clone(), any_text(&kv.value)))
-        .collect()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Spans of OTLP `ResourceSpans`.
-pub fn from_otlp(resource_spans: &[ResourceSpans]) -> Vec<Span> {
-    let mut spans = Vec::new();
-    for rs in resource_spans {
-        let resource = rs
-            .resource
-            .as_ref()
-            .map(|r| kv_map(&r.attributes))
-            .unwrap_or_default();
-        for scope in &rs.scope_spans {
-            for s in &scope.spans {
-                let status = match s.status.as_ref().map(|st| st.code) {
-                    Some(1) => "ok",
-                    Some(2) => "error",
-                    _ => "unset",
-                };
-                spans.push(Span {
-                    trace_id: hex(&s.trace_id),
-                    span_id: hex(&s.span_id),
-                    parent_span_id: (!s.parent_span_id.is_empty()).then(|| hex(&s.parent_span_id)),
-                    name: s.name.clone(),
-                    service: resource.get("service.name").cloned().unwrap_or_default(),
-                    start_ns: s.start_time_unix_nano.into(),
-                    end_ns: s.end_time_unix_nano.into(),
-                    status: status.to_owned(),
-                    attributes: kv_map(&s.attributes),
-                    resource: resource.clone(),
-                });
-            }
-        }
-    }
-    spans
 }
 
 /// Spans of `run_id` from Jaeger's api_v3 query service at `url` (gRPC, e.g. :16685).
@@ -210,7 +91,7 @@ pub async fn load_jaeger(
             .map(|b| ResourceSpans::decode(b.as_slice()))
             .collect::<Result<_, _>>()
             .map_err(|e| anyhow::anyhow!("Jaeger sent spans that do not decode: {e}"))?;
-        spans.extend(from_otlp(&decoded));
+        spans.extend(nomad_telemetry::records::from_otlp(&decoded));
     }
     Ok(spans)
 }
@@ -295,7 +176,7 @@ pub fn waterfall(rollout: &Rollout) -> String {
             "  {bar} {:>9.2} {:>9.2}  {:<20} {}{}{}{}\n",
             offset as f64 / 1e6,
             span.duration_ms(),
-            span.service,
+            span.service_name,
             "  ".repeat(depth),
             span.name,
             if span.status == "error" {
@@ -327,7 +208,7 @@ pub fn to_json(rollouts: &[Rollout]) -> Value {
                 "spans": r.spans.iter().map(|s| json!({
                     "span_id": s.span_id,
                     "parent_span_id": s.parent_span_id,
-                    "service": s.service,
+                    "service": s.service_name,
                     "name": s.name,
                     "start_offset_ms": s.start_ns.saturating_sub(r.root.start_ns) as f64 / 1e6,
                     "duration_ms": s.duration_ms(),
@@ -346,7 +227,7 @@ pub fn table(rollouts: &[Rollout]) -> String {
     );
     for r in rollouts {
         let services: std::collections::BTreeSet<&str> =
-            r.spans.iter().map(|s| s.service.as_str()).collect();
+            r.spans.iter().map(|s| s.service_name.as_str()).collect();
         out.push_str(&format!(
             "{:<16} {:<32} {:<32} {:>10.1} {:>5} {:>8}  {}\n",
             r.root
@@ -381,6 +262,7 @@ pub fn print(rollouts: &[Rollout], json: bool, limit: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     fn span(
         trace: &str,
@@ -396,7 +278,7 @@ mod tests {
             span_id: id.into(),
             parent_span_id: parent.map(str::to_owned),
             name: name.into(),
-            service: "nomad/head".into(),
+            service_name: "nomad/head".into(),
             start_ns: start,
             end_ns: end,
             status: "ok".into(),
@@ -405,6 +287,7 @@ mod tests {
                 ("nomad.rollout.id".to_owned(), format!("ro-{trace}")),
             ]),
             resource: BTreeMap::new(),
+            links: Vec::new(),
         }
     }
 

@@ -14,6 +14,7 @@ pub mod grpc;
 pub mod metrics;
 pub mod process;
 pub mod propagation;
+pub mod records;
 pub mod resource;
 pub mod spans;
 
