@@ -9,6 +9,7 @@ use std::time::Duration;
 use nomad_config::{ConfigError, Env};
 use serde::{Deserialize, Serialize};
 
+use crate::fields::{self as field, FIELDS};
 use crate::groups::SpanGroups;
 
 /// The `telemetry:` block as written in the config file. Every field is optional.
@@ -173,121 +174,18 @@ impl TelemetrySettings {
     }
 }
 
-/// Every `NOMAD_OTEL_*` variable, with the field it sets (for docs and for `nomad up`).
-pub const NOMAD_VARIABLES: &[(&str, &str)] = &[
-    ("NOMAD_OTEL_ENABLED", "enabled"),
-    ("NOMAD_OTEL_SERVICE_NAME", "service_name"),
-    (
-        "NOMAD_OTEL_SERVICE_NAME_PER_SERVER",
-        "service_name_per_server",
-    ),
-    ("NOMAD_OTEL_SPAN_GROUPS", "span_groups"),
-    ("NOMAD_OTEL_EXPORTER", "exporter"),
-    ("NOMAD_OTEL_TRACES_ENABLED", "traces_enabled"),
-    ("NOMAD_OTEL_METRICS_ENABLED", "metrics_enabled"),
-    ("NOMAD_OTEL_LOGS_ENABLED", "logs_enabled"),
-    ("NOMAD_OTEL_OTLP_ENDPOINT", "otlp_endpoint"),
-    ("NOMAD_OTEL_OTLP_PROTOCOL", "otlp_protocol"),
-    ("NOMAD_OTEL_OTLP_HEADERS", "otlp_headers"),
-    ("NOMAD_OTEL_RUN_ID", "run_id"),
-    (
-        "NOMAD_OTEL_MEMORY_PROFILING_ENABLED",
-        "memory_profiling.enabled",
-    ),
-    (
-        "NOMAD_OTEL_MEMORY_PROFILING_INTERVAL_SECONDS",
-        "memory_profiling.interval_seconds",
-    ),
-    (
-        "NOMAD_OTEL_RUNTIME_SAMPLE_INTERVAL_SECONDS",
-        "runtime_sample_interval_seconds",
-    ),
-    ("NOMAD_OTEL_RUNTIME_TASK_COUNT", "runtime_task_count"),
-    (
-        "NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS",
-        "metric_export_interval_seconds",
-    ),
-];
-
-/// Standard OpenTelemetry variables that outrank the config file for a field. A child handed
-/// the field as `NOMAD_OTEL_*` would let it beat them, so [`block_env`] leaves such a field to
-/// the config file when the user set one of them.
-const STANDARD_VARIABLES: &[(&str, &[&str])] = &[
-    ("service_name", &["OTEL_SERVICE_NAME"]),
-    (
-        "exporter",
-        &[
-            "OTEL_TRACES_EXPORTER",
-            "OTEL_METRICS_EXPORTER",
-            "OTEL_LOGS_EXPORTER",
-        ],
-    ),
-    ("traces_enabled", &["OTEL_TRACES_EXPORTER"]),
-    ("metrics_enabled", &["OTEL_METRICS_EXPORTER"]),
-    ("logs_enabled", &["OTEL_LOGS_EXPORTER"]),
-    (
-        "otlp_endpoint",
-        &[
-            "OTEL_EXPORTER_OTLP_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
-        ],
-    ),
-    ("otlp_protocol", &["OTEL_EXPORTER_OTLP_PROTOCOL"]),
-    ("otlp_headers", &["OTEL_EXPORTER_OTLP_HEADERS"]),
-    (
-        "metric_export_interval_seconds",
-        &["OTEL_METRIC_EXPORT_INTERVAL"],
-    ),
-];
-
 /// The block's fields as the `NOMAD_OTEL_*` variables a child process reads back, set-if-unset:
 /// a field is left out when `env` (the user's) already decides it, through its `NOMAD_OTEL_*`
 /// variable or a standard one that outranks the file. A child given these (on top of `env`)
 /// resolves the same settings as [`resolve`] gives for the block.
 pub fn block_env(block: &TelemetryBlock, env: &(impl Env + ?Sized)) -> Vec<(String, String)> {
-    let memory = block.memory_profiling.clone().unwrap_or_default();
-    let text = |v: Option<String>| v;
-    let flag = |v: Option<bool>| v.map(|b| b.to_string());
-    let number = |v: Option<f64>| v.map(|n| n.to_string());
-    let value = |field: &str| -> Option<String> {
-        match field {
-            "enabled" => flag(block.enabled),
-            "service_name" => text(block.service_name.clone()),
-            "service_name_per_server" => flag(block.service_name_per_server),
-            "span_groups" => text(block.span_groups.clone()),
-            "exporter" => text(block.exporter.clone()),
-            "traces_enabled" => flag(block.traces_enabled),
-            "metrics_enabled" => flag(block.metrics_enabled),
-            "logs_enabled" => flag(block.logs_enabled),
-            "otlp_endpoint" => text(block.otlp_endpoint.clone()),
-            "otlp_protocol" => text(block.otlp_protocol.clone()),
-            "otlp_headers" => block.otlp_headers.as_ref().map(|h| {
-                h.iter()
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            }),
-            "run_id" => text(block.run_id.clone()),
-            "memory_profiling.enabled" => flag(memory.enabled),
-            "memory_profiling.interval_seconds" => number(memory.interval_seconds),
-            "runtime_sample_interval_seconds" => number(block.runtime_sample_interval_seconds),
-            "runtime_task_count" => flag(block.runtime_task_count),
-            "metric_export_interval_seconds" => number(block.metric_export_interval_seconds),
-            _ => None,
-        }
-    };
-    NOMAD_VARIABLES
+    FIELDS
         .iter()
-        .filter(|(variable, field)| {
-            let standard = STANDARD_VARIABLES
-                .iter()
-                .find(|(f, _)| f == field)
-                .map_or(&[][..], |(_, vars)| *vars);
-            env.non_empty(variable).is_none() && standard.iter().all(|v| env.non_empty(v).is_none())
+        .filter(|f| {
+            env.non_empty(f.variable).is_none()
+                && f.standard.iter().all(|v| env.non_empty(v).is_none())
         })
-        .filter_map(|(variable, field)| value(field).map(|v| ((*variable).to_owned(), v)))
+        .filter_map(|f| (f.value)(block).map(|v| (f.variable.to_owned(), v)))
         .collect()
 }
 
@@ -384,7 +282,7 @@ pub fn resolve(
 
     let protocol = match lookup(
         env,
-        &["NOMAD_OTEL_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"],
+        &[field::OTLP_PROTOCOL.variable, "OTEL_EXPORTER_OTLP_PROTOCOL"],
     ) {
         Some((var, v)) => OtlpProtocol::parse(var, &v)?,
         None => match &block.otlp_protocol {
@@ -394,8 +292,8 @@ pub fn resolve(
     };
 
     let exporter_override = env
-        .non_empty("NOMAD_OTEL_EXPORTER")
-        .map(|v| ExporterKind::parse("NOMAD_OTEL_EXPORTER", &v))
+        .non_empty(field::EXPORTER.variable)
+        .map(|v| ExporterKind::parse(field::EXPORTER.variable, &v))
         .transpose()?;
     let exporter = match (exporter_override, &block.exporter) {
         (Some(kind), _) => kind,
@@ -404,8 +302,8 @@ pub fn resolve(
     };
 
     let nomad_endpoint = env
-        .non_empty("NOMAD_OTEL_OTLP_ENDPOINT")
-        .map(|v| check_endpoint("NOMAD_OTEL_OTLP_ENDPOINT", &v))
+        .non_empty(field::OTLP_ENDPOINT.variable)
+        .map(|v| check_endpoint(field::OTLP_ENDPOINT.variable, &v))
         .transpose()?;
     let base_endpoint = env
         .non_empty("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -464,21 +362,21 @@ pub fn resolve(
     };
     let traces = signal(
         Signal::Traces,
-        "NOMAD_OTEL_TRACES_ENABLED",
+        field::TRACES_ENABLED.variable,
         "OTEL_TRACES_EXPORTER",
         block.traces_enabled,
         true,
     )?;
     let metrics = signal(
         Signal::Metrics,
-        "NOMAD_OTEL_METRICS_ENABLED",
+        field::METRICS_ENABLED.variable,
         "OTEL_METRICS_EXPORTER",
         block.metrics_enabled,
         true,
     )?;
     let logs = signal(
         Signal::Logs,
-        "NOMAD_OTEL_LOGS_ENABLED",
+        field::LOGS_ENABLED.variable,
         "OTEL_LOGS_EXPORTER",
         block.logs_enabled,
         false,
@@ -486,8 +384,8 @@ pub fn resolve(
 
     // Export turns on implicitly when nothing set `enabled` but an endpoint or exporter is named.
     let implicit = [
-        "NOMAD_OTEL_EXPORTER",
-        "NOMAD_OTEL_OTLP_ENDPOINT",
+        field::EXPORTER.variable,
+        field::OTLP_ENDPOINT.variable,
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
         "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
@@ -500,15 +398,15 @@ pub fn resolve(
                 env.non_empty(v)
                     .is_some_and(|x| !x.eq_ignore_ascii_case("none"))
             });
-    let enabled =
-        !sdk_disabled && bool_field(env, "NOMAD_OTEL_ENABLED", block.enabled)?.unwrap_or(implicit);
+    let enabled = !sdk_disabled
+        && bool_field(env, field::ENABLED.variable, block.enabled)?.unwrap_or(implicit);
 
-    let service_name = lookup(env, &["NOMAD_OTEL_SERVICE_NAME", "OTEL_SERVICE_NAME"])
+    let service_name = lookup(env, &[field::SERVICE_NAME.variable, "OTEL_SERVICE_NAME"])
         .map(|(_, v)| v)
         .or_else(|| block.service_name.clone())
         .unwrap_or_else(|| "nomad".to_owned());
 
-    let span_groups = match lookup(env, &["NOMAD_OTEL_SPAN_GROUPS"]) {
+    let span_groups = match lookup(env, &[field::SPAN_GROUPS.variable]) {
         Some((var, v)) => SpanGroups::parse(&v).map_err(|e| invalid(var, &v, &e))?,
         None => match &block.span_groups {
             Some(v) => SpanGroups::parse(v).map_err(|e| invalid("telemetry.span_groups", v, &e))?,
@@ -518,7 +416,7 @@ pub fn resolve(
 
     let otlp_headers = match lookup(
         env,
-        &["NOMAD_OTEL_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"],
+        &[field::OTLP_HEADERS.variable, "OTEL_EXPORTER_OTLP_HEADERS"],
     ) {
         Some((var, v)) => parse_headers(var, &v)?,
         None => block
@@ -530,10 +428,11 @@ pub fn resolve(
     };
 
     let memory = block.memory_profiling.clone().unwrap_or_default();
-    let metric_export_interval = match env.non_empty("NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS") {
+    let metric_export_interval = match env.non_empty(field::METRIC_EXPORT_INTERVAL_SECONDS.variable)
+    {
         Some(_) => seconds_field(
             env,
-            "NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS",
+            field::METRIC_EXPORT_INTERVAL_SECONDS.variable,
             "metric_export_interval_seconds",
             None,
         )?,
@@ -567,7 +466,7 @@ pub fn resolve(
         service_name,
         service_name_per_server: bool_field(
             env,
-            "NOMAD_OTEL_SERVICE_NAME_PER_SERVER",
+            field::SERVICE_NAME_PER_SERVER.variable,
             block.service_name_per_server,
         )?
         .unwrap_or(true),
@@ -579,31 +478,31 @@ pub fn resolve(
         otlp_protocol: protocol,
         otlp_headers,
         run_id: env
-            .non_empty("NOMAD_OTEL_RUN_ID")
+            .non_empty(field::RUN_ID.variable)
             .or_else(|| block.run_id.clone()),
         memory_profiling_enabled: bool_field(
             env,
-            "NOMAD_OTEL_MEMORY_PROFILING_ENABLED",
+            field::MEMORY_PROFILING_ENABLED.variable,
             memory.enabled,
         )?
         .unwrap_or(false),
         memory_profiling_interval: seconds_field(
             env,
-            "NOMAD_OTEL_MEMORY_PROFILING_INTERVAL_SECONDS",
+            field::MEMORY_PROFILING_INTERVAL_SECONDS.variable,
             "memory_profiling.interval_seconds",
             memory.interval_seconds,
         )?
         .unwrap_or(Duration::from_secs(1)),
         runtime_sample_interval: seconds_field(
             env,
-            "NOMAD_OTEL_RUNTIME_SAMPLE_INTERVAL_SECONDS",
+            field::RUNTIME_SAMPLE_INTERVAL_SECONDS.variable,
             "runtime_sample_interval_seconds",
             block.runtime_sample_interval_seconds,
         )?
         .unwrap_or(Duration::from_secs(1)),
         runtime_task_count: bool_field(
             env,
-            "NOMAD_OTEL_RUNTIME_TASK_COUNT",
+            field::RUNTIME_TASK_COUNT.variable,
             block.runtime_task_count,
         )?
         .unwrap_or(false),

@@ -261,11 +261,13 @@ fn every_field_follows_nomad_then_standard_then_file_then_default() {
 #[test]
 fn every_documented_variable_has_a_row() {
     let rows = rows();
-    for (variable, field) in NOMAD_VARIABLES {
+    for f in crate::fields::FIELDS {
         assert!(
             rows.iter()
-                .any(|r| r.nomad.0 == *variable && r.field == *field),
-            "{variable} ({field}) has no precedence row"
+                .any(|r| r.nomad.0 == f.variable && r.field == f.key),
+            "{} ({}) has no precedence row",
+            f.variable,
+            f.key
         );
     }
 }
@@ -418,25 +420,6 @@ fn disabled_settings_enable_nothing() {
     assert!(s.span_groups.contains(SpanGroup::Rollout));
 }
 
-#[test]
-fn readme_documents_every_variable_and_field() {
-    let readme = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"),
-    )
-    .unwrap();
-    for (variable, field) in NOMAD_VARIABLES {
-        assert!(
-            readme.contains(variable),
-            "README.md does not mention {variable}"
-        );
-        let leaf = field.rsplit('.').next().unwrap();
-        assert!(
-            readme.contains(&format!("`{field}")) || readme.contains(leaf),
-            "README.md does not document {field}"
-        );
-    }
-}
-
 /// A child that reads the user's env plus [`block_env`] (and the same file) resolves what the
 /// head resolves.
 #[test]
@@ -507,7 +490,8 @@ mod fuzz {
     use proptest::prelude::*;
 
     fn variable() -> impl Strategy<Value = String> {
-        let mut names: Vec<&'static str> = NOMAD_VARIABLES.iter().map(|(v, _)| *v).collect();
+        let mut names: Vec<&'static str> =
+            crate::fields::FIELDS.iter().map(|f| f.variable).collect();
         names.extend([
             "OTEL_SDK_DISABLED",
             "OTEL_SERVICE_NAME",

@@ -9,6 +9,7 @@ pub mod baggage;
 pub mod config;
 pub mod console;
 mod export_log;
+pub mod fields;
 pub mod groups;
 pub mod grpc;
 pub mod metrics;
