@@ -47,7 +47,7 @@ async fn serve(args: Args) -> anyhow::Result<ExitCode> {
     let driver = driver::start(tools.clone(), timing, registry.clone());
     let handle = driver.handle.clone();
     let heartbeat = Duration::from_millis(u64::from(manager.heartbeat_interval_ms.max(50)));
-    let reaper = tokio::spawn(workers::reap(registry.clone(), handle.clone(), heartbeat));
+    let reaper = tokio::spawn(driver::reap(registry.clone(), handle.clone(), heartbeat));
 
     let (listener, _) = service
         .listen(

@@ -1,7 +1,7 @@
 //! Registered device workers: who they are, how to reach them, when they last spoke.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
@@ -147,23 +147,5 @@ impl WorkerRegistry {
             .collect();
         infos.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
         infos
-    }
-}
-
-/// Drops workers that miss three heartbeats in a row, telling the driver (runs until aborted).
-pub async fn reap(
-    registry: Arc<WorkerRegistry>,
-    driver: crate::driver::Handle,
-    heartbeat: Duration,
-) {
-    let mut tick = tokio::time::interval(heartbeat);
-    loop {
-        tick.tick().await;
-        for worker in registry.reap(heartbeat * 3) {
-            tracing::warn!(worker_id = %worker.id, "worker missed its heartbeats: dropped");
-            driver
-                .worker_down(worker.generation, "it stopped heartbeating".into())
-                .await;
-        }
     }
 }

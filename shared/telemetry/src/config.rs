@@ -3,43 +3,13 @@
 //! Precedence, highest first: `NOMAD_OTEL_<FIELD>`; the standard OpenTelemetry variable where
 //! one exists; the config file; the default. `OTEL_SDK_DISABLED=true` turns everything off.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use nomad_config::{ConfigError, Env};
-use serde::{Deserialize, Serialize};
 
 use crate::fields::{self as field, FIELDS};
+pub use crate::fields::{MemoryProfilingBlock, TelemetryBlock};
 use crate::groups::SpanGroups;
-
-/// The `telemetry:` block as written in the config file. Every field is optional.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct TelemetryBlock {
-    pub enabled: Option<bool>,
-    pub service_name: Option<String>,
-    pub service_name_per_server: Option<bool>,
-    pub span_groups: Option<String>,
-    pub exporter: Option<String>,
-    pub traces_enabled: Option<bool>,
-    pub metrics_enabled: Option<bool>,
-    pub logs_enabled: Option<bool>,
-    pub otlp_endpoint: Option<String>,
-    pub otlp_protocol: Option<String>,
-    pub otlp_headers: Option<BTreeMap<String, String>>,
-    pub run_id: Option<String>,
-    pub memory_profiling: Option<MemoryProfilingBlock>,
-    pub runtime_sample_interval_seconds: Option<f64>,
-    pub runtime_task_count: Option<bool>,
-    pub metric_export_interval_seconds: Option<f64>,
-}
-
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct MemoryProfilingBlock {
-    pub enabled: Option<bool>,
-    pub interval_seconds: Option<f64>,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExporterKind {

@@ -4,7 +4,38 @@
 //! `nomad up` hands the block to its children through it, and README's field table is generated
 //! from it (a test fails when README drifts).
 
-use crate::config::TelemetryBlock;
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// The `telemetry:` block as written in the config file. Every field is optional.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryBlock {
+    pub enabled: Option<bool>,
+    pub service_name: Option<String>,
+    pub service_name_per_server: Option<bool>,
+    pub span_groups: Option<String>,
+    pub exporter: Option<String>,
+    pub traces_enabled: Option<bool>,
+    pub metrics_enabled: Option<bool>,
+    pub logs_enabled: Option<bool>,
+    pub otlp_endpoint: Option<String>,
+    pub otlp_protocol: Option<String>,
+    pub otlp_headers: Option<BTreeMap<String, String>>,
+    pub run_id: Option<String>,
+    pub memory_profiling: Option<MemoryProfilingBlock>,
+    pub runtime_sample_interval_seconds: Option<f64>,
+    pub runtime_task_count: Option<bool>,
+    pub metric_export_interval_seconds: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryProfilingBlock {
+    pub enabled: Option<bool>,
+    pub interval_seconds: Option<f64>,
+}
 
 /// One field of the `telemetry:` block.
 pub struct Field {
@@ -239,7 +270,6 @@ pub fn markdown_table() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::MemoryProfilingBlock;
 
     /// A block with every field set: the table must read each one, so a field added to the
     /// block but not to the table fails here.

@@ -4,17 +4,21 @@
 //! - `init`: the sandbox's first process (namespaces, the filesystem view, Landlock, seccomp),
 //!   started as `nomad-gateway sandbox-init`;
 //! - `seccomp`: the system-call filter; `cgroup`: per-run cgroups where delegated;
-//! - `process`: one sandbox process from the gateway's side, and the bridge server;
+//! - `view`: what the filesystem view holds; `isolation`: what holds, in words;
+//! - `process`: one sandbox process from the gateway's side; `calls`: the bridge server;
 //! - `pool`: admission (`max_concurrent`, `max_queued`) and the warm pool;
 //! - `workspace`: the gateway's private directory.
 
 pub mod bridge;
+mod calls;
 mod cgroup;
 mod config;
 pub mod init;
+mod isolation;
 mod pool;
 mod process;
 mod seccomp;
+mod view;
 mod workspace;
 
 use std::collections::BTreeMap;
@@ -30,7 +34,8 @@ use serde_json::Value;
 use tokio::sync::Semaphore;
 
 pub use self::config::SandboxConfig;
-use self::init::{Entry, Limits, Report, Spec};
+use self::init::{Limits, Report, Spec};
+pub use self::isolation::Isolation;
 pub use self::pool::Rejected;
 use self::pool::{Counts, Pool};
 use self::process::{Job, Launch};
@@ -136,66 +141,6 @@ pub struct Outcome {
     pub warm: bool,
 }
 
-/// The isolation in force, as the sandbox's init reported it at start-up (every later process
-/// must report at least as much).
-#[derive(Debug, Clone)]
-pub struct Isolation {
-    pub report: Report,
-    /// Where the per-run cgroups live, or why there are none.
-    pub cgroup: Result<PathBuf, String>,
-}
-
-impl Isolation {
-    /// Each layer and whether it holds (the `layer` attribute of
-    /// `nomad.gateway.sandbox.isolation`).
-    pub fn layers(&self) -> Vec<(&'static str, bool)> {
-        let r = &self.report;
-        vec![
-            ("user_namespace", r.namespaces),
-            ("mount_namespace", r.namespaces),
-            ("network_namespace", r.namespaces),
-            ("pid_namespace", r.namespaces),
-            ("ipc_namespace", r.namespaces),
-            ("seccomp", r.seccomp),
-            ("landlock", r.landlock_abi > 0),
-            ("no_new_privs", r.no_new_privs),
-            ("capabilities_dropped", r.capabilities_dropped),
-            ("unprivileged_user", r.uid != 0),
-            ("cgroup", r.cgroup),
-            ("rlimits", true),
-        ]
-    }
-
-    /// What is lost where a layer does not hold, in words.
-    pub fn lost(&self) -> Vec<&'static str> {
-        let r = &self.report;
-        let mut lost = Vec::new();
-        if !r.namespaces {
-            lost.push(
-                "no namespaces: the code sees the host's filesystem (Landlock limits reads and \
-                 writes), its processes and named Unix sockets, and shares the host's network \
-                 namespace (seccomp still refuses non-Unix sockets)",
-            );
-        }
-        if !r.seccomp {
-            lost.push(
-                "no seccomp filter: namespaces, mounts, bpf, io_uring, ptrace and every socket \
-                 family stay reachable to the code",
-            );
-        }
-        if r.landlock_abi == 0 {
-            lost.push("no Landlock: the second wall around the filesystem view is missing");
-        }
-        if !r.cgroup {
-            lost.push(
-                "no cgroup: memory, processes and CPU are limited per process (rlimits), not \
-                 for the whole run",
-            );
-        }
-        lost
-    }
-}
-
 pub struct Sandbox {
     config: SandboxConfig,
     pool: Arc<Pool>,
@@ -260,7 +205,7 @@ impl Sandbox {
         std::fs::write(runtime.join("runner.py"), RUNNER)?;
         set_mode(&runtime.join("runner.py"), 0o644)?;
 
-        let view = view_for(&python, &base).await?;
+        let view = view::view_for(&python, &base).await?;
         let cgroup = cgroup::Cgroups::detect();
         let mut spec = Spec {
             python: python.clone(),
@@ -550,77 +495,6 @@ async fn self_test(
         )),
         _ => Err(format!("unexpected result {:?}", outcome.result)),
     }
-}
-
-/// What the view holds: the system directories (as binds, or as the symlinks a merged-/usr
-/// system has), the dynamic linker's cache and time zone, and every directory the interpreter
-/// reads from. Never the gateway's own directory.
-async fn view_for(python: &Path, base: &Path) -> anyhow::Result<Vec<Entry>> {
-    let probe = tokio::process::Command::new(python)
-        .args([
-            "-I",
-            "-c",
-            "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix] + sys.path))",
-        ])
-        .env_clear()
-        .output()
-        .await?;
-    anyhow::ensure!(
-        probe.status.success(),
-        "{} does not run: {}",
-        python.display(),
-        String::from_utf8_lossy(&probe.stderr)
-    );
-    let mut view = Vec::new();
-    let mut bound: Vec<PathBuf> = Vec::new();
-    let mut add = |path: &Path, view: &mut Vec<Entry>| {
-        if bound.iter().any(|b| path.starts_with(b)) {
-            return;
-        }
-        bound.push(path.to_owned());
-        view.push(Entry::ReadOnly {
-            path: path.to_owned(),
-        });
-    };
-    for system in [
-        "/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32",
-    ] {
-        let path = Path::new(system);
-        match std::fs::symlink_metadata(path) {
-            Ok(m) if m.file_type().is_symlink() => view.push(Entry::Symlink {
-                path: path.to_owned(),
-                target: std::fs::read_link(path)?,
-            }),
-            Ok(m) if m.is_dir() => add(path, &mut view),
-            _ => {}
-        }
-    }
-    for file in ["/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives"] {
-        let path = Path::new(file);
-        match std::fs::symlink_metadata(path) {
-            Ok(m) if m.file_type().is_symlink() => view.push(Entry::Symlink {
-                path: path.to_owned(),
-                target: std::fs::read_link(path)?,
-            }),
-            Ok(_) => add(path, &mut view),
-            Err(_) => {}
-        }
-    }
-    let dirs: Vec<String> = serde_json::from_slice(&probe.stdout)?;
-    let interpreter_dirs = dirs
-        .iter()
-        .map(PathBuf::from)
-        .chain(python.parent().map(Path::to_owned));
-    for dir in interpreter_dirs {
-        let Ok(dir) = dir.canonicalize() else {
-            continue;
-        };
-        if !dir.is_dir() || dir == Path::new("/") || base.starts_with(&dir) {
-            continue;
-        }
-        add(&dir, &mut view);
-    }
-    Ok(view)
 }
 
 fn gauges(isolation: &Isolation, pool: &Arc<Pool>) -> Gauges {

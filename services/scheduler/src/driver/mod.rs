@@ -551,6 +551,20 @@ impl Driver {
     }
 }
 
+/// Drops workers that miss three heartbeats in a row, telling the driver (runs until aborted).
+pub async fn reap(registry: Arc<WorkerRegistry>, driver: Handle, heartbeat: Duration) {
+    let mut tick = tokio::time::interval(heartbeat);
+    loop {
+        tick.tick().await;
+        for worker in registry.reap(heartbeat * 3) {
+            tracing::warn!(worker_id = %worker.id, "worker missed its heartbeats: dropped");
+            driver
+                .worker_down(worker.generation, "it stopped heartbeating".into())
+                .await;
+        }
+    }
+}
+
 async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         // A deadline already due still yields once, so a stuck timer cannot starve the loop.
