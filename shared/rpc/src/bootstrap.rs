@@ -71,7 +71,19 @@ impl Service {
         crate::tls::configure_from(&config, options.serves)?;
         let mut settings = nomad_telemetry::load_settings(&config)?;
         adjust(&mut settings)?;
-        let mut identity = ServerIdentity::new(kind).named(args.server_name.clone());
+        Self::with_settings(kind, args.server_name.clone(), config, settings, options)
+    }
+
+    /// TLS is configured and the settings resolved already (`nomad up` resolves them against
+    /// its own defaults and needs the run id first): starts telemetry under the identity.
+    pub fn with_settings(
+        kind: ServerType,
+        server_name: Option<String>,
+        config: ConfigFile,
+        settings: TelemetrySettings,
+        options: StartOptions,
+    ) -> anyhow::Result<Self> {
+        let mut identity = ServerIdentity::new(kind).named(server_name);
         identity.gpu_count = options.gpu_count;
         let telemetry = nomad_telemetry::init(settings, &identity, options.init)?;
         Ok(Self {

@@ -10,8 +10,11 @@ use std::time::Duration;
 use anyhow::Context as _;
 use nomad_config::{ConfigFile, Env, ProcessEnv};
 use nomad_proto::v1::gateway_client::GatewayClient;
+use nomad_rpc::{Service, StartOptions};
 use nomad_telemetry::metrics as defs;
-use nomad_telemetry::{ConsoleSink, ExporterKind, InitOptions, KeyValue, TelemetryBlock};
+use nomad_telemetry::{
+    ConsoleSink, ExporterKind, InitOptions, KeyValue, ServerType, TelemetryBlock,
+};
 use serde_json::json;
 
 use self::env::Layered;
@@ -144,13 +147,19 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     };
 
     let console = settings.enabled && settings.exporter == ExporterKind::Console;
-    let identity = nomad_telemetry::ServerIdentity::new(nomad_telemetry::ServerType::Head);
-    let telemetry = nomad_telemetry::init(
-        settings.clone(),
-        &identity,
-        InitOptions {
+    let options_for_head = StartOptions {
+        serves: false,
+        init: InitOptions {
             console_sink: ConsoleSink::File(run_dir.join("head.jsonl")),
         },
+        gpu_count: None,
+    };
+    let telemetry = Service::with_settings(
+        ServerType::Head,
+        None,
+        file,
+        settings.clone(),
+        options_for_head,
     )?;
 
     let gpus = if options.workers.is_some() {
@@ -190,7 +199,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         Ok(a) => a,
         Err(e) => {
             sup.stop(Duration::from_secs(15)).await;
-            telemetry.shutdown(Duration::from_secs(5)).await;
+            telemetry.stop().await;
             return Err(e.context(format!(
                 "starting the fleet (logs in {})",
                 run_dir.display()
@@ -292,7 +301,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
             eprintln!("  {} exited ({})", exit.name, exit.status);
         }
     }
-    telemetry.shutdown(Duration::from_secs(5)).await;
+    telemetry.stop().await;
 
     if let Some((results, out)) = results {
         summarize(&results, &out);
