@@ -62,6 +62,22 @@ pub fn binary(name: &str) -> PathBuf {
         })
 }
 
+/// The token of fleets started with `FleetOptions::auth` (and sent by [`rpc_channel`]).
+pub const TEST_TOKEN: &str = "nomad-test-token-0123456789abcdef";
+
+/// A channel that carries [`TEST_TOKEN`] (a server without a token ignores it), as every Nomad
+/// client dials.
+pub fn rpc_channel(addr: &str) -> nomad_rpc::Channel {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        let _ = nomad_rpc::auth::install(nomad_rpc::auth::Auth {
+            token: Some(TEST_TOKEN.into()),
+            open: false,
+        });
+    });
+    nomad_rpc::channel(addr).expect("a valid address")
+}
+
 /// The default models (`scripts/fetch-models`): `NOMAD_MODELS_DIR`, else the workspace's
 /// `models/`.
 pub fn models_dir() -> PathBuf {
@@ -109,6 +125,8 @@ pub struct FleetOptions {
     /// Run this many simulated workers (`--backend sim`, `sim:` from `config_yaml`) instead of
     /// one candle worker.
     pub sim_workers: usize,
+    /// Every service requires [`TEST_TOKEN`] (an `auth:` block in the config).
+    pub auth: bool,
 }
 
 impl FleetOptions {
@@ -216,7 +234,16 @@ impl Fleet {
                 model_dir.display()
             )
         });
-        std::fs::write(&config_path, format!("{tools}{}", options.config_yaml)).unwrap();
+        let auth = if options.auth {
+            format!("auth: {{token: {TEST_TOKEN}}}\n")
+        } else {
+            String::new()
+        };
+        std::fs::write(
+            &config_path,
+            format!("{tools}{auth}{}", options.config_yaml),
+        )
+        .unwrap();
         let mut fleet = Fleet {
             dir,
             model_dir,
@@ -283,10 +310,8 @@ impl Fleet {
     }
 
     /// A plain client for the scheduler's API.
-    pub async fn scheduler_client(&self) -> SchedulerClient<tonic::transport::Channel> {
-        SchedulerClient::connect(format!("http://{}", self.scheduler_addr))
-            .await
-            .unwrap()
+    pub async fn scheduler_client(&self) -> SchedulerClient<nomad_rpc::Channel> {
+        SchedulerClient::new(rpc_channel(&self.scheduler_addr))
     }
 
     /// The process id of the first running `service`.
@@ -419,9 +444,7 @@ impl Fleet {
     }
 
     pub async fn wait_for_workers(&self, count: usize) {
-        let mut client = SchedulerClient::connect(format!("http://{}", self.scheduler_addr))
-            .await
-            .unwrap();
+        let mut client = SchedulerClient::new(rpc_channel(&self.scheduler_addr));
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let workers = client

@@ -286,11 +286,15 @@ async fn sandboxed_code_calls_every_kind_of_upstream_inside_the_callers_trace() 
 async fn the_http_endpoint_needs_the_bearer_token() {
     let dir = Fleet::new_dir();
     let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
-    let mut fleet = Fleet::start(options(&dir, &upstream.url, "  token: s3cret-token\n")).await;
+    let mut fleet = Fleet::start(FleetOptions {
+        auth: true,
+        ..options(&dir, &upstream.url, "")
+    })
+    .await;
     let calls = json!([{"tool": "search_code_tools", "arguments": {"query": "shout"}}]);
     // The endpoint answers 401 with a Bearer challenge, before any MCP processing.
     let addr = std::fs::read_to_string(fleet.dir.join("gateway-mcp.addr")).unwrap();
-    for auth in ["", "Authorization: Bearer wrong-token\r\n"] {
+    for auth in ["", "Authorization: Bearer wrong-token-0123456789abcdef\r\n"] {
         let response = raw_post(addr.trim(), auth).await;
         assert!(response.starts_with("HTTP/1.1 401"), "{auth:?}: {response}");
         assert!(
@@ -300,7 +304,7 @@ async fn the_http_endpoint_needs_the_bearer_token() {
             "{response}"
         );
     }
-    for token in [None, Some("wrong-token")] {
+    for token in [None, Some("wrong-token-0123456789abcdef")] {
         let replies = mcp_client(&fleet.gateway_mcp_url(), "auto", token, &calls).await;
         assert!(
             replies[0].get("exception").is_some(),
@@ -311,7 +315,7 @@ async fn the_http_endpoint_needs_the_bearer_token() {
     let replies = mcp_client(
         &fleet.gateway_mcp_url(),
         "auto",
-        Some("s3cret-token"),
+        Some(nomad_integration_tests::fleet::TEST_TOKEN),
         &calls,
     )
     .await;

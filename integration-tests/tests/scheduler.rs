@@ -9,7 +9,7 @@ use nomad_integration_tests::receiver::MetricRecord;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{CallToolRequest, ToolInput, tool_input, tool_output};
-use tonic::transport::Channel;
+use nomad_rpc::Channel;
 
 /// The model-serving metric table of the original Nomad (name, type, unit): the contract.
 const CONTRACT: &[(&str, &str, &str)] = &[

@@ -94,7 +94,8 @@ async fn a_tls_fleet_serves_rollouts_and_refuses_plaintext_and_strangers() {
         .arg(&tasks_path)
         .arg("--out")
         .arg(&results_path)
-        .args(["--gateway", gateway])
+        .arg("--fleet")
+        .arg(runs.join("tls/fleet.json"))
         .output()
         .await
         .unwrap();
@@ -128,6 +129,69 @@ async fn a_tls_fleet_serves_rollouts_and_refuses_plaintext_and_strangers() {
         // A client that trusts another CA: the server's certificate does not verify.
         let stranger = health(Some("stranger-ca.pem"), address).await;
         assert!(!stranger.status.success());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With `tls.client_ca`, a server accepts only clients presenting a certificate that CA signed:
+/// one from another CA, or none, is refused at the handshake.
+#[tokio::test]
+async fn mutual_tls_refuses_clients_without_the_fleets_certificate() {
+    let dir = Fleet::new_dir();
+    make_certificates(&dir, "fleet");
+    make_certificates(&dir, "stranger");
+    let config = dir.join("nomad.yaml");
+    let d = dir.display();
+    std::fs::write(
+        &config,
+        format!(
+            "tls:\n  cert: {d}/fleet-cert.pem\n  key: {d}/fleet-key.pem\n  ca: {d}/fleet-ca.pem\n  \
+             client_ca: {d}/fleet-ca.pem\n"
+        ),
+    )
+    .unwrap();
+    let addr_file = dir.join("scheduler.addr");
+    let log = dir.join("scheduler.stderr");
+    let mut scheduler = clean("nomad-scheduler")
+        .arg("--config")
+        .arg(&config)
+        .args(["--listen", "127.0.0.1:0", "--addr-file"])
+        .arg(&addr_file)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let address = nomad_integration_tests::fleet::wait_for_file(
+        &addr_file,
+        &mut scheduler,
+        "scheduler",
+        &log,
+    )
+    .await;
+    let health = |identity: Option<&str>| {
+        let mut cmd = clean("nomad");
+        cmd.args(["health", &address])
+            .env("NOMAD_TLS_CA", dir.join("fleet-ca.pem"));
+        if let Some(name) = identity {
+            cmd.env("NOMAD_TLS_CERT", dir.join(format!("{name}-cert.pem")))
+                .env("NOMAD_TLS_KEY", dir.join(format!("{name}-key.pem")))
+                .env("NOMAD_TLS_CLIENT_CA", dir.join("fleet-ca.pem"));
+        }
+        async move { cmd.output().await.unwrap() }
+    };
+    let fleet = health(Some("fleet")).await;
+    assert!(
+        fleet.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fleet.stderr)
+    );
+    for identity in [Some("stranger"), None] {
+        let refused = health(identity).await;
+        assert!(
+            !refused.status.success(),
+            "{identity:?} got through: {}",
+            String::from_utf8_lossy(&refused.stderr)
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

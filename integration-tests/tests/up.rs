@@ -155,10 +155,40 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     );
     assert!(servers.iter().all(|(_, pid)| alive(*pid)));
 
-    // The rollout driver, as a user runs it against the fleet, with its telemetry in the run
-    // directory beside the fleet's.
+    // The fleet has its own token, in a file only this user may read.
+    let token = fleet["token"].as_str().expect("fleet.json holds the token");
+    assert_eq!(token.len(), 64, "{token}");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(run_dir.join("fleet.json"))
+            .unwrap()
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600, "fleet.json mode {mode:o}");
     let tasks = mlp_tasks(50);
     let tasks_path = dir.join("tasks.jsonl");
+    write_tasks(&tasks_path, &tasks[..1]);
+    let stranger = clean("nomad")
+        .arg("run")
+        .arg("--tasks")
+        .arg(&tasks_path)
+        .args([
+            "--out",
+            "-",
+            "--gateway",
+            fleet["gateway"].as_str().unwrap(),
+        ])
+        .output()
+        .await
+        .unwrap();
+    let refused = String::from_utf8_lossy(&stranger.stdout);
+    assert!(
+        !stranger.status.success(),
+        "a run without the token got through"
+    );
+    assert!(refused.contains("requires its bearer token"), "{refused}");
+
+    // The rollout driver, as a user runs it against the fleet (its gateway, token and run id
+    // from fleet.json), with its telemetry in the run directory beside the fleet's.
     let results_path = dir.join("results.jsonl");
     write_tasks(&tasks_path, &tasks);
     let driver = clean("nomad")
@@ -167,9 +197,9 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
         .arg(&tasks_path)
         .arg("--out")
         .arg(&results_path)
-        .args(["--gateway", fleet["gateway"].as_str().unwrap()])
+        .arg("--fleet")
+        .arg(run_dir.join("fleet.json"))
         .args(["--concurrency", "8"])
-        .env("NOMAD_OTEL_RUN_ID", &run_id)
         .env("NOMAD_OTEL_ENABLED", "true")
         .env("NOMAD_OTEL_EXPORTER", "console")
         .stdout(std::fs::File::create(run_dir.join("driver.jsonl")).unwrap())

@@ -15,8 +15,12 @@ pub struct GatewayConfig {
     pub allowlist: Vec<String>,
     /// `basic` masks secrets in logged tool arguments and results; `none` logs them as they are.
     pub redaction: Redaction,
-    /// Bearer token the Streamable HTTP endpoint requires (also `NOMAD_GATEWAY_TOKEN`).
-    pub token: Option<String>,
+    /// `Host` names (or `host:port`) the MCP endpoint answers besides the loopback ones: the
+    /// names other machines or containers reach it by.
+    pub mcp_allowed_hosts: Vec<String>,
+    /// Browser origins allowed to call the MCP endpoint (`https://app.example.com:443`,
+    /// `http://localhost:*`); empty: requests with an `Origin` header are not checked.
+    pub mcp_allowed_origins: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]

@@ -37,9 +37,6 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
             "servers.nomad: the name `nomad` is the built-in server"
         );
     }
-    let token = std::env::var("NOMAD_GATEWAY_TOKEN")
-        .ok()
-        .or(gateway_config.token.clone());
 
     let sandbox = sandbox::Sandbox::new(sandbox_config).await?;
     let upstreams = upstream::Upstreams::new(
@@ -109,7 +106,7 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
         mcp_http::serve(
             front,
             &args.mcp_listen,
-            token,
+            &gateway_config,
             args.mcp_addr_file.as_deref(),
             stopped(stop_rx.clone()),
         )

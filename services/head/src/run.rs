@@ -19,9 +19,13 @@ pub struct RunArgs {
     /// Results file (JSONL); `-` writes to stdout.
     #[arg(long, default_value = "results.jsonl")]
     pub out: PathBuf,
-    /// The gateway to send rollouts to.
-    #[arg(long, env = "NOMAD_GATEWAY", default_value = "127.0.0.1:7001")]
-    pub gateway: String,
+    /// The gateway to send rollouts to (default: the fleet's, else 127.0.0.1:7001).
+    #[arg(long, env = "NOMAD_GATEWAY")]
+    pub gateway: Option<String>,
+    /// A fleet that `nomad up` started (`runs/<run id>/fleet.json`): its gateway, token and run
+    /// id.
+    #[arg(long)]
+    pub fleet: Option<PathBuf>,
     /// Rollouts in flight at once.
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
@@ -54,12 +58,23 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         template.as_deref(),
     )
     .map_err(anyhow::Error::msg)?;
+    let fleet = args.fleet.as_deref().map(Fleet::read).transpose()?;
+    let gateway = args
+        .gateway
+        .clone()
+        .or_else(|| fleet.as_ref().map(|f| f.gateway.clone()))
+        .unwrap_or_else(|| "127.0.0.1:7001".to_owned());
     let mut run_id = String::new();
     let options = StartOptions {
         serves: false,
+        token: fleet.as_ref().and_then(|f| f.token.clone()),
         ..Default::default()
     };
     let service = Service::start_with(ServerType::Head, &args.service, options, |settings| {
+        // The fleet's run id, unless the environment or the config names one.
+        if settings.run_id.is_none() {
+            settings.run_id = fleet.as_ref().map(|f| f.run_id.clone());
+        }
         run_id = run_id::assign(settings, &nomad_config::ProcessEnv)?;
         Ok(())
     })?;
@@ -69,7 +84,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         args.concurrency
     );
     let runner = Runner::new(
-        GatewayClient::new(nomad_rpc::channel(&args.gateway)?),
+        GatewayClient::new(nomad_rpc::channel(&gateway)?),
         run_id.clone(),
         args.concurrency,
         args.embed_tool.clone(),
@@ -84,4 +99,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         args.out.display()
     );
     Ok(failed == 0)
+}
+
+/// What `nomad run` takes from `fleet.json`.
+#[derive(serde::Deserialize)]
+struct Fleet {
+    run_id: String,
+    gateway: String,
+    token: Option<String>,
+}
+
+impl Fleet {
+    fn read(path: &std::path::Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the fleet file {}", path.display()))?;
+        serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a fleet.json of nomad up", path.display()))
+    }
 }

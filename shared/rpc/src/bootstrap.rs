@@ -34,6 +34,9 @@ pub struct StartOptions {
     pub init: InitOptions,
     /// Number of GPUs, for the `host.gpu.count` resource attribute.
     pub gpu_count: Option<u64>,
+    /// The fleet's token when neither `NOMAD_AUTH_TOKEN` nor the config gives one (a client
+    /// that read it from `fleet.json`).
+    pub token: Option<String>,
 }
 
 impl Default for StartOptions {
@@ -42,6 +45,7 @@ impl Default for StartOptions {
             serves: true,
             init: InitOptions::default(),
             gpu_count: None,
+            token: None,
         }
     }
 }
@@ -69,12 +73,17 @@ impl Service {
     ) -> anyhow::Result<Self> {
         let config = ConfigFile::load(args.config.as_deref())?;
         crate::tls::configure_from(&config, options.serves)?;
+        let mut auth = crate::auth::Auth::resolve(&config, &nomad_config::ProcessEnv)?;
+        if auth.token.is_none() {
+            auth.token = options.token.clone().map(Into::into);
+        }
+        crate::auth::install(auth)?;
         let mut settings = nomad_telemetry::load_settings(&config)?;
         adjust(&mut settings)?;
         Self::with_settings(kind, args.server_name.clone(), config, settings, options)
     }
 
-    /// TLS is configured and the settings resolved already (`nomad up` resolves them against
+    /// TLS and auth are configured and the settings resolved already (`nomad up` resolves them against
     /// its own defaults and needs the run id first): starts telemetry under the identity.
     pub fn with_settings(
         kind: ServerType,
@@ -102,6 +111,7 @@ impl Service {
         addr_file: Option<&std::path::Path>,
     ) -> anyhow::Result<(TcpListener, SocketAddr)> {
         let (listener, local) = crate::bind(listen).await?;
+        crate::auth::installed().check_listen(what, local)?;
         if let Some(path) = addr_file {
             crate::write_addr_file(path, local)?;
         }

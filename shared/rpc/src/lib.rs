@@ -15,8 +15,8 @@ use tonic_health::server::HealthReporter;
 use tower::Layer;
 
 /// The transport every generated client in Nomad uses: a lazily connected channel wrapped in
-/// the client propagation layer.
-pub type Channel = ClientTrace<tonic::transport::Channel>;
+/// the client propagation layer and the one that sends the fleet's token.
+pub type Channel = ClientTrace<auth::ClientAuth<tonic::transport::Channel>>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RpcError {
@@ -38,6 +38,8 @@ pub enum RpcError {
     Serve(#[from] tonic::transport::Error),
     #[error("TLS: {0}")]
     Tls(String),
+    #[error("auth: {0}")]
+    Auth(String),
 }
 
 /// A multi-thread runtime with at least two workers: exporters flush on the runtime while the
@@ -78,6 +80,7 @@ pub async fn shutdown_signal() {
     }
 }
 
+pub mod auth;
 pub mod bootstrap;
 pub mod tls;
 
@@ -126,7 +129,7 @@ pub fn channel(address: &str) -> Result<Channel, RpcError> {
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(10))
         .connect_lazy();
-    Ok(ClientTraceLayer.layer(channel))
+    Ok(ClientTraceLayer.layer(auth::ClientAuthLayer.layer(channel)))
 }
 
 /// Binds `address` (`127.0.0.1:0` picks a free port) and reports the address actually bound.
@@ -220,6 +223,7 @@ impl RpcServer {
             // bound, against rapid-reset floods.
             .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_RESET_STREAMS))
             .layer(ServerTraceLayer)
+            .layer(auth::ServerAuthLayer)
             .layer(tower::util::MapResponseLayer::new(name_the_message_limit))
             .add_routes(self.routes.routes())
             .serve_with_incoming_shutdown(incoming, async move {

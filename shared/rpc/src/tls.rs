@@ -24,6 +24,9 @@ pub struct TlsBlock {
     pub ca: Option<PathBuf>,
     /// The name to verify in peers' certificates (default: the host of the address dialled).
     pub server_name: Option<String>,
+    /// The CA that signed the clients' certificates: set, a server accepts only clients that
+    /// present one (mutual TLS), and clients present `cert` and `key`.
+    pub client_ca: Option<PathBuf>,
 }
 
 impl TlsBlock {
@@ -47,6 +50,10 @@ impl TlsBlock {
                 .map(PathBuf::from)
                 .or(block.ca),
             server_name: env.non_empty("NOMAD_TLS_SERVER_NAME").or(block.server_name),
+            client_ca: env
+                .non_empty("NOMAD_TLS_CLIENT_CA")
+                .map(PathBuf::from)
+                .or(block.client_ca),
         })
     }
 }
@@ -55,6 +62,13 @@ impl TlsBlock {
 pub(crate) struct Tls {
     pub(crate) client: Option<ClientTlsConfig>,
     pub(crate) server: Option<ServerTlsConfig>,
+    /// Servers require client certificates.
+    pub(crate) mutual: bool,
+}
+
+/// Whether this process's servers accept only clients with a certificate of `tls.client_ca`.
+pub fn requires_client_certificates() -> bool {
+    installed().mutual
 }
 
 static TLS: OnceLock<Tls> = OnceLock::new();
@@ -71,10 +85,18 @@ fn read(what: &str, path: &Path) -> Result<Vec<u8>, RpcError> {
 /// (which then needs a certificate and key whenever TLS is on). Returns whether TLS is on.
 pub fn configure(block: &TlsBlock, serves: bool) -> Result<bool, RpcError> {
     let mut tls = Tls::default();
+    let mut identity = None;
     match (&block.cert, &block.key) {
         (Some(cert), Some(key)) => {
-            let identity = Identity::from_pem(read("tls.cert", cert)?, read("tls.key", key)?);
-            tls.server = Some(ServerTlsConfig::new().identity(identity));
+            let id = Identity::from_pem(read("tls.cert", cert)?, read("tls.key", key)?);
+            let mut server = ServerTlsConfig::new().identity(id.clone());
+            if let Some(client_ca) = &block.client_ca {
+                server =
+                    server.client_ca_root(Certificate::from_pem(read("tls.client_ca", client_ca)?));
+                tls.mutual = true;
+            }
+            tls.server = Some(server);
+            identity = Some(id);
         }
         (None, None) => {}
         (Some(_), None) => return Err(RpcError::Tls("tls.cert is set but tls.key is not".into())),
@@ -86,6 +108,12 @@ pub fn configure(block: &TlsBlock, serves: bool) -> Result<bool, RpcError> {
         if let Some(name) = &block.server_name {
             client = client.domain_name(name.clone());
         }
+        // Where servers ask for client certificates, this process presents its own.
+        if block.client_ca.is_some()
+            && let Some(id) = identity
+        {
+            client = client.identity(id);
+        }
         tls.client = Some(client);
     }
     if serves && tls.client.is_some() != tls.server.is_some() {
@@ -93,6 +121,11 @@ pub fn configure(block: &TlsBlock, serves: bool) -> Result<bool, RpcError> {
             "a Nomad server needs tls.ca (to dial its peers over TLS) and tls.cert + tls.key \
              (to serve TLS) together, or none of them"
                 .into(),
+        ));
+    }
+    if block.client_ca.is_some() && tls.server.is_none() && serves {
+        return Err(RpcError::Tls(
+            "tls.client_ca is set but tls.cert and tls.key are not: mutual TLS needs both".into(),
         ));
     }
     if !serves && tls.server.is_some() && tls.client.is_none() {

@@ -93,6 +93,15 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     let file = ConfigFile::load(user_config.as_deref())?;
     // The head dials the fleet (health checks, the gateway) as the children serve it.
     nomad_rpc::tls::configure_from(&file, false)?;
+    // One credential for the whole fleet: the user's, or a fresh one for this run (handed to
+    // the children in their environment and kept in fleet.json for `nomad run` and users).
+    let mut auth = nomad_rpc::auth::Auth::resolve(&file, &user_env)?;
+    let generated = auth.token.is_none() && !auth.open;
+    if generated {
+        auth.token = Some(nomad_rpc::auth::random_token().into());
+    }
+    let token = auth.token.clone();
+    nomad_rpc::auth::install(auth)?;
     let block: TelemetryBlock = file.section("telemetry")?;
     // Children get the block as NOMAD_OTEL_* variables (and read the same file), plus the
     // defaults; none of it replaces a variable of the user's.
@@ -114,6 +123,9 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     }
     if user_env.non_empty("RUST_LOG").is_none() {
         child_env.push(("RUST_LOG".into(), "info".into()));
+    }
+    if generated && let Some(token) = &token {
+        child_env.push(("NOMAD_AUTH_TOKEN".into(), token.to_string()));
     }
     let tasks = options
         .tasks
@@ -153,6 +165,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
             console_sink: ConsoleSink::File(run_dir.join("head.jsonl")),
         },
         gpu_count: None,
+        token: None,
     };
     let telemetry = Service::with_settings(
         ServerType::Head,
@@ -216,12 +229,14 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         "gateway": addresses.gateway,
         "gateway_mcp": addresses.mcp_url,
         "head_pid": std::process::id(),
+        "token": token.as_deref(),
         "servers": servers.iter().map(|(name, pid)| json!({"name": name, "pid": pid})).collect::<Vec<_>>(),
     });
     // Written whole, then renamed: whoever waits for the file never reads half of it.
     let fleet_path = run_dir.join("fleet.json");
     let partial = run_dir.join("fleet.json.partial");
-    std::fs::write(&partial, format!("{fleet:#}\n"))
+    // It holds the fleet's token: readable by this user only, from its first byte.
+    write_private(&partial, format!("{fleet:#}\n").as_bytes())
         .and_then(|()| std::fs::rename(&partial, &fleet_path))
         .with_context(|| format!("writing {}", fleet_path.display()))?;
     eprintln!("nomad up: run {run_id} is ready");
@@ -330,6 +345,19 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         }
     );
     Ok(ok)
+}
+
+/// Writes `bytes` to a new file only its owner may read (mode 0600).
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(bytes)
 }
 
 /// Results by kind of verification: count, passed, mean reward.

@@ -1,0 +1,333 @@
+//! The one credential of a fleet: a bearer token on every gRPC hop (and the gateway's MCP
+//! endpoint), checked by one tower layer on every server and sent by one on every client. With
+//! TLS, client certificates (`tls.client_ca`) can stand in for it or come on top.
+//!
+//! The token comes from `NOMAD_AUTH_TOKEN`, else `auth.token`, else the file `auth.token_file`.
+//! Without one a process serves only on loopback, unless the config says `auth: none`, which is
+//! logged as an error at start-up. Health checks stay open.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+
+use nomad_config::{ConfigFile, Env};
+use serde::Deserialize;
+use tower::{Layer, Service};
+
+use crate::RpcError;
+
+/// The `auth:` section: `none`, or a token (inline or in a file).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum AuthBlock {
+    /// `auth: none`: serve without a credential, even beyond loopback.
+    Mode(String),
+    Token {
+        token: Option<String>,
+        token_file: Option<PathBuf>,
+    },
+}
+
+impl Default for AuthBlock {
+    fn default() -> Self {
+        AuthBlock::Token {
+            token: None,
+            token_file: None,
+        }
+    }
+}
+
+/// What a process checks and sends.
+#[derive(Debug, Clone, Default)]
+pub struct Auth {
+    pub token: Option<Arc<str>>,
+    /// `auth: none` was written out.
+    pub open: bool,
+}
+
+/// The shortest token accepted: a guessable one is no credential.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+impl Auth {
+    /// The section and `NOMAD_AUTH_TOKEN` (which wins).
+    pub fn resolve(file: &ConfigFile, env: &(impl Env + ?Sized)) -> Result<Self, RpcError> {
+        let block: AuthBlock = file
+            .section("auth")
+            .map_err(|e| RpcError::Auth(e.to_string()))?;
+        let (configured, open) = match block {
+            AuthBlock::Mode(mode) if mode == "none" => (None, true),
+            AuthBlock::Mode(other) => {
+                return Err(RpcError::Auth(format!(
+                    "auth: {other:?} is not a mode; write `auth: none` or `auth: {{token: ...}}`"
+                )));
+            }
+            AuthBlock::Token { token, token_file } => {
+                let from_file = token_file
+                    .map(|path| {
+                        std::fs::read_to_string(&path)
+                            .map(|t| t.trim().to_owned())
+                            .map_err(|e| {
+                                RpcError::Auth(format!("auth.token_file {}: {e}", path.display()))
+                            })
+                    })
+                    .transpose()?;
+                (token.or(from_file), false)
+            }
+        };
+        let token = env.non_empty("NOMAD_AUTH_TOKEN").or(configured);
+        if let Some(t) = &token
+            && t.len() < MIN_TOKEN_LEN
+        {
+            return Err(RpcError::Auth(format!(
+                "the fleet token is {} characters; use at least {MIN_TOKEN_LEN} (nomad up makes \
+                 a random one)",
+                t.len()
+            )));
+        }
+        Ok(Auth {
+            token: token.map(Arc::from),
+            open,
+        })
+    }
+
+    /// Whether `Authorization` carries this process's token (constant time in the token).
+    pub fn accepts(&self, authorization: Option<&str>) -> bool {
+        let Some(expected) = self.token.as_deref() else {
+            return true;
+        };
+        let given = authorization
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or_default();
+        given.len() == expected.len()
+            && given
+                .bytes()
+                .zip(expected.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    }
+
+    /// Refuses to serve on `local` beyond loopback without a credential (a token, or client
+    /// certificates), unless `auth: none` says to.
+    pub fn check_listen(&self, what: &str, local: SocketAddr) -> Result<(), RpcError> {
+        let credential = self.token.is_some() || crate::tls::requires_client_certificates();
+        if local.ip().is_loopback() || credential {
+            return Ok(());
+        }
+        if self.open {
+            tracing::error!(
+                "{what} serves {local} with NO CREDENTIAL (auth: none): anyone who can reach it \
+                 can use it"
+            );
+            return Ok(());
+        }
+        Err(RpcError::Auth(format!(
+            "{what} would listen on {local} with no credential: set NOMAD_AUTH_TOKEN (or \
+             auth.token / auth.token_file), or tls.client_ca, or listen on a loopback address; \
+             `auth: none` serves it open"
+        )))
+    }
+}
+
+static AUTH: OnceLock<Auth> = OnceLock::new();
+
+/// The installed credential (none until [`configure_from`] ran).
+pub fn installed() -> &'static Auth {
+    AUTH.get_or_init(Auth::default)
+}
+
+/// Reads the `auth:` section and the environment and installs them, once per process.
+pub fn configure_from(file: &ConfigFile) -> Result<&'static Auth, RpcError> {
+    install(Auth::resolve(file, &nomad_config::ProcessEnv)?)
+}
+
+/// Installs `auth`, once per process, before any server or channel exists.
+pub fn install(auth: Auth) -> Result<&'static Auth, RpcError> {
+    AUTH.set(auth)
+        .map_err(|_| RpcError::Auth("auth was configured twice in one process".into()))?;
+    Ok(installed())
+}
+
+/// Calls that stay open: container and orchestrator health checks carry no credential.
+fn open_path(path: &str) -> bool {
+    path.starts_with("/grpc.health.v1.Health/")
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// Server side: answers UNAUTHENTICATED to a call without the token.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ServerAuthLayer;
+
+impl<S> Layer<S> for ServerAuthLayer {
+    type Service = ServerAuth<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ServerAuth { inner }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerAuth<S> {
+    inner: S,
+}
+
+impl<S, B, ResB> Service<http::Request<B>> for ServerAuth<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<ResB>>,
+    S::Future: Send + 'static,
+    S::Error: 'static,
+    ResB: Default + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let authorization = request
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        if open_path(request.uri().path()) || installed().accepts(authorization) {
+            let future = self.inner.call(request);
+            return Box::pin(future);
+        }
+        let message = if authorization.is_some() {
+            "wrong bearer token"
+        } else {
+            "this Nomad fleet requires its bearer token (authorization: Bearer <token>; nomad up \
+             writes it to fleet.json)"
+        };
+        let response = tonic::Status::unauthenticated(message).into_http::<ResB>();
+        Box::pin(async move { Ok(response) })
+    }
+}
+
+/// Client side: sends the installed token on every call.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ClientAuthLayer;
+
+impl<S> Layer<S> for ClientAuthLayer {
+    type Service = ClientAuth<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ClientAuth { inner }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ClientAuth<S> {
+    inner: S,
+}
+
+impl<S, B> Service<http::Request<B>> for ClientAuth<S>
+where
+    S: Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        if let Some(token) = installed().token.as_deref()
+            && let Ok(value) = http::HeaderValue::from_str(&format!("Bearer {token}"))
+        {
+            let mut value = value;
+            value.set_sensitive(true);
+            request
+                .headers_mut()
+                .insert(http::header::AUTHORIZATION, value);
+        }
+        self.inner.call(request)
+    }
+}
+
+/// A fresh random token (128 bits, hex).
+pub fn random_token() -> String {
+    format!(
+        "{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resolve(yaml: &str, env: &[(&str, &str)]) -> Result<Auth, RpcError> {
+        Auth::resolve(&ConfigFile::from_yaml_str(yaml), env)
+    }
+
+    #[test]
+    fn the_token_comes_from_the_env_then_the_file_and_must_be_long() {
+        let auth = resolve("auth: {token: aaaaaaaaaaaaaaaaaaaa}\n", &[]).unwrap();
+        assert_eq!(auth.token.as_deref(), Some("aaaaaaaaaaaaaaaaaaaa"));
+        let auth = resolve(
+            "auth: {token: aaaaaaaaaaaaaaaaaaaa}\n",
+            &[("NOMAD_AUTH_TOKEN", "bbbbbbbbbbbbbbbbbbbb")],
+        )
+        .unwrap();
+        assert_eq!(auth.token.as_deref(), Some("bbbbbbbbbbbbbbbbbbbb"));
+        let e = resolve("auth: {token: short}\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at least 16"), "{e}");
+        let e = resolve("auth: maybe\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("auth: none"), "{e}");
+        assert!(resolve("auth: none\n", &[]).unwrap().open);
+        assert!(resolve("", &[]).unwrap().token.is_none());
+    }
+
+    #[test]
+    fn only_the_exact_bearer_token_is_accepted() {
+        let auth = Auth {
+            token: Some(Arc::from("0123456789abcdef0123")),
+            open: false,
+        };
+        assert!(auth.accepts(Some("Bearer 0123456789abcdef0123")));
+        for bad in [
+            None,
+            Some("Bearer 0123456789abcdef012"),
+            Some("Bearer 0123456789abcdef01234"),
+            Some("0123456789abcdef0123"),
+            Some("Bearer x123456789abcdef0123"),
+        ] {
+            assert!(!auth.accepts(bad), "{bad:?}");
+        }
+        assert!(Auth::default().accepts(None), "no token: nothing to check");
+    }
+
+    #[test]
+    fn no_credential_means_loopback_only_unless_auth_none() {
+        let none = Auth::default();
+        let loopback: SocketAddr = "127.0.0.1:7002".parse().unwrap();
+        let everywhere: SocketAddr = "0.0.0.0:7002".parse().unwrap();
+        assert!(none.check_listen("x", loopback).is_ok());
+        let e = none.check_listen("x", everywhere).unwrap_err().to_string();
+        assert!(
+            e.contains("NOMAD_AUTH_TOKEN") && e.contains("auth: none"),
+            "{e}"
+        );
+        let open = Auth {
+            token: None,
+            open: true,
+        };
+        assert!(open.check_listen("x", everywhere).is_ok());
+        let token = Auth {
+            token: Some(Arc::from("0123456789abcdef0123")),
+            open: false,
+        };
+        assert!(token.check_listen("x", everywhere).is_ok());
+    }
+}
