@@ -75,10 +75,18 @@ impl Scheduler for SchedulerService {
             ));
         }
         let device = device.ok_or_else(|| Status::invalid_argument("`device` is required"))?;
+        // Three missed heartbeats is what the reaper waits for too.
+        let liveness = std::time::Duration::from_millis(u64::from(self.heartbeat_interval_ms) * 3);
         let (worker, replaced) = self
             .workers
-            .register(&worker_id, &address, device)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            .register(&worker_id, &address, device, liveness)
+            .map_err(|e| match e {
+                crate::workers::RegisterError::Taken { .. } => {
+                    tracing::warn!(%worker_id, %address, "{e}");
+                    Status::already_exists(e.to_string())
+                }
+                crate::workers::RegisterError::Address(_) => Status::invalid_argument(e.to_string()),
+            })?;
         if let Some(old) = replaced {
             self.driver
                 .worker_down(old, "the worker registered again".into())

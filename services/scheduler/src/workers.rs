@@ -47,6 +47,18 @@ struct Entry {
     stats: Option<WorkerStats>,
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    #[error(
+        "worker id {id:?} is registered from {address} and still heartbeating: a second worker \
+         with that id is refused until the first misses its heartbeats (give each worker its \
+         own --worker-id)"
+    )]
+    Taken { id: String, address: String },
+    #[error(transparent)]
+    Address(#[from] nomad_rpc::RpcError),
+}
+
 #[derive(Default)]
 pub struct WorkerRegistry {
     entries: Mutex<HashMap<String, Entry>>,
@@ -58,24 +70,38 @@ impl WorkerRegistry {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Adds or replaces a worker; returns it and the generation it replaced, if any. Fails only
-    /// on an address that cannot be dialled.
+    /// Adds a worker, or replaces one of the same id that registers again from the same
+    /// address (a restart) or has missed its heartbeats for `liveness`; returns it and the
+    /// generation it replaced, if any. A second live worker claiming a registered id from
+    /// another address is refused: it would receive the first one's inputs.
     pub fn register(
         &self,
         id: &str,
         address: &str,
         device: DeviceInfo,
-    ) -> Result<(Worker, Option<u64>), nomad_rpc::RpcError> {
+        liveness: Duration,
+    ) -> Result<(Worker, Option<u64>), RegisterError> {
+        let address = nomad_rpc::normalize_address(address);
+        let mut entries = self.lock();
+        if let Some(existing) = entries.get(id)
+            && existing.worker.address != address
+            && existing.last_seen.elapsed() <= liveness
+        {
+            return Err(RegisterError::Taken {
+                id: id.to_owned(),
+                address: existing.worker.address.clone(),
+            });
+        }
         let worker = Worker {
             id: id.to_owned(),
-            address: nomad_rpc::normalize_address(address),
+            client: DeviceWorkerClient::new(nomad_rpc::channel(&address)?),
+            address,
             device,
-            client: DeviceWorkerClient::new(nomad_rpc::channel(address)?),
             generation: self
                 .next_generation
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         };
-        let replaced = self.lock().insert(
+        let replaced = entries.insert(
             id.to_owned(),
             Entry {
                 worker: worker.clone(),
@@ -147,5 +173,35 @@ impl WorkerRegistry {
             .collect();
         infos.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
         infos
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_live_worker_id_cannot_be_taken_from_another_address() {
+        let registry = WorkerRegistry::default();
+        let device = DeviceInfo::default();
+        let live = Duration::from_secs(60);
+        let (first, _) = registry
+            .register("w", "127.0.0.1:5001", device.clone(), live)
+            .unwrap();
+        let Err(taken) = registry.register("w", "127.0.0.1:6666", device.clone(), live) else {
+            panic!("an impostor took a live worker's id");
+        };
+        let taken = taken.to_string();
+        assert!(taken.contains("http://127.0.0.1:5001") && taken.contains("--worker-id"), "{taken}");
+        // The same address again is a restart: it replaces the first.
+        let (_, replaced) = registry
+            .register("w", "127.0.0.1:5001", device.clone(), live)
+            .unwrap();
+        assert_eq!(replaced, Some(first.generation));
+        // Once it has been silent past its liveness, another address may take the id.
+        let (_, replaced) = registry
+            .register("w", "127.0.0.1:6666", device, Duration::ZERO)
+            .unwrap();
+        assert!(replaced.is_some());
     }
 }

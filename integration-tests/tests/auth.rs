@@ -1,0 +1,207 @@
+//! Fleet trust: every hop needs the fleet's token, workers are who they say, and nothing listens
+//! beyond loopback without a credential.
+
+use std::time::{Duration, Instant};
+
+use nomad_integration_tests::fleet::{TEST_TOKEN, clean, rpc_channel, wait_for_file};
+use nomad_integration_tests::{Fleet, FleetOptions};
+use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
+use nomad_proto::v1::gateway_client::GatewayClient;
+use nomad_proto::v1::head_client::HeadClient;
+use nomad_proto::v1::scheduler_client::SchedulerClient;
+use nomad_proto::v1::{
+    DeviceInfo, GetRunRequest, ListToolsRequest, ListWorkersRequest, RegisterWorkerRequest,
+    SearchToolsRequest, StatsRequest,
+};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+
+/// A plain channel whose calls carry `token` (or no authorization at all).
+async fn dial(
+    address: &str,
+    token: Option<&'static str>,
+) -> InterceptedService<Channel, impl tonic::service::Interceptor + Clone> {
+    let channel = Channel::from_shared(format!("http://{}", address.trim_start_matches("http://")))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    InterceptedService::new(channel, move |mut request: tonic::Request<()>| {
+        if let Some(token) = token {
+            request.metadata_mut().insert(
+                "authorization",
+                format!("Bearer {token}").parse().unwrap(),
+            );
+        }
+        Ok(request)
+    })
+}
+
+/// The status code of a call, `Ok` mapped to `None`.
+fn code<T>(result: Result<T, tonic::Status>) -> Option<tonic::Code> {
+    result.err().map(|s| s.code())
+}
+
+const WRONG: &str = "wrong-token-0123456789abcdef012";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_service_refuses_calls_without_the_fleets_token() {
+    let mut fleet = Fleet::start(FleetOptions {
+        auth: true,
+        ..Default::default()
+    })
+    .await;
+    let head = fleet.start_head_server().await;
+    let workers = fleet
+        .scheduler_client()
+        .await
+        .list_workers(ListWorkersRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    let worker = workers[0].address.clone();
+
+    for (token, expected) in [
+        (None, Some(tonic::Code::Unauthenticated)),
+        (Some(WRONG), Some(tonic::Code::Unauthenticated)),
+        (Some(TEST_TOKEN), None),
+    ] {
+        let who = format!("{token:?}");
+        let scheduler = SchedulerClient::new(dial(&fleet.scheduler_addr, token).await)
+            .list_tools(ListToolsRequest {})
+            .await;
+        assert_eq!(code(scheduler), expected, "scheduler, {who}");
+        let stats = DeviceWorkerClient::new(dial(&worker, token).await)
+            .stats(StatsRequest {})
+            .await;
+        assert_eq!(code(stats), expected, "worker, {who}");
+        let search = GatewayClient::new(dial(&fleet.gateway_addr, token).await)
+            .search_tools(SearchToolsRequest::default())
+            .await;
+        assert_eq!(code(search), expected, "gateway, {who}");
+        let run = HeadClient::new(dial(&head, token).await)
+            .get_run(GetRunRequest {
+                run_id: "nope".into(),
+            })
+            .await;
+        let head_expected = expected.or(Some(tonic::Code::NotFound));
+        assert_eq!(code(run), head_expected, "head, {who}");
+    }
+    // Health checks stay open.
+    for address in [&fleet.scheduler_addr, &worker, &fleet.gateway_addr, &head] {
+        let mut health =
+            tonic_health::pb::health_client::HealthClient::new(dial(address, None).await);
+        let reply = health
+            .check(tonic_health::pb::HealthCheckRequest::default())
+            .await
+            .unwrap();
+        assert_eq!(reply.get_ref().status, 1, "{address} is not serving");
+    }
+
+    // A worker without the token cannot register: the fleet keeps its one worker.
+    let dir = Fleet::new_dir();
+    let log = dir.join("stranger.stderr");
+    let mut stranger = clean("nomad-device-worker")
+        .args(["--backend", "sim", "--worker-id", "stranger", "--scheduler"])
+        .arg(&fleet.scheduler_addr)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let said = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("cannot register with the scheduler") {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "the stranger never tried: {text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(said.contains("requires its bearer token"), "{said}");
+    let ids: Vec<String> = fleet
+        .scheduler_client()
+        .await
+        .list_workers(ListWorkersRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .workers
+        .into_iter()
+        .map(|w| w.worker_id)
+        .collect();
+    assert_eq!(ids, ["worker-0"]);
+    let _ = stranger.start_kill();
+
+    // An impostor with the token still cannot take a live worker's id.
+    let impostor = SchedulerClient::new(rpc_channel(&fleet.scheduler_addr))
+        .register_worker(RegisterWorkerRequest {
+            worker_id: "worker-0".into(),
+            address: "127.0.0.1:1".into(),
+            device: Some(DeviceInfo::default()),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(impostor.code(), tonic::Code::AlreadyExists);
+    assert!(impostor.message().contains("still heartbeating"), "{}", impostor.message());
+    let after = fleet
+        .scheduler_client()
+        .await
+        .list_workers(ListWorkersRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    assert_eq!(after[0].address, workers[0].address, "the real worker stays registered");
+    let run = fleet
+        .run_head(&nomad_integration_tests::fleet::mlp_tasks(4), 2)
+        .await;
+    assert!(run.success, "{}", run.stderr);
+    fleet.terminate().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none() {
+    let dir = Fleet::new_dir();
+    let refused = clean("nomad-scheduler")
+        .args(["--listen", "0.0.0.0:0"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("no credential") && said.contains("NOMAD_AUTH_TOKEN"),
+        "{said}"
+    );
+
+    let config = dir.join("nomad.yaml");
+    std::fs::write(&config, "auth: none\n").unwrap();
+    let addr_file = dir.join("open.addr");
+    let log = dir.join("open.stderr");
+    let mut open = clean("nomad-scheduler")
+        .arg("--config")
+        .arg(&config)
+        .args(["--listen", "0.0.0.0:0", "--addr-file"])
+        .arg(&addr_file)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    wait_for_file(&addr_file, &mut open, "nomad-scheduler", &log).await;
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(said.contains("NO CREDENTIAL (auth: none)"), "{said}");
+    let _ = open.start_kill();
+
+    // A token that is too short to be a credential is refused at start-up.
+    let weak = clean("nomad-scheduler")
+        .env("NOMAD_AUTH_TOKEN", "short")
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!weak.status.success());
+    assert!(String::from_utf8_lossy(&weak.stderr).contains("at least 16"));
+    let _ = std::fs::remove_dir_all(dir);
+}
