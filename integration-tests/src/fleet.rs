@@ -239,9 +239,11 @@ impl Fleet {
         } else {
             String::new()
         };
+        // `nomad serve` keeps its runs' results in the fleet's directory.
+        let head = format!("head:\n  runs_dir: {}\n", dir.join("runs").display());
         std::fs::write(
             &config_path,
-            format!("{tools}{auth}{}", options.config_yaml),
+            format!("{tools}{auth}{head}{}", options.config_yaml),
         )
         .unwrap();
         let mut fleet = Fleet {

@@ -28,10 +28,9 @@ async fn dial(
         .unwrap();
     InterceptedService::new(channel, move |mut request: tonic::Request<()>| {
         if let Some(token) = token {
-            request.metadata_mut().insert(
-                "authorization",
-                format!("Bearer {token}").parse().unwrap(),
-            );
+            request
+                .metadata_mut()
+                .insert("authorization", format!("Bearer {token}").parse().unwrap());
         }
         Ok(request)
     })
@@ -115,7 +114,10 @@ async fn every_service_refuses_calls_without_the_fleets_token() {
         if text.contains("cannot register with the scheduler") {
             break text;
         }
-        assert!(Instant::now() < deadline, "the stranger never tried: {text}");
+        assert!(
+            Instant::now() < deadline,
+            "the stranger never tried: {text}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert!(said.contains("requires its bearer token"), "{said}");
@@ -143,7 +145,11 @@ async fn every_service_refuses_calls_without_the_fleets_token() {
         .await
         .unwrap_err();
     assert_eq!(impostor.code(), tonic::Code::AlreadyExists);
-    assert!(impostor.message().contains("still heartbeating"), "{}", impostor.message());
+    assert!(
+        impostor.message().contains("still heartbeating"),
+        "{}",
+        impostor.message()
+    );
     let after = fleet
         .scheduler_client()
         .await
@@ -152,7 +158,10 @@ async fn every_service_refuses_calls_without_the_fleets_token() {
         .unwrap()
         .into_inner()
         .workers;
-    assert_eq!(after[0].address, workers[0].address, "the real worker stays registered");
+    assert_eq!(
+        after[0].address, workers[0].address,
+        "the real worker stays registered"
+    );
     let run = fleet
         .run_head(&nomad_integration_tests::fleet::mlp_tasks(4), 2)
         .await;

@@ -120,6 +120,22 @@ async fn head_server_starts_runs_and_reports_them() {
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
     assert!(err.message().contains("tasks_json[3]"), "{}", err.message());
 
+    // Bounds: tasks per run (counted before any is parsed) and concurrency.
+    for (tasks_json, concurrency, limit) in [
+        (vec!["{}".to_owned(); 100_000], 1, "head.max_tasks_per_run"),
+        (tasks[..3].to_vec(), 100_000, "head.max_concurrency"),
+    ] {
+        let refused = head
+            .start_run(StartRunRequest {
+                tasks_json,
+                concurrency,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{limit}");
+        assert!(refused.message().contains(limit), "{}", refused.message());
+    }
+
     tasks.pop();
     let run_id = head
         .start_run(StartRunRequest {
@@ -150,6 +166,12 @@ async fn head_server_starts_runs_and_reports_them() {
     };
     assert_eq!((run.total, run.succeeded, run.failed), (3, 3, 0));
     assert_eq!(run.results_json.len(), 3);
+    let on_disk = std::fs::read_to_string(&run.results_path).unwrap();
+    assert_eq!(on_disk.lines().count(), 3, "{}", run.results_path);
+    assert!(
+        run.results_path
+            .starts_with(&fleet.dir.display().to_string())
+    );
     for line in &run.results_json {
         let result: serde_json::Value = serde_json::from_str(line).unwrap();
         assert_eq!(result["run_id"], run_id.as_str());

@@ -37,7 +37,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .routes()
         .add_service(HeadServer::new(service::HeadService {
             gateway: GatewayClient::new(nomad_rpc::channel(&args.gateway)?),
-            runs: runs::RunRegistry::default(),
+            runs: runs::RunRegistry::new(service.config.section("head")?),
             default_concurrency: args.concurrency,
         }));
     server.serve(listener, nomad_rpc::shutdown_signal()).await?;

@@ -25,6 +25,17 @@ impl Head for HeadService {
             tasks_json,
             concurrency,
         } = request.into_inner();
+        // Counted before anything is parsed: a request of 100,000 tasks costs nothing more.
+        let limit = self.runs.limits().max_tasks_per_run;
+        if tasks_json.len() > limit {
+            return Err(Status::resource_exhausted(
+                crate::runs::Refusal::TooManyTasks {
+                    given: tasks_json.len(),
+                    limit,
+                }
+                .to_string(),
+            ));
+        }
         let tasks = tasks::parse_all(
             tasks_json
                 .iter()
@@ -39,13 +50,18 @@ impl Head for HeadService {
         } else {
             concurrency as usize
         };
+        self.runs
+            .start(&run_id, tasks.len(), concurrency)
+            .map_err(|e| match e {
+                crate::runs::Refusal::Disk(_) => Status::internal(e.to_string()),
+                _ => Status::resource_exhausted(e.to_string()),
+            })?;
         let runner = Runner::new(
             self.gateway.clone(),
             run_id.clone(),
             concurrency,
             "embed".into(),
         );
-        self.runs.start(&run_id, tasks.len());
         let runs = self.runs.clone();
         let id = run_id.clone();
         tracing::info!(run_id = %run_id, tasks = tasks.len(), "run started");

@@ -85,7 +85,9 @@ impl Scheduler for SchedulerService {
                     tracing::warn!(%worker_id, %address, "{e}");
                     Status::already_exists(e.to_string())
                 }
-                crate::workers::RegisterError::Address(_) => Status::invalid_argument(e.to_string()),
+                crate::workers::RegisterError::Address(_) => {
+                    Status::invalid_argument(e.to_string())
+                }
             })?;
         if let Some(old) = replaced {
             self.driver

@@ -192,7 +192,10 @@ mod tests {
             panic!("an impostor took a live worker's id");
         };
         let taken = taken.to_string();
-        assert!(taken.contains("http://127.0.0.1:5001") && taken.contains("--worker-id"), "{taken}");
+        assert!(
+            taken.contains("http://127.0.0.1:5001") && taken.contains("--worker-id"),
+            "{taken}"
+        );
         // The same address again is a restart: it replaces the first.
         let (_, replaced) = registry
             .register("w", "127.0.0.1:5001", device.clone(), live)
