@@ -632,3 +632,67 @@ fn processes_with(needle: &str) -> Vec<i32> {
         })
         .collect()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn made_up_server_and_tool_names_never_become_metric_attributes() {
+    let dir = Fleet::new_dir();
+    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let receiver = OtlpReceiver::grpc().await;
+    let options = options_with_sandbox(
+        &dir,
+        &upstream.url,
+        "",
+        "  timeout_seconds: 120\n  max_tool_calls: 20000\n  warm: 0\n",
+    )
+    .env("NOMAD_OTEL_ENABLED", "true")
+    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone());
+    let mut fleet = Fleet::start(options).await;
+    let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
+        .await
+        .unwrap();
+    // 10,000 calls, each naming a server or tool nobody has (half of them on the real `nomad`
+    // server), straight over the bridge.
+    let code = "\
+import sys
+bridge = next(f for f in sys.meta_path if hasattr(f, 'bridge')).bridge
+failed = 0
+for i in range(10000):
+    server = 'nomad' if i % 2 else f'bogus-server-{i}'
+    try:
+        bridge.request('call_tool', {'server': server, 'tool': f'made-up-tool-{i}', 'arguments': {'text': 'x'}})
+    except Exception:
+        failed += 1
+RESULT = failed
+";
+    let reply = gateway
+        .execute_code(ExecuteCodeRequest {
+            code: code.into(),
+            env: Default::default(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.result_json, "10000", "{}", reply.error);
+    fleet.terminate().await;
+    let metrics = receiver.latest_metrics();
+    let labels = |name: &str, key: &str| -> BTreeSet<String> {
+        metrics
+            .iter()
+            .filter(|m| m.name == name)
+            .filter_map(|m| m.attributes.get(key).cloned())
+            .collect()
+    };
+    assert_eq!(
+        labels("nomad.gateway.upstream_tool.calls", "tool"),
+        BTreeSet::from(["unknown".to_owned()])
+    );
+    assert_eq!(
+        labels("nomad.gateway.upstream_tool.calls", "server"),
+        BTreeSet::from(["nomad".to_owned(), "unknown".to_owned()])
+    );
+    assert_eq!(
+        labels("nomad.tool.request_rejections", "tool"),
+        BTreeSet::from(["unknown".to_owned()])
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -429,3 +429,43 @@ async fn a_worker_killed_mid_batch_under_load_loses_no_request() {
         assert_eq!(value(&metrics, gauge, &[("tool", "t")]), 0.0, "{gauge}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_model_hangs_is_dropped_at_the_deadline_and_its_batch_served_elsewhere() {
+    let options = FleetOptions {
+        sim_workers: 2,
+        tools_yaml: Some(
+            "tools:\n\
+             \x20 - {name: a, kind: mlp, source: sim, batch_size: 4, max_devices: 2}\n\
+             tool_manager:\n\
+             \x20 heartbeat_interval_ms: 200\n\
+             \x20 max_batch_delay_ms: 50\n\
+             \x20 execute_timeout_seconds: 1\n"
+                .into(),
+        ),
+        config_yaml: "sim:\n  hang_worker: worker-1\n".into(),
+        ..Default::default()
+    };
+    let fleet = Fleet::start(options).await;
+    let client = fleet.scheduler_client().await;
+    // Eight at once: a batch of four to each worker, and worker-1 never finishes its own.
+    let started = std::time::Instant::now();
+    let replies = futures::future::join_all(
+        (0..8).map(|i| call(&client, "a", text(&format!("r-{i}")), None)),
+    )
+    .await;
+    for (i, reply) in replies.iter().enumerate() {
+        match reply {
+            Ok(text) => assert_eq!(text, &format!("r-{i}"), "request {i}"),
+            Err(status) => panic!("request {i}: {status}"),
+        }
+    }
+    let log = fleet.stderr(nomad_integration_tests::Service::Scheduler);
+    assert!(
+        log.contains("no answer to a batch (execute_timeout_seconds) within 1 s"),
+        "{log}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(20));
+    // The hung worker cannot stop cleanly with its model stuck: the fleet is killed on drop.
+    drop(fleet);
+}

@@ -54,10 +54,16 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Service::start_with(ServerType::DeviceWorker, &args.service, options, |_| Ok(()))?;
     let file = &service.config;
 
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    let worker_id = args
+        .worker_id
+        .clone()
+        .unwrap_or_else(|| format!("{host}-{}-{}", std::process::id(), args.device));
     let backend = match args.backend {
         BackendKind::Candle => models::Backend::Candle,
         BackendKind::Sim => models::Backend::Sim(Arc::new(models::sim::SimDevice::new(
             models::sim::SimConfig::checked(file.section("sim")?)?,
+            &worker_id,
         ))),
     };
     tracing::info!("{}", device::capabilities());
@@ -76,10 +82,6 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             args.service.addr_file.as_deref(),
         )
         .await?;
-    let host = gethostname::gethostname().to_string_lossy().into_owned();
-    let worker_id = args
-        .worker_id
-        .unwrap_or_else(|| format!("{host}-{}-{}", std::process::id(), args.device));
     // Listening on every interface (a container): the scheduler reaches us by host name, which
     // stays distinct when a service is scaled to several replicas.
     let address = match args.advertise {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct GatewayConfig {
     /// Scripts `execute_mcp_script` may run live under this directory.
@@ -21,6 +21,58 @@ pub struct GatewayConfig {
     /// Browser origins allowed to call the MCP endpoint (`https://app.example.com:443`,
     /// `http://localhost:*`); empty: requests with an `Origin` header are not checked.
     pub mcp_allowed_origins: Vec<String>,
+    /// How long opening a session with an upstream server may take (per server:
+    /// `connect_timeout_seconds`).
+    pub upstream_connect_timeout_seconds: f64,
+    /// How long one upstream call may take (per server: `call_timeout_seconds`).
+    pub upstream_call_timeout_seconds: f64,
+    /// How long an upstream's tool listing is kept before it is asked again (a server that
+    /// sends `notifications/tools/list_changed` is asked at once).
+    pub tools_ttl_seconds: f64,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            workspace_root: None,
+            allowlist: Vec::new(),
+            redaction: Redaction::default(),
+            mcp_allowed_hosts: Vec::new(),
+            mcp_allowed_origins: Vec::new(),
+            upstream_connect_timeout_seconds: 10.0,
+            upstream_call_timeout_seconds: 60.0,
+            tools_ttl_seconds: 60.0,
+        }
+    }
+}
+
+impl GatewayConfig {
+    /// The deadlines and listing lifetime of upstream `server`.
+    pub fn timing(
+        &self,
+        name: &str,
+        server: &ServerConfig,
+    ) -> Result<crate::upstream::mcp::Timing, String> {
+        let pick = |own: Option<f64>, field: &str, default: f64, default_field: &str| match own {
+            Some(v) => nomad_config::seconds(&format!("servers.{name}.{field}"), v),
+            None => nomad_config::seconds(&format!("gateway.{default_field}"), default),
+        };
+        Ok(crate::upstream::mcp::Timing {
+            connect: pick(
+                server.connect_timeout_seconds,
+                "connect_timeout_seconds",
+                self.upstream_connect_timeout_seconds,
+                "upstream_connect_timeout_seconds",
+            )?,
+            call: pick(
+                server.call_timeout_seconds,
+                "call_timeout_seconds",
+                self.upstream_call_timeout_seconds,
+                "upstream_call_timeout_seconds",
+            )?,
+            tools_ttl: nomad_config::seconds("gateway.tools_ttl_seconds", self.tools_ttl_seconds)?,
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
@@ -43,6 +95,10 @@ pub struct ServerConfig {
     pub url: Option<String>,
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
+    /// Overrides `gateway.upstream_connect_timeout_seconds` for this server.
+    pub connect_timeout_seconds: Option<f64>,
+    /// Overrides `gateway.upstream_call_timeout_seconds` for this server.
+    pub call_timeout_seconds: Option<f64>,
 }
 
 impl ServerConfig {
@@ -104,6 +160,8 @@ mod tests {
             env: Default::default(),
             url: Some("http://x".into()),
             headers: Default::default(),
+            connect_timeout_seconds: None,
+            call_timeout_seconds: None,
         };
         assert!(both.check("s").unwrap_err().contains("not both"));
         let none = ServerConfig {

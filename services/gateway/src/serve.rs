@@ -40,13 +40,23 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
 
     let sandbox = sandbox::Sandbox::new(sandbox_config).await?;
     let upstreams = upstream::Upstreams::new(
-        upstream::nomad::Nomad {
-            scheduler: SchedulerClient::new(nomad_rpc::channel(&args.scheduler)?),
-        },
+        upstream::nomad::Nomad::new(
+            SchedulerClient::new(nomad_rpc::channel(&args.scheduler)?),
+            nomad_config::seconds(
+                "gateway.tools_ttl_seconds",
+                gateway_config.tools_ttl_seconds,
+            )
+            .map_err(anyhow::Error::msg)?,
+        ),
         servers
             .into_iter()
-            .map(|(name, c)| (name.clone(), upstream::mcp::McpServer::new(name, c)))
-            .collect(),
+            .map(|(name, c)| {
+                let timing = gateway_config
+                    .timing(&name, &c)
+                    .map_err(anyhow::Error::msg)?;
+                Ok((name.clone(), upstream::mcp::McpServer::new(name, c, timing)))
+            })
+            .collect::<anyhow::Result<_>>()?,
         upstream::policy::Policy::new(gateway_config.allowlist.clone(), gateway_config.redaction),
     );
     let gateway = Arc::new(

@@ -21,6 +21,13 @@ pub struct ToolConfig {
     /// At most this many queued requests (0: the manager's default).
     #[serde(default)]
     pub max_pending: u32,
+    /// How long one batch of this tool may run (default: the manager's); a worker that takes
+    /// longer is treated as lost.
+    #[serde(default)]
+    pub execute_timeout_seconds: Option<f64>,
+    /// `execute_timeout_seconds` resolved (filled in by [`validate`]).
+    #[serde(skip)]
+    pub execute_timeout: std::time::Duration,
 }
 
 fn default_batch_size() -> u32 {
@@ -44,6 +51,20 @@ pub struct ToolManagerConfig {
     pub max_devices_per_tool: u32,
     /// How often workers heartbeat; one silent for three intervals is dropped.
     pub heartbeat_interval_ms: u32,
+    /// How long one batch may run on a worker before the worker is treated as lost (its batch
+    /// requeued once, as for a dead worker); per tool: `execute_timeout_seconds`.
+    pub execute_timeout_seconds: f64,
+    /// How long preparing a slot (offload, load from disk, place) may take.
+    pub prepare_timeout_seconds: f64,
+    /// How long an eviction, unload or cache clear may take.
+    pub maintain_timeout_seconds: f64,
+}
+
+/// Deadlines of the driver's calls to workers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Deadlines {
+    pub prepare: std::time::Duration,
+    pub maintain: std::time::Duration,
 }
 
 impl Default for ToolManagerConfig {
@@ -56,6 +77,9 @@ impl Default for ToolManagerConfig {
             max_pending_per_tool: 1024,
             max_devices_per_tool: 1,
             heartbeat_interval_ms: 1000,
+            execute_timeout_seconds: 300.0,
+            prepare_timeout_seconds: 600.0,
+            maintain_timeout_seconds: 60.0,
         }
     }
 }
@@ -73,10 +97,22 @@ impl ToolManagerConfig {
             max_batch_delay: duration("max_batch_delay_ms", self.max_batch_delay_ms / 1000.0)?,
         })
     }
+
+    pub fn deadlines(&self) -> Result<Deadlines, String> {
+        let deadline = |name: &str, seconds: f64| {
+            nomad_config::seconds(&format!("tool_manager.{name}"), seconds)
+        };
+        Ok(Deadlines {
+            prepare: deadline("prepare_timeout_seconds", self.prepare_timeout_seconds)?,
+            maintain: deadline("maintain_timeout_seconds", self.maintain_timeout_seconds)?,
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ToolConfigError {
+    #[error("{reason}")]
+    Timeout { reason: String },
     #[error("tools[{index}]: `name` is empty")]
     EmptyName { index: usize },
     #[error("tools[{index}] ({name}): tool name appears twice")]
@@ -123,6 +159,16 @@ pub fn validate(
         if tool.max_devices == 0 {
             tool.max_devices = manager.max_devices_per_tool.max(1);
         }
+        tool.execute_timeout = match tool.execute_timeout_seconds {
+            Some(seconds) => {
+                nomad_config::seconds(&format!("tools[{index}].execute_timeout_seconds"), seconds)
+            }
+            None => nomad_config::seconds(
+                "tool_manager.execute_timeout_seconds",
+                manager.execute_timeout_seconds,
+            ),
+        }
+        .map_err(|reason| ToolConfigError::Timeout { reason })?;
         if tool.max_pending == 0 {
             tool.max_pending = manager.max_pending_per_tool.max(1);
         }
@@ -143,6 +189,8 @@ mod tests {
             batch_size: 4,
             max_devices: 0,
             max_pending: 0,
+            execute_timeout_seconds: None,
+            execute_timeout: std::time::Duration::ZERO,
         }
     }
 

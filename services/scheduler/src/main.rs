@@ -1,5 +1,4 @@
-//! `nomad-scheduler`: the tool manager. Serves the Scheduler gRPC API; device workers register
-//! with it. The rules live in `nomad-scheduler-core`; `driver` runs them.
+//! `nomad-scheduler`: the tool manager (rules in `nomad-scheduler-core`, run by `driver`).
 
 mod config;
 mod driver;
@@ -44,7 +43,8 @@ async fn serve(args: Args) -> anyhow::Result<ExitCode> {
     }
     let registry = Arc::new(workers::WorkerRegistry::default());
     let timing = manager.timing().map_err(anyhow::Error::msg)?;
-    let driver = driver::start(tools.clone(), timing, registry.clone());
+    let deadlines = manager.deadlines().map_err(anyhow::Error::msg)?;
+    let driver = driver::start(tools.clone(), timing, deadlines, registry.clone());
     let handle = driver.handle.clone();
     let heartbeat = Duration::from_millis(u64::from(manager.heartbeat_interval_ms.max(50)));
     let reaper = tokio::spawn(driver::reap(registry.clone(), handle.clone(), heartbeat));

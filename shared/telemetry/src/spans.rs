@@ -104,13 +104,13 @@ impl GroupSpan {
 
     pub fn set_attribute(&self, kv: KeyValue) {
         if self.recording {
-            self.cx.span().set_attribute(kv);
+            self.cx.span().set_attribute(capped(kv));
         }
     }
 
     pub fn set_attributes(&self, kvs: impl IntoIterator<Item = KeyValue>) {
         if self.recording {
-            self.cx.span().set_attributes(kvs);
+            self.cx.span().set_attributes(kvs.into_iter().map(capped));
         }
     }
 
@@ -124,8 +124,8 @@ impl GroupSpan {
     pub fn set_error(&self, error_type: impl Into<String>, message: impl Into<String>) {
         if self.recording {
             let span = self.cx.span();
-            span.set_attribute(KeyValue::new("error.type", error_type.into()));
-            span.set_status(Status::error(message.into()));
+            span.set_attribute(KeyValue::new("error.type", cap(error_type.into())));
+            span.set_status(Status::error(cap(message.into())));
         }
     }
 
@@ -146,10 +146,52 @@ impl GroupSpan {
     }
 }
 
+/// The longest attribute string or status message a span keeps, in bytes: names and messages
+/// that callers choose reach every exporter, which must not carry megabytes for them.
+pub const MAX_ATTRIBUTE_BYTES: usize = 1024;
+
+/// `text` cut to [`MAX_ATTRIBUTE_BYTES`] at a character boundary, marked with `…` when cut.
+pub fn cap(mut text: String) -> String {
+    if text.len() > MAX_ATTRIBUTE_BYTES {
+        let mut end = MAX_ATTRIBUTE_BYTES - '…'.len_utf8();
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
+}
+
+fn capped(kv: KeyValue) -> KeyValue {
+    match kv.value {
+        opentelemetry::Value::String(s) if s.as_str().len() > MAX_ATTRIBUTE_BYTES => {
+            KeyValue::new(kv.key, cap(s.as_str().to_owned()))
+        }
+        _ => kv,
+    }
+}
+
 impl Drop for GroupSpan {
     fn drop(&mut self) {
         if self.recording {
             self.cx.span().end();
         }
+    }
+}
+
+#[cfg(test)]
+mod cap_tests {
+    use super::*;
+
+    #[test]
+    fn long_strings_are_cut_at_a_character_boundary() {
+        assert_eq!(cap("short".into()), "short");
+        let long = "é".repeat(2000);
+        let cut = cap(long);
+        assert!(cut.len() <= MAX_ATTRIBUTE_BYTES, "{}", cut.len());
+        assert!(cut.ends_with('…'));
+        let kv = capped(KeyValue::new("k", "x".repeat(5000)));
+        assert!(kv.value.as_str().len() <= MAX_ATTRIBUTE_BYTES);
     }
 }

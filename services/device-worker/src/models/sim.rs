@@ -31,6 +31,12 @@ pub struct SimConfig {
     pub activation_bytes_per_item: u64,
     /// Per-tool overrides.
     pub models: HashMap<String, SimModelConfig>,
+    /// The worker (by `--worker-id`) whose model never finishes a batch: it sleeps until the
+    /// process ends, as a hung model would (deadline tests).
+    pub hang_worker: Option<String>,
+    /// A text input that makes any worker running it exit at once, as an input that crashes
+    /// the model would (poison-input tests).
+    pub crash_on: Option<String>,
 }
 
 impl SimConfig {
@@ -72,6 +78,8 @@ impl Default for SimConfig {
             model_bytes: 100 << 20,
             activation_bytes_per_item: 1 << 20,
             models: HashMap::new(),
+            hang_worker: None,
+            crash_on: None,
         }
     }
 }
@@ -90,6 +98,8 @@ pub struct SimModelConfig {
 #[derive(Debug)]
 pub struct SimDevice {
     pub config: SimConfig,
+    /// This worker hangs on every batch (`hang_worker` names it).
+    hangs: bool,
     /// Peak bytes in use since the last cache clear (a caching allocator's reserve).
     peak: AtomicU64,
     busy_nanos: AtomicU64,
@@ -98,8 +108,9 @@ pub struct SimDevice {
 }
 
 impl SimDevice {
-    pub fn new(config: SimConfig) -> Self {
+    pub fn new(config: SimConfig, worker_id: &str) -> Self {
         Self {
+            hangs: config.hang_worker.as_deref() == Some(worker_id),
             config,
             peak: AtomicU64::new(0),
             busy_nanos: AtomicU64::new(0),
@@ -207,6 +218,20 @@ impl Model for SimModel {
                 self.memory_bytes
             )));
         }
+        if let Some(marker) = &self.device.config.crash_on
+            && inputs
+                .iter()
+                .any(|i| matches!(&i.value, Some(tool_input::Value::Text(t)) if t == marker))
+        {
+            tracing::error!("sim: the input {marker:?} crashes this worker (sim.crash_on)");
+            std::process::exit(101);
+        }
+        if self.device.hangs {
+            tracing::warn!("sim: this worker hangs on every batch (sim.hang_worker)");
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
         let started = Instant::now();
         self.device.peak.fetch_max(need, Ordering::Relaxed);
         let latency = self.base_latency + self.per_item_latency * inputs.len() as f64;
@@ -242,7 +267,7 @@ mod tests {
 
     #[test]
     fn echoes_each_input_in_order() {
-        let model = SimModel::load("t", &Arc::new(SimDevice::new(SimConfig::default())));
+        let model = SimModel::load("t", &Arc::new(SimDevice::new(SimConfig::default(), "w")));
         let out = model
             .execute(
                 &[text("a"), text("b"), ToolInput::default()],
@@ -270,7 +295,7 @@ mod tests {
             activation_bytes_per_item: 100,
             ..Default::default()
         };
-        let device = Arc::new(SimDevice::new(config));
+        let device = Arc::new(SimDevice::new(config, "w"));
         let model = SimModel::load("t", &device);
         let batch: Vec<_> = (0..10).map(|i| text(&i.to_string())).collect();
         assert!(matches!(
@@ -296,7 +321,7 @@ mod tests {
             base_latency_ms: 30.0,
             ..Default::default()
         };
-        let device = Arc::new(SimDevice::new(config));
+        let device = Arc::new(SimDevice::new(config, "w"));
         device.utilization();
         let model = SimModel::load("t", &device);
         model.execute(&[text("a")], &ExecLimits::default()).unwrap();
@@ -316,7 +341,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        let device = Arc::new(SimDevice::new(config));
+        let device = Arc::new(SimDevice::new(config, "w"));
         let big = SimModel::load("big", &device);
         assert!(matches!(
             big.to_device(&Device::Cpu),

@@ -1,24 +1,63 @@
 //! An external MCP server (stdio command or Streamable HTTP URL) through the official Rust SDK.
-//! The session is opened on first use, kept, and opened again when a call finds it dead.
+//! The session is opened on first use, kept, and opened again when a call finds it dead. Every
+//! connect and call has a deadline, no lock is held while connecting, and the tool listing is
+//! kept for a while (`tools_ttl_seconds`) and dropped when the server says it changed
+//! (`notifications/tools/list_changed`).
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use rmcp::model::{CallToolRequestParams, CallToolResult, MetaObject, RequestMetaObject};
-use rmcp::service::RunningService;
+use rmcp::service::{NotificationContext, RunningService};
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
-use rmcp::{Peer, RoleClient, ServiceExt as _};
+use rmcp::{ClientHandler, Peer, RoleClient, ServiceExt as _};
 use serde_json::Value;
 use tokio::sync::Mutex;
 
 use crate::config::ServerConfig;
 use crate::sandbox::ToolSpec;
 
-type Session = RunningService<RoleClient, ()>;
+type Session = RunningService<RoleClient, Listener>;
+
+/// Hears the server's notifications: a changed tool list drops the cached one.
+#[derive(Clone, Default)]
+struct Listener {
+    tools_changed: Arc<AtomicU64>,
+}
+
+impl ClientHandler for Listener {
+    async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
+        self.tools_changed.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Deadlines and caching of one server.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub connect: Duration,
+    pub call: Duration,
+    pub tools_ttl: Duration,
+}
+
+/// A tool listing, as of when it was fetched.
+struct Listing {
+    at: Instant,
+    generation: u64,
+    tools: Vec<ToolSpec>,
+}
 
 pub struct McpServer {
     name: String,
     config: ServerConfig,
+    timing: Timing,
     session: Mutex<Option<Session>>,
+    /// Held while connecting, so concurrent callers wait for one connect (at most its deadline)
+    /// rather than each opening a session; never held with `session`.
+    connecting: Mutex<()>,
+    listener: Listener,
+    listing: Mutex<Option<Listing>>,
 }
 
 /// How a call failed: the server answered with an error, or the session is unusable.
@@ -28,24 +67,49 @@ enum CallError {
 }
 
 impl McpServer {
-    pub fn new(name: String, config: ServerConfig) -> Self {
+    pub fn new(name: String, config: ServerConfig, timing: Timing) -> Self {
         Self {
             name,
             config,
+            timing,
             session: Mutex::new(None),
+            connecting: Mutex::new(()),
+            listener: Listener::default(),
+            listing: Mutex::new(None),
         }
     }
 
     async fn connect(&self) -> Result<Session, String> {
+        let deadline = self.timing.connect;
+        match tokio::time::timeout(deadline, self.open()).await {
+            Ok(session) => session,
+            Err(_) => Err(format!(
+                "connecting to MCP server {:?}: no session within {} s",
+                self.name,
+                deadline.as_secs_f64()
+            )),
+        }
+    }
+
+    async fn open(&self) -> Result<Session, String> {
         let what =
             |e: &dyn std::fmt::Display| format!("connecting to MCP server {:?}: {e}", self.name);
+        let listener = self.listener.clone();
         if let Some(command) = &self.config.command {
             let mut cmd = tokio::process::Command::new(command);
+            // A clean environment: nothing of the gateway's (its token, exporter headers) but
+            // what a program needs to run, and the server's own `env`.
+            cmd.env_clear();
+            for key in ["PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ"] {
+                if let Some(value) = std::env::var_os(key) {
+                    cmd.env(key, value);
+                }
+            }
             cmd.args(&self.config.args).envs(&self.config.env);
             // The server's stderr is its log; keep it out of the gateway's stdout.
             cmd.stderr(std::process::Stdio::inherit());
             let transport = TokioChildProcess::new(cmd).map_err(|e| what(&e))?;
-            ().serve(transport).await.map_err(|e| what(&e))
+            listener.serve(transport).await.map_err(|e| what(&e))
         } else {
             let url = self.config.url.clone().unwrap_or_default();
             let mut headers = HashMap::new();
@@ -57,20 +121,35 @@ impl McpServer {
             let config = rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(url)
                 .custom_headers(headers);
             let transport = StreamableHttpClientTransport::from_config(config);
-            ().serve(transport).await.map_err(|e| what(&e))
+            listener.serve(transport).await.map_err(|e| what(&e))
         }
     }
 
-    /// A handle on a live session, opening one if there is none (or the last one closed).
-    async fn peer(&self) -> Result<Peer<RoleClient>, String> {
+    /// The live session's peer, if there is one.
+    async fn live_peer(&self) -> Option<Peer<RoleClient>> {
         let mut guard = self.session.lock().await;
         if guard.as_ref().is_some_and(|s| s.is_closed()) {
             guard.take();
         }
-        if guard.is_none() {
-            *guard = Some(self.connect().await?);
+        guard.as_ref().map(|s| s.peer().clone())
+    }
+
+    /// A handle on a live session, opening one if there is none (or the last one closed).
+    async fn peer(&self) -> Result<Peer<RoleClient>, String> {
+        if let Some(peer) = self.live_peer().await {
+            return Ok(peer);
         }
-        Ok(guard.as_ref().expect("just set").peer().clone())
+        let _connecting = self.connecting.lock().await;
+        // Someone else may have connected while this caller waited.
+        if let Some(peer) = self.live_peer().await {
+            return Ok(peer);
+        }
+        let session = self.connect().await?;
+        let peer = session.peer().clone();
+        *self.session.lock().await = Some(session);
+        // A new session may see other tools.
+        self.listing.lock().await.take();
+        Ok(peer)
     }
 
     /// Runs `f` on a live session; when the session itself fails, opens a new one and tries once
@@ -98,23 +177,40 @@ impl McpServer {
         unreachable!("the loop returns")
     }
 
+    /// The server's tools: the kept listing while it is fresh and unchanged, else a new one.
     pub async fn tools(&self) -> Result<Vec<ToolSpec>, String> {
-        self.with_session(|peer| async move {
-            peer.list_all_tools()
-                .await
-                .map_err(|e| CallError::Session(e.to_string()))
-        })
-        .await
-        .map(|tools| {
-            tools
-                .into_iter()
-                .map(|t| ToolSpec {
-                    name: t.name.to_string(),
-                    description: t.description.map(|d| d.to_string()).unwrap_or_default(),
-                    input_schema: Value::Object((*t.input_schema).clone()),
-                })
-                .collect()
-        })
+        let generation = self.listener.tools_changed.load(Ordering::Relaxed);
+        if let Some(listing) = self.listing.lock().await.as_ref()
+            && listing.generation == generation
+            && listing.at.elapsed() < self.timing.tools_ttl
+        {
+            return Ok(listing.tools.clone());
+        }
+        let deadline = self.timing.call;
+        let tools: Vec<ToolSpec> = self
+            .with_session(|peer| async move {
+                match tokio::time::timeout(deadline, peer.list_all_tools()).await {
+                    Ok(listed) => listed.map_err(|e| CallError::Session(e.to_string())),
+                    Err(_) => Err(CallError::Tool(format!(
+                        "listing tools: no answer within {} s",
+                        deadline.as_secs_f64()
+                    ))),
+                }
+            })
+            .await?
+            .into_iter()
+            .map(|t| ToolSpec {
+                name: t.name.to_string(),
+                description: t.description.map(|d| d.to_string()).unwrap_or_default(),
+                input_schema: Value::Object((*t.input_schema).clone()),
+            })
+            .collect();
+        *self.listing.lock().await = Some(Listing {
+            at: Instant::now(),
+            generation,
+            tools: tools.clone(),
+        });
+        Ok(tools)
     }
 
     /// Calls `tool` with `arguments`, carrying `trace` (`traceparent`, `tracestate`, `baggage`)
@@ -138,14 +234,24 @@ impl McpServer {
         let mut params =
             CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments.clone());
         params.meta = Some(RequestMetaObject(meta));
+        let deadline = self.timing.call;
         let result = self
             .with_session(|peer| {
                 let params = params.clone();
                 async move {
-                    peer.call_tool(params).await.map_err(|e| match e {
-                        rmcp::ServiceError::McpError(e) => CallError::Tool(e.message.to_string()),
-                        other => CallError::Session(other.to_string()),
-                    })
+                    match tokio::time::timeout(deadline, peer.call_tool(params)).await {
+                        Ok(called) => called.map_err(|e| match e {
+                            rmcp::ServiceError::McpError(e) => {
+                                CallError::Tool(e.message.to_string())
+                            }
+                            other => CallError::Session(other.to_string()),
+                        }),
+                        // Not retried: the tool may still be working on it.
+                        Err(_) => Err(CallError::Tool(format!(
+                            "no answer within {} s (the server's call timeout)",
+                            deadline.as_secs_f64()
+                        ))),
+                    }
                 }
             })
             .await?;

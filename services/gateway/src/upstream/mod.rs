@@ -71,6 +71,22 @@ impl Upstreams {
         )
     }
 
+    /// The names to record for a call: the server and tool as given when they exist (the
+    /// tool in the server's kept listing), else `unknown`, so names sandboxed code makes up never
+    /// become attribute values.
+    async fn labels(&self, server: &str, tool: &str) -> (String, String) {
+        const UNKNOWN: &str = "unknown";
+        if !self.server_names().iter().any(|s| s == server) {
+            return (UNKNOWN.into(), UNKNOWN.into());
+        }
+        let known = match self.tools(server).await {
+            Ok(tools) => tools.iter().any(|t| t.name == tool),
+            Err(_) => false,
+        };
+        let tool = if known { tool } else { UNKNOWN };
+        (server.to_owned(), tool.to_owned())
+    }
+
     /// Calls `server.tool` in context `cx`, recording the span and metrics.
     pub async fn call(
         &self,
@@ -79,10 +95,11 @@ impl Upstreams {
         tool: &str,
         arguments: &Value,
     ) -> Result<Value, tonic::Status> {
+        let (server_label, tool_label) = self.labels(server, tool).await;
         let span = GroupSpan::start(SpanGroup::Upstream, "nomad.gateway.upstream_tool", cx);
         span.set_attributes([
-            KeyValue::new("nomad.gateway.server", server.to_owned()),
-            KeyValue::new("nomad.gateway.tool", tool.to_owned()),
+            KeyValue::new("nomad.gateway.server", server_label.clone()),
+            KeyValue::new("nomad.gateway.tool", tool_label.clone()),
         ]);
         let started = Instant::now();
         let result = self
@@ -91,18 +108,22 @@ impl Upstreams {
             .await;
         let status = if result.is_ok() { "ok" } else { "error" };
         span.set_attribute(KeyValue::new("nomad.gateway.status", status));
+        // Logs carry at most LOGGED_BYTES of any name, argument, result or error.
+        let (server_log, tool_log) = (clip(server), clip(tool));
         match &result {
-            Ok(value) => tracing::debug!(server, tool, arguments = %self.policy.redact(arguments),
-                result = %self.policy.redact(value), "upstream call"),
+            Ok(value) => tracing::debug!(server = %server_log, tool = %tool_log,
+                arguments = %clip(&self.policy.redact(arguments).to_string()),
+                result = %clip(&self.policy.redact(value).to_string()), "upstream call"),
             Err(e) => {
                 span.set_error(format!("{:?}", e.code()), e.message());
-                tracing::info!(server, tool, arguments = %self.policy.redact(arguments),
-                    error = e.message(), "upstream call failed");
+                tracing::info!(server = %server_log, tool = %tool_log,
+                    arguments = %clip(&self.policy.redact(arguments).to_string()),
+                    error = %clip(e.message()), "upstream call failed");
             }
         }
         let attributes = [
-            KeyValue::new("server", server.to_owned()),
-            KeyValue::new("tool", tool.to_owned()),
+            KeyValue::new("server", server_label),
+            KeyValue::new("tool", tool_label),
             KeyValue::new("status", status),
         ];
         self.calls.add(1, &attributes);
@@ -135,6 +156,21 @@ impl Upstreams {
             .await
             .map_err(tonic::Status::unavailable)
     }
+}
+
+/// Bytes of any one value a log line carries.
+const LOGGED_BYTES: usize = 1024;
+
+/// `text` cut to [`LOGGED_BYTES`] at a character boundary, saying how much was left out.
+fn clip(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= LOGGED_BYTES {
+        return text.into();
+    }
+    let mut end = LOGGED_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes in all)", &text[..end], text.len()).into()
 }
 
 /// The tool host one sandboxed run sees: every call runs in that run's context.

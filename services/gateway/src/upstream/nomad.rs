@@ -9,6 +9,9 @@ use crate::sandbox::ToolSpec;
 
 pub const NAME: &str = "nomad";
 
+/// How long listing the scheduler's tools may take.
+const LIST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The JSON Schema of a tool's arguments, from its kind's table.
 pub fn input_schema(kind: &str) -> Value {
     use nomad_proto::kinds::{InputType, OptionType};
@@ -51,13 +54,43 @@ pub fn input_schema(kind: &str) -> Value {
     json!({"type": "object", "properties": properties, "required": [required]})
 }
 
-#[derive(Clone)]
 pub struct Nomad {
-    pub scheduler: SchedulerClient<nomad_rpc::Channel>,
+    scheduler: SchedulerClient<nomad_rpc::Channel>,
+    /// The scheduler's tools as last listed, kept for `ttl`.
+    listing: tokio::sync::Mutex<Option<(std::time::Instant, Vec<ToolSpec>)>>,
+    ttl: std::time::Duration,
 }
 
 impl Nomad {
+    pub fn new(scheduler: SchedulerClient<nomad_rpc::Channel>, ttl: std::time::Duration) -> Self {
+        Self {
+            scheduler,
+            listing: tokio::sync::Mutex::new(None),
+            ttl,
+        }
+    }
+
+    /// The scheduler's tools: the kept listing while it is fresh, else a new one.
     pub async fn tools(&self) -> Result<Vec<ToolSpec>, String> {
+        let mut listing = self.listing.lock().await;
+        if let Some((at, tools)) = listing.as_ref()
+            && at.elapsed() < self.ttl
+        {
+            return Ok(tools.clone());
+        }
+        let tools = tokio::time::timeout(LIST_DEADLINE, self.list())
+            .await
+            .map_err(|_| {
+                format!(
+                    "listing the scheduler's tools: no answer within {} s",
+                    LIST_DEADLINE.as_secs()
+                )
+            })??;
+        *listing = Some((std::time::Instant::now(), tools.clone()));
+        Ok(tools)
+    }
+
+    async fn list(&self) -> Result<Vec<ToolSpec>, String> {
         let listed = self
             .scheduler
             .clone()

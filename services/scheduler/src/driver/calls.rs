@@ -17,14 +17,31 @@ use tonic::Status;
 
 use super::handle::Command;
 
-/// Where a call reports: its metrics, and the driver's channel.
+/// Where a call reports (its metrics, and the driver's channel), and its deadlines.
 #[derive(Clone)]
 pub(super) struct Back {
     pub metrics: Arc<Metrics>,
     pub tx: mpsc::Sender<Command>,
+    pub deadlines: Deadlines,
+}
+
+/// `call`, bounded by `deadline`: a worker that misses it is as good as gone, so the result is
+/// the UNAVAILABLE that marks a lost worker.
+async fn within<T>(
+    deadline: std::time::Duration,
+    what: &str,
+    call: impl std::future::Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    match tokio::time::timeout(deadline, call).await {
+        Ok(result) => result,
+        Err(_) => Err(Status::unavailable(format!(
+            "no answer to {what} within {} s",
+            deadline.as_secs_f64()
+        ))),
+    }
 }
 use super::status::lost;
-use crate::config::ToolConfig;
+use crate::config::{Deadlines, ToolConfig};
 use crate::metrics::Metrics;
 use crate::workers::Worker;
 
@@ -33,18 +50,22 @@ pub(super) async fn execute_batch(
     worker: Worker,
     batch: BatchId,
     request: ExecuteBatchRequest,
+    deadline: std::time::Duration,
     batch_span: GroupSpan,
     mut attributes: Vec<KeyValue>,
     back: Back,
 ) {
-    let Back { metrics, tx } = back;
+    let Back { metrics, tx, .. } = back;
     let size = request.inputs.len();
     let started = Instant::now();
     let mut client = worker.client.clone();
-    let reply = client
-        .execute_batch(request)
-        .with_context(batch_span.context().clone())
-        .await;
+    let reply = within(
+        deadline,
+        "a batch (execute_timeout_seconds)",
+        client.execute_batch(request),
+    )
+    .with_context(batch_span.context().clone())
+    .await;
     let (result, outputs, lost_reason) = match reply {
         Ok(reply) => match reply.into_inner().outcome {
             Some(execute_batch_response::Outcome::Results(results)) => {
@@ -137,7 +158,11 @@ pub(super) async fn prepare(
     load: Option<LoadKind>,
     back: Back,
 ) {
-    let Back { metrics, tx } = back;
+    let Back {
+        metrics,
+        tx,
+        deadlines,
+    } = back;
     let mut attributes = worker.tool_attributes(&config.name);
     if let Some(o) = &offload {
         attributes.push(KeyValue::new("nomad.tool.offload", o.clone()));
@@ -154,9 +179,13 @@ pub(super) async fn prepare(
             ..Default::default()
         },
     );
-    let outcome = prepare_on_worker(&worker, &config, offload, load, &metrics)
-        .with_context(span.context().clone())
-        .await;
+    let outcome = within(
+        deadlines.prepare,
+        "preparing a slot (prepare_timeout_seconds)",
+        prepare_on_worker(&worker, &config, offload, load, &metrics),
+    )
+    .with_context(span.context().clone())
+    .await;
     let (result, lost_reason) = match outcome {
         Ok(()) => (Ok(()), None),
         Err(status) if lost(&status) => (
@@ -244,7 +273,11 @@ pub(super) enum Maintenance {
 
 /// Carries out `what` on `worker` and reports `SlotFreed`.
 pub(super) async fn maintain(worker: Worker, slot: SlotId, what: Maintenance, back: Back) {
-    let Back { metrics, tx } = back;
+    let Back {
+        metrics,
+        tx,
+        deadlines,
+    } = back;
     let (name, attributes) = match &what {
         Maintenance::Evict(t) => ("nomad.tool.evict", worker.tool_attributes(t)),
         Maintenance::Unload(t) => ("nomad.tool.unload", worker.tool_attributes(t)),
@@ -261,12 +294,13 @@ pub(super) async fn maintain(worker: Worker, slot: SlotId, what: Maintenance, ba
     );
     let mut client = worker.client.clone();
     let cx = span.context().clone();
+    let deadline = deadlines.maintain;
+    let step = "maintenance (maintain_timeout_seconds)";
     let result = match what {
         Maintenance::Evict(tool) => {
             metrics.device_idle_evictions.add(1, &attributes);
             metrics.device_offloads.add(1, &attributes);
-            client
-                .offload(OffloadRequest { tool })
+            within(deadline, step, client.offload(OffloadRequest { tool }))
                 .with_context(cx)
                 .await
                 .map(|_| ())
@@ -275,8 +309,7 @@ pub(super) async fn maintain(worker: Worker, slot: SlotId, what: Maintenance, ba
             metrics
                 .disk_unloads
                 .add(1, &[KeyValue::new("tool", tool.clone())]);
-            client
-                .unload(UnloadRequest { tool })
+            within(deadline, step, client.unload(UnloadRequest { tool }))
                 .with_context(cx)
                 .await
                 .map(|_| ())
@@ -284,8 +317,7 @@ pub(super) async fn maintain(worker: Worker, slot: SlotId, what: Maintenance, ba
         Maintenance::ClearCache => {
             metrics.cache_clears.add(1, &attributes);
             let started = Instant::now();
-            let r = client
-                .clear_cache(ClearCacheRequest {})
+            let r = within(deadline, step, client.clear_cache(ClearCacheRequest {}))
                 .with_context(cx)
                 .await
                 .map(|_| ());

@@ -29,7 +29,7 @@ use tonic::Status;
 use self::calls::Maintenance;
 use self::handle::Command;
 pub use self::handle::{Handle, Served};
-use crate::config::ToolConfig;
+use crate::config::{Deadlines, ToolConfig};
 use crate::metrics::{Metrics, Published};
 use crate::workers::{Worker, WorkerRegistry};
 
@@ -69,11 +69,22 @@ pub struct Running {
 }
 
 /// Starts the driver for `tools`, with the model-serving instruments.
-pub fn start(tools: Vec<ToolConfig>, timing: Timing, registry: Arc<WorkerRegistry>) -> Running {
+pub fn start(
+    tools: Vec<ToolConfig>,
+    timing: Timing,
+    deadlines: Deadlines,
+    registry: Arc<WorkerRegistry>,
+) -> Running {
     let published = Arc::new(Mutex::new(Published::default()));
     let gauges = crate::metrics::gauges(published.clone(), registry.clone());
-    let (driver, handle) =
-        Driver::new(tools, timing, registry, Arc::new(Metrics::new()), published);
+    let (driver, handle) = Driver::new(
+        tools,
+        timing,
+        deadlines,
+        registry,
+        Arc::new(Metrics::new()),
+        published,
+    );
     Running {
         handle,
         task: tokio::spawn(driver.run()),
@@ -101,6 +112,7 @@ pub struct Driver {
     pending: HashMap<RequestId, Pending>,
     metrics: Arc<Metrics>,
     published: Arc<Mutex<Published>>,
+    deadlines: Deadlines,
 }
 
 impl Driver {
@@ -108,6 +120,7 @@ impl Driver {
     pub fn new(
         tools: Vec<ToolConfig>,
         timing: Timing,
+        deadlines: Deadlines,
         registry: Arc<WorkerRegistry>,
         metrics: Arc<Metrics>,
         published: Arc<Mutex<Published>>,
@@ -132,6 +145,7 @@ impl Driver {
             pending: HashMap::new(),
             metrics,
             published,
+            deadlines,
         };
         let handle = Handle {
             tx,
@@ -196,10 +210,16 @@ impl Driver {
                     );
                 }
                 Err(rejection) => {
+                    // A name no tool has is a caller's, not a label: it would let any caller
+                    // grow the metric's attribute sets without bound.
+                    let label = match rejection {
+                        nomad_scheduler_core::Rejection::UnknownTool => "unknown".to_owned(),
+                        _ => tool.clone(),
+                    };
                     self.metrics.request_rejections.add(
                         1,
                         &[
-                            KeyValue::new("tool", tool.clone()),
+                            KeyValue::new("tool", label),
                             KeyValue::new("reason", rejection.reason()),
                         ],
                     );
@@ -483,6 +503,7 @@ impl Driver {
             worker,
             batch,
             request,
+            self.tools[tool].execute_timeout,
             batch_span,
             attributes,
             self.back(),
@@ -519,6 +540,7 @@ impl Driver {
         calls::Back {
             metrics: self.metrics.clone(),
             tx: self.tx.clone(),
+            deadlines: self.deadlines,
         }
     }
 
