@@ -1,6 +1,7 @@
 """A real MCP server (the official Python SDK) for the gateway's tests.
 
-Its tool `shout` upper-cases a text and appends what it received in `_meta` (traceparent,
+Its tool `environment` lists the names of the variables in its environment. Its tool `shout`
+upper-cases a text and appends what it received in `_meta` (traceparent,
 baggage) as one JSON line to the --record file, so a test can check the call stayed in the
 caller's trace.
 
@@ -31,6 +32,14 @@ def shout(text: str, ctx: Context) -> str:
         f.write(json.dumps({"transport": args.transport, "traceparent": meta.get("traceparent"),
                             "baggage": meta.get("baggage")}) + "\n")
     return text.upper()
+
+
+@app.tool()
+def environment() -> list[str]:
+    """The names of the variables in this server's environment."""
+    import os
+
+    return sorted(os.environ)
 
 
 if __name__ == "__main__":

@@ -212,5 +212,21 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
         .unwrap();
     assert!(!weak.status.success());
     assert!(String::from_utf8_lossy(&weak.stderr).contains("at least 16"));
+
+    // A run id that is not a plain name never reaches the filesystem.
+    let escape = clean("nomad")
+        .args(["up", "--workers", "1", "--runs-dir"])
+        .arg(dir.join("runs"))
+        .env("NOMAD_OTEL_RUN_ID", "../x")
+        .output()
+        .await
+        .unwrap();
+    assert!(!escape.status.success());
+    let said = String::from_utf8_lossy(&escape.stderr);
+    assert!(
+        said.contains("run id \"../x\"") && said.contains("1 to 64"),
+        "{said}"
+    );
+    assert!(!dir.join("x").exists() && !dir.join("runs").exists());
     let _ = std::fs::remove_dir_all(dir);
 }

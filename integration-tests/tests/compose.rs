@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::{Duration, Instant, SystemTime};
 
-use nomad_integration_tests::fleet::{binary, models_dir};
+use nomad_integration_tests::fleet::{TEST_TOKEN, binary, models_dir, rpc_channel};
 use nomad_integration_tests::spans::{SpanRecord, check_rollout_traces, from_otlp};
 use nomad_proto::jaeger::query_service_client::QueryServiceClient;
 use nomad_proto::jaeger::{FindTracesRequest, TraceQueryParameters};
@@ -64,6 +64,7 @@ impl Stack {
             ])
             .args(args)
             .env("NOMAD_IMAGE", &self.image)
+            .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
             .env("NOMAD_TEST_MODELS_DIR", models_dir())
             .env("COMPOSE_PROFILES", "cpu")
             .output()
@@ -96,8 +97,8 @@ impl Drop for Stack {
     }
 }
 
-async fn head() -> HeadClient<tonic::transport::Channel> {
-    HeadClient::connect("http://127.0.0.1:7000").await.unwrap()
+async fn head() -> HeadClient<nomad_rpc::Channel> {
+    HeadClient::new(rpc_channel("127.0.0.1:7000"))
 }
 
 /// Runs `tasks` through the head container; `during` sees the run's progress while it runs.
@@ -210,10 +211,16 @@ async fn the_compose_stack_serves_rollouts_as_whole_traces_and_survives_a_stoppe
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let mut scheduler = SchedulerClient::connect("http://127.0.0.1:7002")
+    // Every call needs the fleet's token; without it, UNAUTHENTICATED.
+    let stranger = SchedulerClient::connect("http://127.0.0.1:7002")
         .await
-        .unwrap();
-    let workers = |s: &mut SchedulerClient<tonic::transport::Channel>| {
+        .unwrap()
+        .list_workers(ListWorkersRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(stranger.code(), tonic::Code::Unauthenticated);
+    let mut scheduler = SchedulerClient::new(rpc_channel("127.0.0.1:7002"));
+    let workers = |s: &mut SchedulerClient<nomad_rpc::Channel>| {
         let mut s = s.clone();
         async move {
             s.list_workers(ListWorkersRequest {})
@@ -227,6 +234,16 @@ async fn the_compose_stack_serves_rollouts_as_whole_traces_and_survives_a_stoppe
     while workers(&mut scheduler).await < 2 {
         assert!(Instant::now() < deadline, "two workers did not register");
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The MCP endpoint answers agents in other containers, who reach it as gateway:7010; a Host
+    // it does not know (DNS rebinding) is refused.
+    for (host, expected) in [
+        ("gateway:7010", "HTTP/1.1 200"),
+        ("attacker.example", "HTTP/1.1 403"),
+    ] {
+        let response = mcp_initialize("127.0.0.1:7010", host).await;
+        assert!(response.starts_with(expected), "Host {host}: {response}");
     }
 
     // Rollouts through the containers, tool calls and sandboxed code alike: each is one trace
@@ -345,4 +362,23 @@ async fn the_compose_stack_serves_rollouts_as_whole_traces_and_survives_a_stoppe
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// An MCP `initialize` POST with `Host: host` and the fleet's token; the response head.
+async fn mcp_initialize(addr: &str, host: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let body = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-03-26","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}"#;
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nAuthorization: Bearer {TEST_TOKEN}\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut response))
+        .await
+        .map_or(0, |r| r.unwrap_or(0));
+    String::from_utf8_lossy(&response[..n]).into_owned()
 }

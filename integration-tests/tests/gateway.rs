@@ -40,7 +40,7 @@ fn options_with_sandbox(
         )),
         config_yaml: format!(
             "servers:\n\
-             \x20 echo_stdio: {{command: {python}, args: [{server}, --transport, stdio, --record, {record}]}}\n\
+             \x20 echo_stdio: {{command: {python}, args: [{server}, --transport, stdio, --record, {record}], env: {{UPSTREAM_GREETING: hi}}}}\n\
              \x20 echo_http: {{url: \"{http_upstream}\"}}\n\
              gateway:\n  workspace_root: {root}\n{extra}\
              sandbox:\n  timeout_seconds: 3\n{sandbox}",
@@ -288,7 +288,12 @@ async fn the_http_endpoint_needs_the_bearer_token() {
     let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
     let mut fleet = Fleet::start(FleetOptions {
         auth: true,
-        ..options(&dir, &upstream.url, "")
+        ..options(
+            &dir,
+            &upstream.url,
+            "  mcp_allowed_hosts: [\"gateway.example:7010\"]\n  \
+             mcp_allowed_origins: [\"https://app.example:443\"]\n",
+        )
     })
     .await;
     let calls = json!([{"tool": "search_code_tools", "arguments": {"query": "shout"}}]);
@@ -302,6 +307,31 @@ async fn the_http_endpoint_needs_the_bearer_token() {
                 .to_ascii_lowercase()
                 .contains("www-authenticate: bearer"),
             "{response}"
+        );
+    }
+    // With the token: a Host it was told of is served, any other refused (DNS rebinding).
+    let token = format!(
+        "Authorization: Bearer {}\r\n",
+        nomad_integration_tests::fleet::TEST_TOKEN
+    );
+    for (host, expected) in [
+        ("gateway.example:7010", "HTTP/1.1 200"),
+        (addr.trim(), "HTTP/1.1 200"),
+        ("attacker.example", "HTTP/1.1 403"),
+    ] {
+        let response = raw_post_as(addr.trim(), host, &token).await;
+        assert!(response.starts_with(expected), "Host {host}: {response}");
+    }
+    // A browser page of an origin it was not told of is refused; the allowed one is served.
+    for (origin, expected) in [
+        ("https://app.example", "HTTP/1.1 200"),
+        ("https://attacker.example", "HTTP/1.1 403"),
+    ] {
+        let headers = format!("{token}Origin: {origin}\r\n");
+        let response = raw_post_as(addr.trim(), addr.trim(), &headers).await;
+        assert!(
+            response.starts_with(expected),
+            "Origin {origin}: {response}"
         );
     }
     for token in [None, Some("wrong-token-0123456789abcdef")] {
@@ -512,10 +542,15 @@ async fn scripts_run_only_from_inside_the_workspace_root() {
 
 /// An MCP `initialize` POST over plain HTTP/1.1; returns the raw response head.
 async fn raw_post(addr: &str, auth_header: &str) -> String {
+    raw_post_as(addr, addr, auth_header).await
+}
+
+/// As [`raw_post`], with `Host: host`.
+async fn raw_post_as(addr: &str, host: &str, auth_header: &str) -> String {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let body = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-03-26","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}"#;
     let request = format!(
-        "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+        "POST /mcp HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n\
          Accept: application/json, text/event-stream\r\n{auth_header}Content-Length: {}\r\n\
          Connection: close\r\n\r\n{body}",
         body.len()
@@ -535,11 +570,14 @@ async fn raw_post(addr: &str, auth_header: &str) -> String {
 async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist() {
     let dir = Fleet::new_dir();
     let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
-    let mut fleet = Fleet::start(options(
-        &dir,
-        &upstream.url,
-        "  allowlist: [\"nomad:*\", \"echo_stdio:*\"]\n",
-    ))
+    let mut fleet = Fleet::start(
+        options(
+            &dir,
+            &upstream.url,
+            "  allowlist: [\"nomad:*\", \"echo_stdio:*\"]\n",
+        )
+        .service_env(Service::Gateway, "GATEWAY_SECRET", "hunter2"),
+    )
     .await;
     // A second gateway, spawned by the Python client as a stdio MCP server, same config.
     let command = vec![
@@ -590,6 +628,35 @@ async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist(
         "{}",
         refused.message()
     );
+
+    // A stdio upstream starts with a clean environment: none of the gateway's (its secret, its
+    // telemetry and fleet settings), only what a program needs and the server's own `env`.
+    let env = gateway
+        .call_tool(nomad_proto::v1::GatewayCallToolRequest {
+            server: "echo_stdio".into(),
+            tool: "environment".into(),
+            arguments_json: "{}".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let names: Value = serde_json::from_str(&env.result_json).unwrap();
+    let names: BTreeSet<&str> = names["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains("PATH") && names.contains("UPSTREAM_GREETING"),
+        "{names:?}"
+    );
+    for leaked in ["GATEWAY_SECRET", "RUST_LOG"] {
+        assert!(
+            !names.contains(leaked),
+            "{leaked} reached the upstream: {names:?}"
+        );
+    }
 
     // A dead upstream session is opened again on the next call.
     let shout = |text: &str| nomad_proto::v1::GatewayCallToolRequest {
@@ -694,5 +761,72 @@ RESULT = failed
         labels("nomad.tool.request_rejections", "tool"),
         BTreeSet::from(["unknown".to_owned()])
     );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_upstream_times_out_without_stalling_the_others() {
+    let dir = Fleet::new_dir();
+    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    // Accepts connections and never answers.
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hole_addr = hole.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = hole.accept().await {
+            held.push(socket);
+        }
+    });
+    let mut options = options(&dir, &upstream.url, "");
+    options.config_yaml = options.config_yaml.replacen(
+        "servers:\n",
+        &format!(
+            "servers:\n  black: {{url: \"http://{hole_addr}/mcp\", connect_timeout_seconds: 1}}\n"
+        ),
+        1,
+    );
+    let mut fleet = Fleet::start(options).await;
+    let gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
+        .await
+        .unwrap();
+    let call = |server: &str| {
+        let mut gateway = gateway.clone();
+        let request = nomad_proto::v1::GatewayCallToolRequest {
+            server: server.into(),
+            tool: "shout".into(),
+            arguments_json: r#"{"text": "hi"}"#.into(),
+        };
+        async move {
+            let started = std::time::Instant::now();
+            let result = gateway.call_tool(request).await;
+            (result, started.elapsed())
+        }
+    };
+    let (black, quick) = tokio::join!(call("black"), async {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        call("echo_stdio").await
+    });
+    let (quick, quick_took) = quick;
+    assert_eq!(
+        quick.unwrap().into_inner().result_json,
+        r#"{"result":"HI"}"#
+    );
+    assert!(
+        quick_took < std::time::Duration::from_millis(900),
+        "{quick_took:?}"
+    );
+    let (black, black_took) = black;
+    let error = black.unwrap_err();
+    assert_eq!(error.code(), tonic::Code::Unavailable);
+    assert!(
+        error.message().contains("no session within 1 s"),
+        "{}",
+        error.message()
+    );
+    assert!(
+        black_took < std::time::Duration::from_secs(5),
+        "{black_took:?}"
+    );
+    fleet.terminate().await;
     let _ = std::fs::remove_dir_all(dir);
 }

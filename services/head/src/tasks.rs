@@ -106,9 +106,11 @@ pub fn resolve(raw: RawTask, template: Option<&str>) -> Result<Task, String> {
     })
 }
 
-/// JSON as a Python expression (JSON is Python but for true/false/null).
+/// JSON as a Python expression: the JSON text as a JSON string literal (also a valid Python
+/// one), decoded by `json.loads`.
 fn python_literal(value: &Value) -> String {
-    format!("__import__('json').loads({:?})", value.to_string())
+    let text = serde_json::to_string(&value.to_string()).expect("a string serializes");
+    format!("__import__('json').loads({text})")
 }
 
 /// Parses labelled task texts; on failure lists every bad one (label and reason), not just the
@@ -162,6 +164,29 @@ pub fn parse(text: &str, source: &str, template: Option<&str>) -> Result<Vec<Tas
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn inputs_reach_python_exactly_whatever_their_characters() {
+        let value = serde_json::json!({
+            "emoji": "😀 ü", "quotes": "'\"", "backslash": "a\\b", "control": "\u{1}\t\n",
+            "separator": "\u{2028}", "nested": [1, 2.5, null, true, {"k": "v"}]
+        });
+        let code = format!(
+            "import json, sys\nTASK = {}\nsys.stdout.write(json.dumps(TASK, sort_keys=True))",
+            python_literal(&value)
+        );
+        let out = std::process::Command::new("python3")
+            .args(["-c", &code])
+            .output()
+            .expect("python3 runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let back: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(back, value);
+    }
 
     #[test]
     fn the_three_kinds_of_agent_step() {
