@@ -31,8 +31,8 @@ pub struct SimConfig {
     pub activation_bytes_per_item: u64,
     /// Per-tool overrides.
     pub models: HashMap<String, SimModelConfig>,
-    /// The worker (by `--worker-id`) whose model never finishes a batch: it sleeps until the
-    /// process ends, as a hung model would (deadline tests).
+    /// The worker (by `--worker-id`) whose model never finishes its first batch: it sleeps until
+    /// the process ends, as a hung model would (deadline tests); later batches run.
     pub hang_worker: Option<String>,
     /// A text input that makes any worker running it exit at once, as an input that crashes
     /// the model would (poison-input tests).
@@ -98,8 +98,8 @@ pub struct SimModelConfig {
 #[derive(Debug)]
 pub struct SimDevice {
     pub config: SimConfig,
-    /// This worker hangs on every batch (`hang_worker` names it).
-    hangs: bool,
+    /// This worker hangs on its first batch (`hang_worker` names it); cleared once it has.
+    hangs: std::sync::atomic::AtomicBool,
     /// Peak bytes in use since the last cache clear (a caching allocator's reserve).
     peak: AtomicU64,
     busy_nanos: AtomicU64,
@@ -110,7 +110,7 @@ pub struct SimDevice {
 impl SimDevice {
     pub fn new(config: SimConfig, worker_id: &str) -> Self {
         Self {
-            hangs: config.hang_worker.as_deref() == Some(worker_id),
+            hangs: (config.hang_worker.as_deref() == Some(worker_id)).into(),
             config,
             peak: AtomicU64::new(0),
             busy_nanos: AtomicU64::new(0),
@@ -226,8 +226,8 @@ impl Model for SimModel {
             tracing::error!("sim: the input {marker:?} crashes this worker (sim.crash_on)");
             std::process::exit(101);
         }
-        if self.device.hangs {
-            tracing::warn!("sim: this worker hangs on every batch (sim.hang_worker)");
+        if self.device.hangs.swap(false, Ordering::Relaxed) {
+            tracing::warn!("sim: this batch never finishes (sim.hang_worker)");
             loop {
                 std::thread::sleep(Duration::from_secs(3600));
             }
