@@ -36,6 +36,9 @@ pub struct MetricRecord {
     pub attributes: std::collections::BTreeMap<String, String>,
     /// The value (sums, gauges) or the count (histograms); cumulative.
     pub value: f64,
+    /// A histogram's sum and largest recorded value (cumulative); `None` for other kinds.
+    pub sum: Option<f64>,
+    pub max: Option<f64>,
 }
 
 #[derive(Default)]
@@ -102,7 +105,7 @@ impl State {
                         Some(Value::AsInt(i)) => *i as f64,
                         None => f64::NAN,
                     };
-                    let mut push = |kind, attributes: &[KeyValue], value| {
+                    let mut push = |kind, attributes: &[KeyValue], value, sum, max| {
                         metrics.push(MetricRecord {
                             service_name: service_name.clone(),
                             name: m.name.clone(),
@@ -110,6 +113,8 @@ impl State {
                             kind,
                             attributes: crate::spans::kv_map(attributes),
                             value,
+                            sum,
+                            max,
                         })
                     };
                     match &m.data {
@@ -120,17 +125,17 @@ impl State {
                                 "updowncounter"
                             };
                             for p in &sum.data_points {
-                                push(kind, &p.attributes, number(&p.value));
+                                push(kind, &p.attributes, number(&p.value), None, None);
                             }
                         }
                         Some(Data::Gauge(g)) => {
                             for p in &g.data_points {
-                                push("gauge", &p.attributes, number(&p.value));
+                                push("gauge", &p.attributes, number(&p.value), None, None);
                             }
                         }
                         Some(Data::Histogram(h)) => {
                             for p in &h.data_points {
-                                push("histogram", &p.attributes, p.count as f64);
+                                push("histogram", &p.attributes, p.count as f64, p.sum, p.max);
                             }
                         }
                         _ => {}

@@ -478,3 +478,156 @@ async fn a_worker_whose_model_hangs_is_dropped_at_the_deadline_and_its_batch_ser
     // The hung worker cannot stop cleanly with its model stuck: the fleet is killed on drop.
     drop(fleet);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_input_that_kills_workers_fails_alone_while_its_seven_neighbours_are_served() {
+    let options = FleetOptions {
+        sim_workers: 3,
+        tools_yaml: Some(
+            "tools:\n\
+             \x20 - {name: t, kind: mlp, source: sim, batch_size: 8, max_devices: 3}\n\
+             tool_manager:\n\
+             \x20 heartbeat_interval_ms: 100\n\
+             \x20 max_batch_delay_ms: 200\n"
+                .into(),
+        ),
+        // The load is slow enough that all eight are queued before the first slot is ready.
+        config_yaml: "sim:\n  load_ms: 300\n  base_latency_ms: 20\n  crash_on: poison\n".into(),
+        ..Default::default()
+    };
+    let mut fleet = Fleet::start(options).await;
+    let client = fleet.scheduler_client().await;
+    let inputs: Vec<String> = (0..8)
+        .map(|i| {
+            if i == 3 {
+                "poison".into()
+            } else {
+                format!("n{i}")
+            }
+        })
+        .collect();
+    let answers = tokio::time::timeout(
+        Duration::from_secs(60),
+        futures::future::join_all(inputs.iter().map(|i| call(&client, "t", text(i), None))),
+    )
+    .await
+    .expect("requests hung after workers died");
+    for (input, answer) in inputs.iter().zip(&answers) {
+        if input == "poison" {
+            let status = answer.as_ref().expect_err("the poison input was served");
+            assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
+            assert!(
+                status
+                    .message()
+                    .contains("two workers were lost while running it"),
+                "{status}"
+            );
+        } else {
+            assert_eq!(
+                answer.as_ref().unwrap(),
+                input,
+                "a neighbour of the poison failed"
+            );
+        }
+    }
+    // It took exactly two workers with it: the first batch's and its solo retry's.
+    fleet.reap_killed().await;
+    let live = fleet
+        .pids()
+        .iter()
+        .filter(|(s, _)| *s == nomad_integration_tests::Service::DeviceWorker)
+        .count();
+    assert_eq!(
+        live,
+        1,
+        "{}",
+        fleet.stderr(nomad_integration_tests::Service::Scheduler)
+    );
+    // The survivor still serves.
+    assert_eq!(
+        call(&client, "t", text("after"), None).await.unwrap(),
+        "after"
+    );
+    fleet.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_one_mib_inputs_go_in_batches_under_the_byte_budget_and_are_all_answered() {
+    let receiver = OtlpReceiver::grpc().await;
+    let options = FleetOptions {
+        sim_workers: 1,
+        tools_yaml: Some(
+            "tools:\n\
+             \x20 - {name: big, kind: mlp, source: sim, batch_size: 32}\n\
+             tool_manager:\n\
+             \x20 max_batch_delay_ms: 500\n"
+                .into(),
+        ),
+        config_yaml: "sim:\n  load_ms: 300\n  base_latency_ms: 50\n".into(),
+        ..Default::default()
+    }
+    .env("NOMAD_OTEL_ENABLED", "true")
+    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone())
+    .env("NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS", "0.2");
+    let mut fleet = Fleet::start(options).await;
+    let client = fleet.scheduler_client().await;
+    let inputs: Vec<String> = (0..32u8)
+        .map(|i| char::from(b'A' + i % 26).to_string().repeat(1 << 20))
+        .collect();
+    let answers =
+        futures::future::join_all(inputs.iter().map(|i| call(&client, "big", text(i), None))).await;
+    for (i, (input, answer)) in inputs.iter().zip(answers).enumerate() {
+        match answer {
+            Ok(output) => assert!(output == *input, "request {i} got another answer"),
+            Err(status) => panic!("request {i}: {status}"),
+        }
+    }
+    fleet.terminate().await;
+    let metrics = receiver.latest_metrics();
+    let sizes = metrics
+        .iter()
+        .find(|m| m.service_name == "nomad/scheduler" && m.name == "nomad.tool.batch.size")
+        .expect("nomad.tool.batch.size was not exported");
+    assert_eq!(sizes.sum, Some(32.0), "{sizes:?}");
+    // The default budget is 16 MiB: fifteen 1 MiB inputs and their framing fit, sixteen do not.
+    let largest = sizes.max.expect("the histogram has no max");
+    assert!(
+        (2.0..=15.0).contains(&largest),
+        "a batch of {largest} inputs of 1 MiB: {sizes:?}"
+    );
+    assert!(sizes.value >= 3.0, "{sizes:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_request_on_an_idle_slot_waits_zero_in_the_queue() {
+    let options = FleetOptions {
+        sim_workers: 1,
+        tools_yaml: Some("tools:\n  - {name: a, kind: mlp, source: sim, batch_size: 16}\n".into()),
+        ..Default::default()
+    };
+    let mut fleet = Fleet::start(options).await;
+    let client = fleet.scheduler_client().await;
+    let ask = |i: usize| {
+        let mut client = client.clone();
+        async move {
+            client
+                .call_tool(CallToolRequest {
+                    tool: "a".into(),
+                    input: Some(text(&format!("r{i}"))),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+        }
+    };
+    // The first waits for the load; the rest find the slot idle and holding the tool.
+    ask(0).await;
+    for i in 1..6 {
+        let reply = ask(i).await;
+        assert_eq!(
+            reply.queue_wait_seconds, 0.0,
+            "request {i} waited with the slot idle"
+        );
+    }
+    fleet.terminate().await;
+}

@@ -103,9 +103,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let registering = tokio::spawn(registration.run());
 
     let mut server = nomad_rpc::RpcServer::new();
-    server
-        .routes()
-        .add_service(DeviceWorkerServer::new(service::WorkerService {
+    server.routes().add_service(
+        DeviceWorkerServer::new(service::WorkerService {
             store,
             backend,
             limits: models::ExecLimits {
@@ -113,7 +112,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             },
             device_name: args.device.to_string(),
             on_accelerator,
-        }));
+        })
+        .max_decoding_message_size(nomad_rpc::WORKER_MESSAGE_LIMIT)
+        .max_encoding_message_size(nomad_rpc::WORKER_MESSAGE_LIMIT),
+    );
     server.serve(listener, nomad_rpc::shutdown_signal()).await?;
     registering.abort();
     service.stop().await;

@@ -48,16 +48,12 @@ impl Default for GatewayConfig {
 
 impl GatewayConfig {
     /// The deadlines and listing lifetime of upstream `server`.
-    pub fn timing(
-        &self,
-        name: &str,
-        server: &ServerConfig,
-    ) -> Result<crate::upstream::mcp::Timing, String> {
+    pub fn timing(&self, name: &str, server: &ServerConfig) -> Result<Timing, String> {
         let pick = |own: Option<f64>, field: &str, default: f64, default_field: &str| match own {
             Some(v) => nomad_config::seconds(&format!("servers.{name}.{field}"), v),
             None => nomad_config::seconds(&format!("gateway.{default_field}"), default),
         };
-        Ok(crate::upstream::mcp::Timing {
+        Ok(Timing {
             connect: pick(
                 server.connect_timeout_seconds,
                 "connect_timeout_seconds",
@@ -73,6 +69,14 @@ impl GatewayConfig {
             tools_ttl: nomad_config::seconds("gateway.tools_ttl_seconds", self.tools_ttl_seconds)?,
         })
     }
+}
+
+/// Deadlines and caching of one upstream server, resolved from its config and the defaults.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub connect: std::time::Duration,
+    pub call: std::time::Duration,
+    pub tools_ttl: std::time::Duration,
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]

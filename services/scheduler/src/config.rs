@@ -25,13 +25,27 @@ pub struct ToolConfig {
     /// longer is treated as lost.
     #[serde(default)]
     pub execute_timeout_seconds: Option<f64>,
+    /// Bytes of inputs one batch carries at most (default 16 MiB, under the worker hop's
+    /// 64 MiB message limit).
+    #[serde(default = "default_max_batch_bytes")]
+    pub max_batch_bytes: u64,
+    /// Estimated tokens one batch carries at most (UTF-8 bytes / 4 per text input); 0: none.
+    #[serde(default)]
+    pub max_batch_tokens: u64,
     /// `execute_timeout_seconds` resolved (filled in by [`validate`]).
     #[serde(skip)]
     pub execute_timeout: std::time::Duration,
+    /// `tool_manager.oom_regrow_after` (filled in by [`validate`]).
+    #[serde(skip)]
+    pub oom_regrow_after: u32,
 }
 
 fn default_batch_size() -> u32 {
     8
+}
+
+fn default_max_batch_bytes() -> u64 {
+    nomad_scheduler_core::DEFAULT_MAX_BATCH_BYTES
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -43,8 +57,12 @@ pub struct ToolManagerConfig {
     pub disk_idle_seconds: f64,
     /// After the whole server is idle this long, accelerator caches are cleared.
     pub gc_idle_seconds: f64,
-    /// How long a partial batch waits to fill.
+    /// How long a partial batch may wait to fill while a slot holding the tool is free; 0 (the
+    /// default) dispatches it at once: a batch forms while the worker is busy.
     pub max_batch_delay_ms: f64,
+    /// Good batches at a size an out-of-memory reduced before it doubles back toward the
+    /// configured `batch_size`.
+    pub oom_regrow_after: u32,
     /// Default `max_pending` of a tool.
     pub max_pending_per_tool: u32,
     /// Default `max_devices` of a tool.
@@ -73,7 +91,8 @@ impl Default for ToolManagerConfig {
             idle_seconds: 300.0,
             disk_idle_seconds: 600.0,
             gc_idle_seconds: 300.0,
-            max_batch_delay_ms: 2.0,
+            max_batch_delay_ms: 0.0,
+            oom_regrow_after: 50,
             max_pending_per_tool: 1024,
             max_devices_per_tool: 1,
             heartbeat_interval_ms: 1000,
@@ -125,6 +144,8 @@ pub enum ToolConfigError {
     },
     #[error("tools[{index}] ({name}): `source` is empty")]
     EmptySource { index: usize, name: String },
+    #[error("tools[{index}] ({name}): `max_batch_bytes` must be at least 1")]
+    ZeroBytes { index: usize, name: String },
     #[error("tools[{index}] ({name}): `batch_size` must be at least 1")]
     ZeroBatch { index: usize, name: String },
 }
@@ -169,6 +190,10 @@ pub fn validate(
             ),
         }
         .map_err(|reason| ToolConfigError::Timeout { reason })?;
+        tool.oom_regrow_after = manager.oom_regrow_after.max(1);
+        if tool.max_batch_bytes == 0 {
+            return Err(ToolConfigError::ZeroBytes { index, name });
+        }
         if tool.max_pending == 0 {
             tool.max_pending = manager.max_pending_per_tool.max(1);
         }
@@ -190,7 +215,10 @@ mod tests {
             max_devices: 0,
             max_pending: 0,
             execute_timeout_seconds: None,
+            max_batch_bytes: default_max_batch_bytes(),
+            max_batch_tokens: 0,
             execute_timeout: std::time::Duration::ZERO,
+            oom_regrow_after: 0,
         }
     }
 

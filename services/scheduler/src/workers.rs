@@ -94,7 +94,9 @@ impl WorkerRegistry {
         }
         let worker = Worker {
             id: id.to_owned(),
-            client: DeviceWorkerClient::new(nomad_rpc::channel(&address)?),
+            client: DeviceWorkerClient::new(nomad_rpc::channel(&address)?)
+                .max_decoding_message_size(nomad_rpc::WORKER_MESSAGE_LIMIT)
+                .max_encoding_message_size(nomad_rpc::WORKER_MESSAGE_LIMIT),
             address,
             device,
             generation: self

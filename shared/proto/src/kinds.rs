@@ -35,6 +35,9 @@ pub enum InputType {
 pub struct KindSpec {
     pub name: &'static str,
     pub input: InputType,
+    /// The model pads a batch to its longest input (so batching inputs of similar length wastes
+    /// less).
+    pub pads: bool,
     /// How the input is described to agents.
     pub input_description: &'static str,
     pub options: &'static [OptionSpec],
@@ -99,6 +102,7 @@ const fn number(
 pub const EMBED: KindSpec = KindSpec {
     name: "embed",
     input: InputType::Text,
+    pads: true,
     input_description: "Text to embed.",
     options: &[flag(
         "truncate",
@@ -110,6 +114,7 @@ pub const EMBED: KindSpec = KindSpec {
 pub const GENERATE: KindSpec = KindSpec {
     name: "generate",
     input: InputType::Text,
+    pads: true,
     input_description: "The prompt (a user message unless chat is false).",
     options: &[
         integer(
@@ -144,6 +149,7 @@ pub const GENERATE: KindSpec = KindSpec {
 pub const MLP: KindSpec = KindSpec {
     name: "mlp",
     input: InputType::Tensor,
+    pads: false,
     input_description: "Tensor values, row-major.",
     options: &[],
 };

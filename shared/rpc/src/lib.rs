@@ -166,6 +166,11 @@ impl Default for RpcServer {
     }
 }
 
+/// The largest message on the scheduler-to-worker hop (a whole batch of inputs, or of outputs):
+/// above the scheduler's batch byte budget (`DEFAULT_MAX_BATCH_BYTES`, 16 MiB) with room for
+/// outputs and framing. Every other hop keeps tonic's 4 MiB.
+pub const WORKER_MESSAGE_LIMIT: usize = 64 << 20;
+
 /// Streams a peer may reset before the server accepts them, and recently reset streams a client
 /// remembers, per connection.
 pub const MAX_PENDING_RESET_STREAMS: usize = 4096;

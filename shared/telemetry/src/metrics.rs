@@ -395,6 +395,13 @@ pub const MODEL_SERVING: &[MetricDef] = &[
     DEVICE_UTILIZATION,
 ];
 
+pub const TOOL_BATCH_REGROWTHS: MetricDef = def(
+    "nomad.tool.batch.regrowths",
+    C,
+    "{event}",
+    "Batch sizes doubled back toward the configured size after good batches at an out-of-memory-reduced size.",
+);
+
 pub const GATEWAY_SANDBOX_ISOLATION: MetricDef = def(
     "nomad.gateway.sandbox.isolation",
     G,
@@ -440,6 +447,9 @@ pub const GATEWAY: &[MetricDef] = &[
     GATEWAY_UPSTREAM_TOOL_CALLS,
     GATEWAY_UPSTREAM_TOOL_DURATION,
 ];
+
+/// The scheduler beyond the original's table.
+pub const SCHEDULER: &[MetricDef] = &[TOOL_BATCH_REGROWTHS];
 
 /// The gateway's sandbox: isolation in force, admission and the warm pool.
 pub const SANDBOX: &[MetricDef] = &[
@@ -489,6 +499,12 @@ pub const TABLES: &[(&str, &str, &[MetricDef])] = &[
         "Gateway metrics",
         "The gateway metrics cover MCP entrypoints, sandbox execution, and upstream MCP tool calls.",
         GATEWAY,
+    ),
+    (
+        "Scheduler metrics",
+        "Recorded by the scheduler beside the model-serving table, with the same attributes as \
+         `nomad.tool.batch.oom_reductions` (`tool`, `old_batch_size`, `new_batch_size`).",
+        SCHEDULER,
     ),
     (
         "Sandbox metrics",

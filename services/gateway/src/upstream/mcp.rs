@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rmcp::model::{CallToolRequestParams, CallToolResult, MetaObject, RequestMetaObject};
 use rmcp::service::{NotificationContext, RunningService};
@@ -16,7 +16,7 @@ use rmcp::{ClientHandler, Peer, RoleClient, ServiceExt as _};
 use serde_json::Value;
 use tokio::sync::Mutex;
 
-use crate::config::ServerConfig;
+use crate::config::{ServerConfig, Timing};
 use crate::sandbox::ToolSpec;
 
 type Session = RunningService<RoleClient, Listener>;
@@ -31,14 +31,6 @@ impl ClientHandler for Listener {
     async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
         self.tools_changed.fetch_add(1, Ordering::Relaxed);
     }
-}
-
-/// Deadlines and caching of one server.
-#[derive(Debug, Clone, Copy)]
-pub struct Timing {
-    pub connect: Duration,
-    pub call: Duration,
-    pub tools_ttl: Duration,
 }
 
 /// A tool listing, as of when it was fetched.

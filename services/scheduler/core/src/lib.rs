@@ -29,6 +29,43 @@ pub struct ToolSpec {
     pub batch_size: u32,
     pub max_devices: u32,
     pub max_pending: u32,
+    /// Bytes of inputs one batch carries at most (a single request always goes).
+    pub max_batch_bytes: u64,
+    /// Estimated tokens one batch carries at most; 0: no limit.
+    pub max_batch_tokens: u64,
+    /// The model pads a batch to its longest input: when several batches' worth is queued,
+    /// batch inputs of similar size together.
+    pub group_by_size: bool,
+    /// Successful batches at a size out-of-memory reduced before it doubles back.
+    pub oom_regrow_after: u32,
+}
+
+impl ToolSpec {
+    /// A tool with the default budgets.
+    pub fn new(name: &str, batch_size: u32, max_devices: u32, max_pending: u32) -> Self {
+        Self {
+            name: name.to_owned(),
+            batch_size,
+            max_devices,
+            max_pending,
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
+            max_batch_tokens: 0,
+            group_by_size: false,
+            oom_regrow_after: 50,
+        }
+    }
+}
+
+/// 16 MiB: under the worker hop's 64 MiB message limit with room for outputs and framing.
+pub const DEFAULT_MAX_BATCH_BYTES: u64 = 16 << 20;
+
+/// What a request weighs in a batch's budget.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cost {
+    /// Bytes of its input as sent to the worker.
+    pub bytes: u64,
+    /// Tokens it is estimated to have (0 when its kind has no tokens).
+    pub tokens: u64,
 }
 
 /// The manager's timers.
@@ -137,8 +174,20 @@ pub enum Action {
     Unload { slot: SlotId, tool: ToolId },
     /// Release `slot`'s unused accelerator cache. Answer with `slot_freed`.
     ClearCache { slot: SlotId },
-    /// An out-of-memory halved `tool`'s batch size.
-    OomReduced { tool: ToolId, old: u32, new: u32 },
+    /// `tool`'s batch size changed: halved by an out-of-memory, or doubled back after enough
+    /// good batches.
+    BatchSizeChanged {
+        tool: ToolId,
+        old: u32,
+        new: u32,
+        cause: SizeChange,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SizeChange {
+    OutOfMemory,
+    Regrown,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,7 +209,23 @@ struct Slot {
     last_used: Instant,
     /// Used since its cache was last cleared.
     dirty: bool,
+    /// Tools that failed to load or place here, not to be tried on this slot again until then.
+    backoff: HashMap<ToolId, Backoff>,
 }
+
+/// A failed prepare's wait before the (slot, tool) pair is tried again: doubling, capped.
+#[derive(Debug, Clone, Copy)]
+struct Backoff {
+    until: Instant,
+    next: Duration,
+    /// Still to end (cleared once a schedule pass sees it over, so its deadline is reported
+    /// only while it is pending; `next` is kept for the doubling).
+    pending: bool,
+}
+
+/// The first wait after a failed prepare, and the longest.
+const BACKOFF_FIRST: Duration = Duration::from_secs(1);
+const BACKOFF_MAX: Duration = Duration::from_secs(60);
 
 #[derive(Debug)]
 struct Tool {
@@ -168,6 +233,8 @@ struct Tool {
     queue: VecDeque<RequestId>,
     /// Current batch size: the configured one until out-of-memory errors halve it.
     batch_size: u32,
+    /// Good batches since the size last changed, while it is below the configured one.
+    good_batches: u32,
     inflight: u32,
     last_used: Instant,
 }
@@ -189,8 +256,17 @@ struct Request {
     tool: ToolId,
     enqueued_at: Instant,
     state: RequestState,
-    /// Already requeued once after its worker was lost.
-    requeued: bool,
+    cost: Cost,
+    /// Why its workers were lost while it ran. After one loss it runs alone, so an input that
+    /// kills workers takes no neighbour down with it; after a second it fails.
+    losses: Vec<String>,
+}
+
+impl Request {
+    /// Runs in a batch of its own.
+    fn solo(&self) -> bool {
+        !self.losses.is_empty()
+    }
 }
 
 /// A batch being executed.
@@ -228,6 +304,7 @@ impl Core {
             .into_iter()
             .map(|spec| Tool {
                 batch_size: spec.batch_size.max(1),
+                good_batches: 0,
                 spec,
                 queue: VecDeque::new(),
                 inflight: 0,
@@ -287,9 +364,15 @@ impl Core {
 
     // ---- events -------------------------------------------------------------------------
 
-    /// Request `id` (chosen by the caller, unique) for `tool` arrived. Accepted requests are
-    /// completed exactly once later.
-    pub fn submit(&mut self, id: RequestId, tool: &str, now: Instant) -> Result<(), Rejection> {
+    /// Request `id` (chosen by the caller, unique) for `tool`, weighing `cost`, arrived.
+    /// Accepted requests are completed exactly once later.
+    pub fn submit(
+        &mut self,
+        id: RequestId,
+        tool: &str,
+        cost: Cost,
+        now: Instant,
+    ) -> Result<(), Rejection> {
         if self.closed {
             return Err(Rejection::ManagerClosed);
         }
@@ -306,7 +389,8 @@ impl Core {
                 tool,
                 enqueued_at: now,
                 state: RequestState::Queued,
-                requeued: false,
+                cost,
+                losses: Vec::new(),
             },
         );
         self.last_activity = now;
@@ -340,13 +424,15 @@ impl Core {
                 resident: BTreeSet::new(),
                 last_used: now,
                 dirty: false,
+                backoff: HashMap::new(),
             },
         );
         self.schedule(now);
     }
 
-    /// A worker died or stopped heartbeating. Its batch's requests are requeued at the front
-    /// once; a request that already was is failed.
+    /// A worker died or stopped heartbeating. Its batch's requests are requeued at the front,
+    /// each to run alone from now on: an input that kills workers then takes only itself down.
+    /// A request whose worker was lost a second time is failed, naming both losses.
     pub fn worker_lost(&mut self, slot: SlotId, reason: &str, now: Instant) {
         let Some(s) = self.slots.remove(&slot) else {
             return;
@@ -359,16 +445,18 @@ impl Core {
                 let Some(r) = self.requests.get_mut(&request) else {
                     continue; // cancelled while executing
                 };
-                if r.requeued {
+                r.losses.push(reason.to_owned());
+                if r.losses.len() > 1 {
+                    let losses = r.losses.join("; then ");
                     self.complete(
                         request,
                         Outcome::Unavailable(format!(
-                            "its worker was lost twice ({reason}); not retried again"
+                            "two workers were lost while running it ({losses}); not retried \
+                             again: it may be the input that brings them down"
                         )),
                         now,
                     );
                 } else {
-                    r.requeued = true;
                     r.state = RequestState::Queued;
                     let tool = &mut self.tools[b.tool];
                     tool.inflight = tool.inflight.saturating_sub(1);
@@ -401,24 +489,36 @@ impl Core {
                 s.on_device = Some(tool);
                 s.resident.insert(tool);
                 s.dirty = true;
+                s.backoff.remove(&tool);
             }
             Err(message) => {
                 // The offload may have happened; nothing is known to be on the device, and the
                 // load may not have.
                 s.on_device = None;
                 s.resident.remove(&tool);
-                // A tool that cannot be loaded fails what waits for it rather than retrying
-                // forever; new requests try again.
-                let waiting: Vec<_> = self.tools[tool].queue.drain(..).collect();
-                for request in waiting {
-                    self.complete(
-                        request,
-                        Outcome::Unavailable(format!(
-                            "loading {} failed: {message}",
-                            self.tools[tool].spec.name
-                        )),
-                        now,
-                    );
+                let wait = s.backoff.get(&tool).map_or(BACKOFF_FIRST, |b| b.next);
+                s.backoff.insert(
+                    tool,
+                    Backoff {
+                        until: now + wait,
+                        next: (wait * 2).min(BACKOFF_MAX),
+                        pending: true,
+                    },
+                );
+                // Another slot that holds the tool, or may take it, serves what waits; only
+                // when none is left do the waiting requests fail, with the worker's words.
+                if !self.servable_elsewhere(tool, slot, now) {
+                    let waiting: Vec<_> = self.tools[tool].queue.drain(..).collect();
+                    for request in waiting {
+                        self.complete(
+                            request,
+                            Outcome::Unavailable(format!(
+                                "loading {} failed: {message}",
+                                self.tools[tool].spec.name
+                            )),
+                            now,
+                        );
+                    }
                 }
             }
         }
@@ -460,22 +560,30 @@ impl Core {
                         now,
                     );
                 }
+                self.regrow(b.tool);
             }
             BatchResult::OutOfMemory(_) if b.requests.len() > 1 => {
-                let old = b.requests.len() as u32;
-                let new = (old / 2).max(1);
-                self.actions.push(Action::OomReduced {
-                    tool: b.tool,
-                    old,
-                    new,
-                });
+                let tool = &mut self.tools[b.tool];
+                let old = tool.batch_size;
+                // Never above the current size: a batch dispatched before a reduction cannot
+                // undo it.
+                let new = (old.min(b.requests.len() as u32) / 2).max(1);
+                tool.good_batches = 0;
+                if new < old {
+                    tool.batch_size = new;
+                    self.actions.push(Action::BatchSizeChanged {
+                        tool: b.tool,
+                        old,
+                        new,
+                        cause: SizeChange::OutOfMemory,
+                    });
+                }
                 for request in &live {
                     if let Some(r) = self.requests.get_mut(request) {
                         r.state = RequestState::Queued;
                     }
                 }
                 let tool = &mut self.tools[b.tool];
-                tool.batch_size = new;
                 tool.inflight = tool.inflight.saturating_sub(live.len() as u32);
                 // Back at the front, in their original order.
                 for request in live.into_iter().rev() {
@@ -539,6 +647,18 @@ impl Core {
         for s in self.slots.values().filter(idle) {
             if s.on_device.is_some() {
                 consider(s.last_used + self.timing.idle);
+            }
+        }
+        // A tool waiting on slots it failed to prepare on is retried when their backoff ends.
+        for (id, tool) in self.tools.iter().enumerate() {
+            if !tool.queue.is_empty() {
+                for s in self.slots.values() {
+                    if let Some(b) = s.backoff.get(&id)
+                        && b.pending
+                    {
+                        consider(b.until);
+                    }
+                }
             }
         }
         for (id, tool) in self.tools.iter().enumerate() {

@@ -4,7 +4,8 @@
 use std::time::Instant;
 
 use super::{
-    Action, Batch, Core, LoadKind, RequestId, RequestState, Slot, SlotId, SlotState, ToolId,
+    Action, Batch, Core, LoadKind, RequestId, RequestState, SizeChange, Slot, SlotId, SlotState,
+    ToolId,
 };
 
 impl Core {
@@ -17,6 +18,11 @@ impl Core {
 
     /// Assigns free slots to waiting tools and dispatches ready batches.
     pub(crate) fn schedule(&mut self, now: Instant) {
+        for s in self.slots.values_mut() {
+            for b in s.backoff.values_mut() {
+                b.pending &= b.until > now;
+            }
+        }
         // Oldest waiting request first, across tools.
         let mut waiting: Vec<(Instant, ToolId)> = self
             .tools
@@ -39,7 +45,7 @@ impl Core {
             if self.tools[tool].queue.is_empty() {
                 continue;
             }
-            if let Some(slot) = self.slot_to_take(tool) {
+            if let Some(slot) = self.slot_to_take(tool, now) {
                 let s = self.slots.get_mut(&slot).expect("slot exists");
                 let offload = s.on_device.filter(|&held| held != tool);
                 let load = (!s.resident.contains(&tool)).then(|| {
@@ -70,11 +76,29 @@ impl Core {
         let t = &self.tools[tool];
         match t.queue.front() {
             None => false,
+            // A request that runs alone is a whole batch by itself.
             Some(front) => {
-                t.queue.len() >= t.effective_batch()
-                    || now >= self.requests[front].enqueued_at + self.timing.max_batch_delay
+                let front = &self.requests[front];
+                front.solo()
+                    || t.queue.len() >= t.effective_batch()
+                    || self.fills_budget(tool)
+                    || now >= front.enqueued_at + self.timing.max_batch_delay
             }
         }
+    }
+
+    /// Whether the queue holds more than one batch's byte or token budget within its first
+    /// batch-size requests: the batch is as full as it can be.
+    fn fills_budget(&self, tool: ToolId) -> bool {
+        let t = &self.tools[tool];
+        let (mut bytes, mut tokens) = (0u64, 0u64);
+        t.queue.iter().take(t.effective_batch()).any(|id| {
+            let cost = self.requests[id].cost;
+            bytes += cost.bytes;
+            tokens += cost.tokens;
+            bytes > t.spec.max_batch_bytes
+                || (t.spec.max_batch_tokens > 0 && tokens > t.spec.max_batch_tokens)
+        })
     }
 
     fn free_slot_holding(&self, tool: ToolId) -> Option<SlotId> {
@@ -85,10 +109,22 @@ impl Core {
             .map(|(id, _)| *id)
     }
 
-    /// A slot `tool` may take: a new one only below `max_devices`; an empty slot before one
-    /// holding another tool (least recently used first); and never the last free slots that
-    /// waiting tools holding none need (fairness).
-    fn slot_to_take(&self, tool: ToolId) -> Option<SlotId> {
+    /// Whether a slot other than `failed` holds `tool`, or may take it once free (it has not
+    /// failed to prepare it lately).
+    pub(crate) fn servable_elsewhere(&self, tool: ToolId, failed: SlotId, now: Instant) -> bool {
+        self.slots.iter().any(|(id, s)| {
+            *id != failed
+                && (s.on_device == Some(tool)
+                    || s.state == SlotState::Preparing(tool)
+                    || s.backoff.get(&tool).is_none_or(|b| b.until <= now))
+        })
+    }
+
+    /// A slot `tool` may take: a new one only below `max_devices`; not one where preparing it
+    /// failed lately (backoff); an empty slot before one holding another tool (least recently
+    /// used first); and never the last free slots that waiting tools holding none need
+    /// (fairness).
+    fn slot_to_take(&self, tool: ToolId, now: Instant) -> Option<SlotId> {
         let held = self.slots_holding(tool);
         if held >= self.tools[tool].spec.max_devices as usize {
             return None;
@@ -97,6 +133,7 @@ impl Core {
             .slots
             .iter()
             .filter(|(_, s)| s.state == SlotState::Idle)
+            .filter(|(_, s)| s.backoff.get(&tool).is_none_or(|b| b.until <= now))
             .collect();
         if free.is_empty() {
             return None;
@@ -125,9 +162,8 @@ impl Core {
     }
 
     fn dispatch(&mut self, tool: ToolId, slot: SlotId, now: Instant) {
-        let take = self.tools[tool].effective_batch();
+        let requests = self.next_batch_of(tool);
         let t = &mut self.tools[tool];
-        let requests: Vec<RequestId> = t.queue.drain(..take.min(t.queue.len())).collect();
         t.inflight += requests.len() as u32;
         let batch = self.next_batch;
         self.next_batch += 1;
@@ -153,6 +189,88 @@ impl Core {
             tool,
             requests,
             queue_waits,
+        });
+    }
+
+    /// Takes the next batch off `tool`'s queue: up to the batch size and within the byte and
+    /// token budgets, in queue order. The front request always goes (alone if it exceeds a
+    /// budget by itself, or if it runs alone since its worker was lost). A request that runs
+    /// alone ends a batch rather than joining it. When the model pads to the longest input
+    /// and several batches' worth is queued, the front request's batch is filled with the
+    /// queued ones closest to it in size (among the next few batches' worth), so a long input
+    /// does not pad many short ones.
+    fn next_batch_of(&mut self, tool: ToolId) -> Vec<RequestId> {
+        let t = &self.tools[tool];
+        let size = t.effective_batch();
+        let (max_bytes, max_tokens) = (t.spec.max_batch_bytes, t.spec.max_batch_tokens);
+        let Some(&front) = t.queue.front() else {
+            return Vec::new();
+        };
+        let request = |id: &RequestId| &self.requests[id];
+        let mut chosen = vec![0usize];
+        if !request(&front).solo() {
+            // Candidates: queue positions up to the next request that runs alone.
+            let window = if t.spec.group_by_size && t.queue.len() >= 2 * size {
+                4 * size
+            } else {
+                size
+            };
+            let mut candidates: Vec<usize> = (1..t.queue.len().min(window))
+                .take_while(|&i| !request(&t.queue[i]).solo())
+                .collect();
+            if t.spec.group_by_size && t.queue.len() >= 2 * size {
+                let like = request(&front).cost.tokens;
+                candidates.sort_by_key(|&i| (request(&t.queue[i]).cost.tokens.abs_diff(like), i));
+            }
+            let (mut bytes, mut tokens) = (request(&front).cost.bytes, request(&front).cost.tokens);
+            for i in candidates {
+                if chosen.len() >= size {
+                    break;
+                }
+                let cost = request(&t.queue[i]).cost;
+                let over_bytes = bytes + cost.bytes > max_bytes;
+                let over_tokens = max_tokens > 0 && tokens + cost.tokens > max_tokens;
+                if over_bytes || over_tokens {
+                    // In queue order, the batch ends here; grouping may still pick a smaller one.
+                    if t.spec.group_by_size && t.queue.len() >= 2 * size {
+                        continue;
+                    }
+                    break;
+                }
+                bytes += cost.bytes;
+                tokens += cost.tokens;
+                chosen.push(i);
+            }
+        }
+        chosen.sort_unstable();
+        let queue = &mut self.tools[tool].queue;
+        let batch: Vec<RequestId> = chosen.iter().map(|&i| queue[i]).collect();
+        for &i in chosen.iter().rev() {
+            queue.remove(i);
+        }
+        batch
+    }
+
+    /// A good batch at a reduced size: after `oom_regrow_after` of them the size doubles back
+    /// toward the configured one, a step at a time.
+    pub(crate) fn regrow(&mut self, tool: ToolId) {
+        let t = &mut self.tools[tool];
+        let configured = t.spec.batch_size.max(1);
+        if t.batch_size >= configured {
+            return;
+        }
+        t.good_batches += 1;
+        if t.good_batches < t.spec.oom_regrow_after.max(1) {
+            return;
+        }
+        let old = t.batch_size;
+        t.batch_size = (old * 2).min(configured);
+        t.good_batches = 0;
+        self.actions.push(Action::BatchSizeChanged {
+            tool,
+            old,
+            new: t.batch_size,
+            cause: SizeChange::Regrown,
         });
     }
 

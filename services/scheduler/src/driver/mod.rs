@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use nomad_proto::v1::{ExecuteBatchRequest, ToolInput, ToolOutput, TraceCarrier};
 use nomad_scheduler_core::{
-    Action, BatchId, BatchResult, Core, LoadKind, Outcome, RequestId, SlotId, Timing, ToolId,
-    ToolSpec,
+    Action, BatchId, BatchResult, Core, Cost, LoadKind, Outcome, RequestId, SizeChange, SlotId,
+    Timing, ToolId, ToolSpec,
 };
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions, propagation};
 use opentelemetry::trace::{Link, SpanKind, TraceContextExt as _};
@@ -128,10 +128,11 @@ impl Driver {
         let specs = tools
             .iter()
             .map(|t| ToolSpec {
-                name: t.name.clone(),
-                batch_size: t.batch_size,
-                max_devices: t.max_devices,
-                max_pending: t.max_pending,
+                max_batch_bytes: t.max_batch_bytes,
+                max_batch_tokens: t.max_batch_tokens,
+                group_by_size: nomad_proto::kinds::kind(&t.kind).is_some_and(|k| k.pads),
+                oom_regrow_after: t.oom_regrow_after,
+                ..ToolSpec::new(&t.name, t.batch_size, t.max_devices, t.max_pending)
             })
             .collect();
         let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
@@ -193,7 +194,7 @@ impl Driver {
                 input,
                 cx,
                 reply,
-            } => match self.core.submit(request, &tool, now) {
+            } => match self.core.submit(request, &tool, cost_of(&input), now) {
                 Ok(()) => {
                     self.metrics
                         .requests
@@ -371,17 +372,28 @@ impl Driver {
                 self.maintain(slot, Maintenance::Unload(self.tools[tool].name.clone()))
             }
             Action::ClearCache { slot } => self.maintain(slot, Maintenance::ClearCache),
-            Action::OomReduced { tool, old, new } => {
+            Action::BatchSizeChanged {
+                tool,
+                old,
+                new,
+                cause,
+            } => {
                 let name = &self.tools[tool].name;
-                tracing::warn!(tool = %name, old, new, "out of memory: batch size halved");
-                self.metrics.batch_oom_reductions.add(
-                    1,
-                    &[
-                        KeyValue::new("tool", name.clone()),
-                        KeyValue::new("old_batch_size", i64::from(old)),
-                        KeyValue::new("new_batch_size", i64::from(new)),
-                    ],
-                );
+                let attributes = [
+                    KeyValue::new("tool", name.clone()),
+                    KeyValue::new("old_batch_size", i64::from(old)),
+                    KeyValue::new("new_batch_size", i64::from(new)),
+                ];
+                match cause {
+                    SizeChange::OutOfMemory => {
+                        tracing::warn!(tool = %name, old, new, "out of memory: batch size halved");
+                        self.metrics.batch_oom_reductions.add(1, &attributes);
+                    }
+                    SizeChange::Regrown => {
+                        tracing::info!(tool = %name, old, new, "batch size doubled back after good batches");
+                        self.metrics.batch_regrowths.add(1, &attributes);
+                    }
+                }
             }
         }
     }
@@ -584,6 +596,20 @@ pub async fn reap(registry: Arc<WorkerRegistry>, driver: Handle, heartbeat: Dura
                 .worker_down(worker.generation, "it stopped heartbeating".into())
                 .await;
         }
+    }
+}
+
+/// What a request weighs: its input's encoded bytes, and for a text an estimate of its tokens
+/// (UTF-8 bytes / 4, as subword tokenizers average on English, plus the two special tokens).
+fn cost_of(input: &ToolInput) -> Cost {
+    use prost::Message as _;
+    let tokens = match &input.value {
+        Some(nomad_proto::v1::tool_input::Value::Text(text)) => text.len().div_ceil(4) as u64 + 2,
+        _ => 0,
+    };
+    Cost {
+        bytes: input.encoded_len() as u64,
+        tokens,
     }
 }
 

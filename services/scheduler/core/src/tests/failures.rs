@@ -12,7 +12,12 @@ fn oom_halves_the_batch_8_4_2_1_and_requeues_at_the_front() {
     for (old, new) in [(8, 4), (4, 2), (2, 1)] {
         let after = h.finish(d[0].0, BatchResult::OutOfMemory("too big".into()));
         assert!(
-            after.contains(&Action::OomReduced { tool: 0, old, new }),
+            after.contains(&Action::BatchSizeChanged {
+                tool: 0,
+                old,
+                new,
+                cause: SizeChange::OutOfMemory
+            }),
             "{old}->{new}: {after:?}"
         );
         d = dispatches(&after);
@@ -99,7 +104,7 @@ fn each_rejection_reason() {
 }
 
 #[test]
-fn a_lost_workers_batch_is_requeued_once_then_failed() {
+fn a_lost_workers_batch_is_requeued_one_request_per_batch_then_a_second_loss_fails() {
     let mut h = Harness::new(vec![spec("a", 2, 1, 64)], 1);
     let ids = [h.submit("a"), h.submit("a")];
     let actions = h.take();
@@ -109,15 +114,69 @@ fn a_lost_workers_batch_is_requeued_once_then_failed() {
     h.core.worker_registered(1, h.now);
     let actions = h.take();
     let d = dispatches(&h.prepare_ok(&actions));
-    assert_eq!(d[0].2, ids, "requeued at the front, same order");
+    assert_eq!(d[0].2, [ids[0]], "requeued at the front, each alone");
     h.core.worker_lost(1, "connection refused", h.now);
     let failed = completions(&h.take());
-    assert_eq!(failed.len(), 2);
+    assert_eq!(failed.len(), 1);
     assert!(
-        failed
-            .iter()
-            .all(|(_, o)| matches!(o, Outcome::Unavailable(m) if m.contains("lost twice")))
+        matches!(&failed[0], (id, Outcome::Unavailable(m)) if *id == ids[0]
+            && m.contains("heartbeats stopped; then connection refused")),
+        "{failed:?}"
     );
+    // Its neighbour was never on the second worker: it is still served, alone.
+    h.core.worker_registered(2, h.now);
+    let actions = h.take();
+    let d = dispatches(&h.prepare_ok(&actions));
+    assert_eq!(d[0].2, [ids[1]]);
+    let done = h.finish(d[0].0, BatchResult::Done(vec![None]));
+    assert_eq!(completions(&done), vec![(ids[1], Outcome::Ok)]);
+}
+
+/// A worker-killing input among eight: it fails alone, its seven neighbours are served.
+#[test]
+fn a_worker_killing_input_fails_alone_while_its_neighbours_succeed() {
+    let mut h = Harness::new(vec![spec("a", 8, 3, 64)], 3);
+    let ids: Vec<_> = (0..8).map(|_| h.submit("a")).collect();
+    let poison = ids[3];
+    let actions = h.take();
+    let mut pending = h.prepare_ok(&actions);
+    let mut served = Vec::new();
+    let mut failed = Vec::new();
+    let mut next_worker = 10;
+    for _ in 0..100 {
+        let d = dispatches(&pending);
+        if d.is_empty() {
+            break;
+        }
+        pending = Vec::new();
+        for (batch, slot, requests) in d {
+            if requests.contains(&poison) {
+                h.core
+                    .worker_lost(slot, &format!("worker {slot} died"), h.now);
+                // The dead worker comes back (its supervisor restarts it).
+                h.core.worker_registered(next_worker, h.now);
+                next_worker += 1;
+            } else {
+                h.core
+                    .batch_finished(batch, BatchResult::Done(vec![None; requests.len()]), h.now);
+            }
+            let actions = h.take();
+            for (id, outcome) in completions(&actions) {
+                match outcome {
+                    Outcome::Ok => served.push(id),
+                    other => failed.push((id, other)),
+                }
+            }
+            pending.extend(h.prepare_ok(&actions));
+            pending.extend(actions);
+        }
+    }
+    served.sort();
+    let neighbours: Vec<_> = ids.iter().copied().filter(|&i| i != poison).collect();
+    assert_eq!(served, neighbours);
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].0, poison);
+    assert!(matches!(&failed[0].1, Outcome::Unavailable(m) if m.contains("two workers were lost")));
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! The core under a fake clock: one module per concern, the harness here.
 
+mod budget;
 mod failures;
 mod idle;
 mod placement;
@@ -17,12 +18,7 @@ const DISK_IDLE: Duration = Duration::from_secs(20);
 const GC_IDLE: Duration = Duration::from_secs(30);
 
 fn spec(name: &str, batch_size: u32, max_devices: u32, max_pending: u32) -> ToolSpec {
-    ToolSpec {
-        name: name.into(),
-        batch_size,
-        max_devices,
-        max_pending,
-    }
+    ToolSpec::new(name, batch_size, max_devices, max_pending)
 }
 
 /// A core with a fake clock.
@@ -34,12 +30,16 @@ struct Harness {
 
 impl Harness {
     fn new(tools: Vec<ToolSpec>, slots: u64) -> Self {
+        Self::with_delay(tools, slots, DELAY)
+    }
+
+    fn with_delay(tools: Vec<ToolSpec>, slots: u64, max_batch_delay: Duration) -> Self {
         let now = Instant::now();
         let timing = Timing {
             idle: IDLE,
             disk_idle: DISK_IDLE,
             gc_idle: GC_IDLE,
-            max_batch_delay: DELAY,
+            max_batch_delay,
         };
         let mut core = Core::new(tools, timing, now);
         for slot in 0..slots {
@@ -63,8 +63,12 @@ impl Harness {
     }
 
     fn try_submit(&mut self, tool: &str) -> Result<RequestId, Rejection> {
+        self.submit_costing(tool, Cost::default())
+    }
+
+    fn submit_costing(&mut self, tool: &str, cost: Cost) -> Result<RequestId, Rejection> {
         self.next_id += 1;
-        self.core.submit(self.next_id, tool, self.now)?;
+        self.core.submit(self.next_id, tool, cost, self.now)?;
         Ok(self.next_id)
     }
 

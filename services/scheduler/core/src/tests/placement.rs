@@ -48,6 +48,29 @@ fn partial_batch_waits_for_max_batch_delay_and_a_full_one_does_not() {
 }
 
 #[test]
+fn without_a_delay_a_free_slot_takes_one_request_and_a_batch_forms_while_it_works() {
+    let mut h = Harness::with_delay(vec![spec("a", 4, 1, 64)], 1, Duration::ZERO);
+    let first = h.submit("a");
+    let actions = h.take();
+    assert_eq!(
+        dispatches(&h.prepare_ok(&actions)),
+        vec![(0, 0, vec![first])],
+        "an idle slot holding the tool takes a lone request at once"
+    );
+    let waiting: Vec<_> = (0..3).map(|_| h.submit("a")).collect();
+    assert!(
+        dispatches(&h.take()).is_empty(),
+        "nothing goes while the only slot works"
+    );
+    let next = h.finish(0, BatchResult::Done(vec![None]));
+    assert_eq!(
+        dispatches(&next),
+        vec![(1, 0, waiting)],
+        "what queued during the batch goes together the moment the slot frees"
+    );
+}
+
+#[test]
 fn batch_size_is_capped_by_max_pending() {
     let mut h = Harness::new(vec![spec("a", 8, 1, 3)], 1);
     let ids: Vec<_> = (0..3).map(|_| h.submit("a")).collect();

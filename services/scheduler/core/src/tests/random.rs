@@ -36,7 +36,7 @@ fn every_accepted_request_completes_exactly_once_under_random_events() {
                     Action::Evict { slot, .. }
                     | Action::Unload { slot, .. }
                     | Action::ClearCache { slot } => maintenance.push(slot),
-                    Action::OomReduced { .. } => {}
+                    Action::BatchSizeChanged { .. } => {}
                 }
             }
         };
