@@ -18,6 +18,9 @@ use super::options::Options;
 use super::{ExecError, ExecLimits, LoadError, Model, invalid};
 use nomad_proto::kinds;
 
+/// An embedding and the position of its input in the batch.
+type Indexed = (usize, Vec<f32>);
+
 pub struct Embedder {
     dir: PathBuf,
     config: Config,
@@ -147,31 +150,50 @@ impl Embedder {
         ((scores + hidden) * 4) as u64
     }
 
-    /// Splits a batch over one single-threaded pool per core: BERT's matmuls at these sizes
-    /// scale poorly across threads, whole sequences scale well.
+    /// Runs a batch as forward passes of similar-length sequences (little padding), shared
+    /// over one single-threaded pool per core on a CPU: BERT's matmuls at these sizes scale
+    /// poorly across threads, whole sequences scale well.
     fn forward_parallel(&self, rows: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        if rows.len() < 2 || self.pools.len() < 2 || !self.device.is_cpu() {
-            return self.forward(rows);
-        }
-        let chunk = rows.len().div_ceil(self.pools.len());
-        let parts: Vec<Result<Vec<Vec<f32>>, ExecError>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = rows
-                .chunks(chunk)
-                .zip(&self.pools)
-                .map(|(part, pool)| scope.spawn(move || pool.install(|| self.forward(part))))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(ExecError::Failed("a forward pass panicked".into()))
+        let parts = if self.device.is_cpu() {
+            self.pools.len().max(1)
+        } else {
+            1
+        };
+        let lens: Vec<usize> = rows.iter().map(Vec::len).collect();
+        let plan = super::length_groups::plan(&lens, parts);
+        let run = |passes: &[Vec<usize>]| -> Result<Vec<Indexed>, ExecError> {
+            let mut out = Vec::new();
+            for pass in passes {
+                let part: Vec<Vec<u32>> = pass.iter().map(|&i| rows[i].clone()).collect();
+                out.extend(pass.iter().copied().zip(self.forward(&part)?));
+            }
+            Ok(out)
+        };
+        let parts: Vec<Result<Vec<Indexed>, ExecError>> = if parts == 1 {
+            vec![run(&plan[0])]
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = plan
+                    .iter()
+                    .zip(&self.pools)
+                    .filter(|(passes, _)| !passes.is_empty())
+                    .map(|(passes, pool)| scope.spawn(|| pool.install(|| run(passes))))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(ExecError::Failed("a forward pass panicked".into()))
+                        })
                     })
-                })
-                .collect()
-        });
-        let mut out = Vec::with_capacity(rows.len());
+                    .collect()
+            })
+        };
+        let mut out: Vec<Vec<f32>> = vec![Vec::new(); rows.len()];
         for part in parts {
-            out.extend(part?);
+            for (i, embedding) in part? {
+                out[i] = embedding;
+            }
         }
         Ok(out)
     }
@@ -364,6 +386,32 @@ mod tests {
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f32::max);
         assert!(diff < 1e-5, "padding changed the embedding by {diff}");
+    }
+
+    #[test]
+    fn a_batch_of_very_different_lengths_answers_each_as_alone_in_its_order() {
+        let model = model();
+        let long = "the quick brown fox jumps over the lazy dog ".repeat(12);
+        let texts = [
+            "tiny",
+            long.as_str(),
+            "a short one",
+            "two words",
+            long.as_str(),
+        ];
+        let inputs: Vec<ToolInput> = texts.iter().map(|t| text(t, "")).collect();
+        let batched = model.execute(&inputs, &ExecLimits::default()).unwrap();
+        for (i, t) in texts.iter().enumerate() {
+            let alone = model
+                .execute(&[text(t, "")], &ExecLimits::default())
+                .unwrap();
+            let diff = vector(&alone[0])
+                .iter()
+                .zip(vector(&batched[i]))
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(diff < 1e-5, "input {i} differs by {diff} in the batch");
+        }
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 pub mod embed;
 pub mod generate;
+mod length_groups;
 pub mod mlp;
 mod options;
 pub mod sim;
