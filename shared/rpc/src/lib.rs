@@ -166,6 +166,19 @@ impl Default for RpcServer {
     }
 }
 
+/// Whether a call's error means the peer or the connection to it is gone, rather than an answer
+/// the peer gave: `UNAVAILABLE`; `CANCELLED` that the caller did not ask for (a connection
+/// closed under the request: whoever cancels a call drops its future and never sees this); or
+/// an `UNKNOWN` the client made from a transport error (it carries that error as its source;
+/// one the peer sent has none).
+pub fn peer_lost(status: &tonic::Status) -> bool {
+    match status.code() {
+        tonic::Code::Unavailable | tonic::Code::Cancelled => true,
+        tonic::Code::Unknown => std::error::Error::source(status).is_some(),
+        _ => false,
+    }
+}
+
 /// The largest message on the scheduler-to-worker hop (a whole batch of inputs, or of outputs):
 /// above the scheduler's batch byte budget (`DEFAULT_MAX_BATCH_BYTES`, 16 MiB) with room for
 /// outputs and framing. Every other hop keeps tonic's 4 MiB.
@@ -294,5 +307,25 @@ mod tests {
             "{text}"
         );
         assert_eq!(oversized_message_text("something else"), None);
+    }
+}
+
+#[cfg(test)]
+mod peer_tests {
+    use super::peer_lost;
+    use tonic::Status;
+
+    #[test]
+    fn a_broken_connection_is_a_lost_peer_and_an_unknown_the_peer_sent_is_not() {
+        let broken = Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "connection reset by peer",
+        )));
+        assert_eq!(broken.code(), tonic::Code::Unknown);
+        assert!(peer_lost(&broken));
+        assert!(!peer_lost(&Status::unknown("the handler panicked")));
+        assert!(peer_lost(&Status::unavailable("connection refused")));
+        assert!(peer_lost(&Status::cancelled("operation was canceled")));
+        assert!(!peer_lost(&Status::internal("model error")));
     }
 }

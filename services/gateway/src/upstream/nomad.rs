@@ -124,7 +124,19 @@ impl Nomad {
                 tool: tool.to_owned(),
                 input: Some(input),
             })
-            .await?
+            .await
+            // A connection that broke under the call reads as CANCELLED or UNKNOWN; the caller
+            // did neither, so it gets UNAVAILABLE (the scheduler's own ones pass as they are).
+            .map_err(|s| {
+                if s.code() != tonic::Code::Unavailable && nomad_rpc::peer_lost(&s) {
+                    tonic::Status::unavailable(format!(
+                        "{NAME}.{tool}: the scheduler is unreachable: {}",
+                        s.message()
+                    ))
+                } else {
+                    s
+                }
+            })?
             .into_inner();
         let output = reply.output.ok_or_else(|| {
             tonic::Status::internal(format!("{NAME}.{tool}: the scheduler returned no output"))

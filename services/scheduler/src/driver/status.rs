@@ -48,31 +48,8 @@ pub fn failure(outcome: Outcome, tool: &str) -> Status {
     }
 }
 
-/// A worker RPC failure that means the worker is gone (as opposed to an answer it gave). An
-/// `UNKNOWN` the client made from a broken connection (it carries the transport error as its
-/// source) is a loss; one the worker sent itself (no source) fails that batch only.
+/// A worker RPC failure that means the worker is gone (as opposed to an answer it gave, such as
+/// an `UNKNOWN` from a live worker, which fails that batch only).
 pub fn lost(status: &Status) -> bool {
-    match status.code() {
-        tonic::Code::Unavailable | tonic::Code::Cancelled => true,
-        tonic::Code::Unknown => std::error::Error::source(status).is_some(),
-        _ => false,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_broken_connection_is_a_loss_and_an_unknown_the_worker_sent_is_not() {
-        let broken = Status::from_error(Box::new(std::io::Error::new(
-            std::io::ErrorKind::ConnectionReset,
-            "connection reset by peer",
-        )));
-        assert_eq!(broken.code(), tonic::Code::Unknown);
-        assert!(lost(&broken));
-        assert!(!lost(&Status::unknown("the handler panicked")));
-        assert!(lost(&Status::unavailable("connection refused")));
-        assert!(!lost(&Status::internal("model error")));
-    }
+    nomad_rpc::peer_lost(status)
 }
