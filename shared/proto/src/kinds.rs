@@ -10,7 +10,17 @@ pub enum OptionType {
     Integer,
     /// A number in `min..=max`.
     Number,
+    /// A list of at most `max` strings, each of 1 to [`MAX_STRING_BYTES`] bytes.
+    Strings,
+    /// A chat: at most `max` `{"role": "system"|"user"|"assistant", "content": "..."}` objects.
+    Messages,
 }
+
+/// The longest string a `Strings` option holds (a stop string).
+pub const MAX_STRING_BYTES: usize = 64;
+
+/// The roles a `Messages` option accepts.
+pub const ROLES: &[&str] = &["system", "user", "assistant"];
 
 /// One option of a kind (a key of `ToolInput.options_json`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -82,6 +92,17 @@ const fn integer(
     }
 }
 
+const fn list(name: &'static str, ty: OptionType, max: f64, description: &'static str) -> OptionSpec {
+    OptionSpec {
+        name,
+        ty,
+        default: 0.0,
+        min: 0.0,
+        max,
+        description,
+    }
+}
+
 const fn number(
     name: &'static str,
     default: f64,
@@ -115,7 +136,8 @@ pub const GENERATE: KindSpec = KindSpec {
     name: "generate",
     input: InputType::Text,
     pads: true,
-    input_description: "The prompt (a user message unless chat is false).",
+    input_description: "The prompt (a user message unless chat is false); empty when `messages` \
+                        gives the conversation.",
     options: &[
         integer(
             "max_tokens",
@@ -131,6 +153,27 @@ pub const GENERATE: KindSpec = KindSpec {
             2.0,
             "Sampling temperature; 0 is greedy.",
         ),
+        number(
+            "top_p",
+            1.0,
+            0.01,
+            1.0,
+            "Sample from the smallest set of tokens whose probability reaches this (1: all).",
+        ),
+        integer(
+            "top_k",
+            0.0,
+            0.0,
+            1000.0,
+            "Sample from this many most likely tokens (0: all).",
+        ),
+        number(
+            "repeat_penalty",
+            1.0,
+            0.5,
+            2.0,
+            "Divide the logits of tokens among the last 64 by this (1: none).",
+        ),
         integer(
             "seed",
             0.0,
@@ -138,10 +181,22 @@ pub const GENERATE: KindSpec = KindSpec {
             u64::MAX as f64,
             "Seed of the sampler (with a temperature above 0).",
         ),
+        list(
+            "stop",
+            OptionType::Strings,
+            4.0,
+            "Strings that end the generation (left out of the answer).",
+        ),
         flag(
             "chat",
             true,
             "Wrap the text in the model's chat template as a user message.",
+        ),
+        list(
+            "messages",
+            OptionType::Messages,
+            64.0,
+            "The conversation so far, in the model's chat template, instead of `text`.",
         ),
     ],
 };

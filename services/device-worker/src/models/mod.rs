@@ -3,7 +3,9 @@
 
 pub mod embed;
 pub mod generate;
+mod gguf;
 mod length_groups;
+mod llama;
 pub mod mlp;
 mod options;
 pub mod sim;

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use nomad_proto::kinds::{KindSpec, OptionSpec, OptionType};
+use nomad_proto::kinds::{self, KindSpec, OptionSpec, OptionType};
 use nomad_proto::v1::ItemResult;
 use serde_json::Value;
 
@@ -15,12 +15,21 @@ pub struct Options {
     values: HashMap<&'static str, Checked>,
 }
 
+/// One message of a chat.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub role: &'static str,
+    pub content: String,
+}
+
 /// A checked value; whole numbers stay exact (a seed may exceed f64's integers).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 enum Checked {
     Flag(bool),
     Integer(u64),
     Number(f64),
+    Strings(Vec<String>),
+    Messages(Vec<Message>),
 }
 
 impl Checked {
@@ -29,8 +38,75 @@ impl Checked {
             OptionType::Bool => Checked::Flag(spec.default != 0.0),
             OptionType::Integer => Checked::Integer(spec.default as u64),
             OptionType::Number => Checked::Number(spec.default),
+            OptionType::Strings => Checked::Strings(Vec::new()),
+            OptionType::Messages => Checked::Messages(Vec::new()),
         }
     }
+}
+
+/// A `Strings` value: a list of short non-empty strings.
+fn strings(key: &str, value: &Value, max: usize) -> Result<Vec<String>, String> {
+    let items = value
+        .as_array()
+        .ok_or_else(|| format!("option {key:?} must be a list of strings"))?;
+    if items.len() > max {
+        return Err(format!(
+            "option {key:?} has {} strings; at most {max}",
+            items.len()
+        ));
+    }
+    items
+        .iter()
+        .map(|item| match item.as_str() {
+            Some(s) if !s.is_empty() && s.len() <= kinds::MAX_STRING_BYTES => Ok(s.to_owned()),
+            Some(_) => Err(format!(
+                "option {key:?}: each string must be 1 to {} bytes",
+                kinds::MAX_STRING_BYTES
+            )),
+            None => Err(format!("option {key:?} must be a list of strings")),
+        })
+        .collect()
+}
+
+/// A `Messages` value: `{"role", "content"}` objects with a known role.
+fn messages(key: &str, value: &Value, max: usize) -> Result<Vec<Message>, String> {
+    let items = value
+        .as_array()
+        .ok_or_else(|| format!("option {key:?} must be a list of messages"))?;
+    if items.len() > max {
+        return Err(format!(
+            "option {key:?} has {} messages; at most {max}",
+            items.len()
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let role = item.get("role").and_then(Value::as_str);
+            let content = item.get("content").and_then(Value::as_str);
+            let extra = item
+                .as_object()
+                .is_some_and(|o| o.keys().any(|k| k != "role" && k != "content"));
+            match (role, content) {
+                (Some(role), Some(content)) if !extra => {
+                    let role = kinds::ROLES.iter().find(|r| **r == role).ok_or_else(|| {
+                        format!(
+                            "option {key:?}: message {i} has role {role:?}; roles are {}",
+                            kinds::ROLES.join(", ")
+                        )
+                    })?;
+                    Ok(Message {
+                        role,
+                        content: content.to_owned(),
+                    })
+                }
+                _ => Err(format!(
+                    "option {key:?}: message {i} must be {{\"role\": \"...\", \"content\": \"...\"}}"
+                )),
+            }
+        })
+        .collect()
 }
 
 impl Options {
@@ -65,7 +141,16 @@ impl Options {
                     },
                 ));
             };
+            let max_items = spec.max as usize;
             let (checked, number) = match (spec.ty, value) {
+                (OptionType::Strings, v) => {
+                    let list = strings(key, v, max_items).map_err(|m| invalid(index, m))?;
+                    (Checked::Strings(list), spec.min)
+                }
+                (OptionType::Messages, v) => {
+                    let list = messages(key, v, max_items).map_err(|m| invalid(index, m))?;
+                    (Checked::Messages(list), spec.min)
+                }
                 (OptionType::Bool, Value::Bool(b)) => (Checked::Flag(*b), f64::from(u8::from(*b))),
                 (OptionType::Bool, _) => {
                     return Err(invalid(
@@ -115,6 +200,20 @@ impl Options {
         match self.values.get(name) {
             Some(Checked::Number(x)) => *x,
             _ => 0.0,
+        }
+    }
+
+    pub fn strings(&self, name: &str) -> &[String] {
+        match self.values.get(name) {
+            Some(Checked::Strings(list)) => list,
+            _ => &[],
+        }
+    }
+
+    pub fn messages(&self, name: &str) -> &[Message] {
+        match self.values.get(name) {
+            Some(Checked::Messages(list)) => list,
+            _ => &[],
         }
     }
 }
@@ -168,5 +267,47 @@ mod tests {
         );
         let seed = Options::parse(0, r#"{"seed": 18446744073709551615}"#, &GENERATE).unwrap();
         assert_eq!(seed.integer("seed"), u64::MAX);
+    }
+
+    #[test]
+    fn every_sampling_option_is_checked_naming_it_and_its_range() {
+        let all = Options::parse(
+            0,
+            r#"{"top_p": 0.9, "top_k": 40, "repeat_penalty": 1.1, "stop": ["\n\n", "END"],
+                "messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Hi"}]}"#,
+            &GENERATE,
+        )
+        .unwrap();
+        assert_eq!(all.number("top_p"), 0.9);
+        assert_eq!(all.integer("top_k"), 40);
+        assert_eq!(all.number("repeat_penalty"), 1.1);
+        assert_eq!(all.strings("stop"), ["\n\n", "END"]);
+        assert_eq!(all.messages("messages")[1].role, "user");
+        let defaults = Options::parse(0, "", &GENERATE).unwrap();
+        assert_eq!(
+            (defaults.number("top_p"), defaults.integer("top_k")),
+            (1.0, 0)
+        );
+        assert_eq!(defaults.number("repeat_penalty"), 1.0);
+        assert!(defaults.strings("stop").is_empty() && defaults.messages("messages").is_empty());
+        let long = format!(r#"{{"stop": ["{}"]}}"#, "x".repeat(65));
+        for (json, expected) in [
+            (r#"{"top_p": 0}"#, r#"option "top_p" is 0; it must be between 0.01 and 1"#),
+            (r#"{"top_p": 1.5}"#, "between 0.01 and 1"),
+            (r#"{"top_k": -1}"#, r#"option "top_k" must be a whole number"#),
+            (r#"{"top_k": 5000}"#, "between 0 and 1000"),
+            (r#"{"repeat_penalty": 3}"#, r#""repeat_penalty" is 3; it must be between 0.5 and 2"#),
+            (r#"{"stop": "END"}"#, r#"option "stop" must be a list of strings"#),
+            (r#"{"stop": ["a", "b", "c", "d", "e"]}"#, "at most 4"),
+            (r#"{"stop": [""]}"#, "1 to 64 bytes"),
+            (long.as_str(), "1 to 64 bytes"),
+            (r#"{"messages": [{"role": "robot", "content": "x"}]}"#, "roles are system, user, assistant"),
+            (r#"{"messages": [{"role": "user"}]}"#, "message 0 must be"),
+            (r#"{"messages": "hi"}"#, "must be a list of messages"),
+        ] {
+            let message = refusal(Options::parse(0, json, &GENERATE));
+            assert!(message.contains(expected), "{json}: {message}");
+        }
     }
 }

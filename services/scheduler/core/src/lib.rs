@@ -38,6 +38,10 @@ pub struct ToolSpec {
     pub group_by_size: bool,
     /// Successful batches at a size out-of-memory reduced before it doubles back.
     pub oom_regrow_after: u32,
+    /// Served continuously (generation): a slot holding the tool runs up to `batch_size`
+    /// requests at once, each dispatched alone as it arrives and answered when it ends, instead
+    /// of one batch at a time. Out-of-memory halving and regrowth apply to that bound.
+    pub continuous: bool,
 }
 
 impl ToolSpec {
@@ -52,6 +56,7 @@ impl ToolSpec {
             max_batch_tokens: 0,
             group_by_size: false,
             oom_regrow_after: 50,
+            continuous: false,
         }
     }
 }
@@ -160,6 +165,9 @@ pub enum Action {
         requests: Vec<RequestId>,
         /// How long each request waited in its queue, in the same order.
         queue_waits: Vec<Duration>,
+        /// Requests running on the slot with this batch (its size, or for a continuous tool
+        /// every request in flight there).
+        running: u32,
     },
     /// `request` ended, `duration` after it was submitted; the driver replies to its caller.
     Complete {
@@ -194,7 +202,8 @@ pub enum SizeChange {
 enum SlotState {
     Idle,
     Preparing(ToolId),
-    Executing(BatchId),
+    /// Running the batches in `Slot::batches` (one, or for a continuous tool up to its bound).
+    Executing,
     /// Evicting, unloading or clearing its cache.
     Maintenance,
 }
@@ -211,6 +220,8 @@ struct Slot {
     dirty: bool,
     /// Tools that failed to load or place here, not to be tried on this slot again until then.
     backoff: HashMap<ToolId, Backoff>,
+    /// Batches running here.
+    batches: BTreeSet<BatchId>,
 }
 
 /// A failed prepare's wait before the (slot, tool) pair is tried again: doubling, capped.
@@ -276,6 +287,8 @@ pub struct Batch {
     pub slot: SlotId,
     /// In dispatch order (a cancelled one stays listed; its result is ignored).
     pub requests: Vec<RequestId>,
+    /// Requests running on the slot when it was dispatched, itself included.
+    pub running: u32,
 }
 
 #[derive(Debug)]
@@ -425,6 +438,7 @@ impl Core {
                 last_used: now,
                 dirty: false,
                 backoff: HashMap::new(),
+                batches: BTreeSet::new(),
             },
         );
         self.schedule(now);
@@ -437,10 +451,14 @@ impl Core {
         let Some(s) = self.slots.remove(&slot) else {
             return;
         };
-        if let SlotState::Executing(batch) = s.state
-            && let Some(b) = self.batches.remove(&batch)
-        {
-            let mut requeue = Vec::new();
+        let lost: Vec<Batch> = s
+            .batches
+            .iter()
+            .filter_map(|id| self.batches.remove(id))
+            .collect();
+        // Batches in dispatch order (ids ascend), each batch's requests in theirs.
+        let mut requeue = Vec::new();
+        for b in lost {
             for request in b.requests {
                 let Some(r) = self.requests.get_mut(&request) else {
                     continue; // cancelled while executing
@@ -460,13 +478,12 @@ impl Core {
                     r.state = RequestState::Queued;
                     let tool = &mut self.tools[b.tool];
                     tool.inflight = tool.inflight.saturating_sub(1);
-                    requeue.push(request);
+                    requeue.push((b.tool, request));
                 }
             }
-            let queue = &mut self.tools[b.tool].queue;
-            for request in requeue.into_iter().rev() {
-                queue.push_front(request);
-            }
+        }
+        for (tool, request) in requeue.into_iter().rev() {
+            self.tools[tool].queue.push_front(request);
         }
         self.schedule(now);
     }
@@ -531,7 +548,10 @@ impl Core {
             return;
         };
         if let Some(s) = self.slots.get_mut(&b.slot) {
-            s.state = SlotState::Idle;
+            s.batches.remove(&batch);
+            if s.batches.is_empty() {
+                s.state = SlotState::Idle;
+            }
             s.last_used = now;
             s.dirty = true;
         }
@@ -562,12 +582,12 @@ impl Core {
                 }
                 self.regrow(b.tool);
             }
-            BatchResult::OutOfMemory(_) if b.requests.len() > 1 => {
+            BatchResult::OutOfMemory(_) if b.running > 1 => {
                 let tool = &mut self.tools[b.tool];
                 let old = tool.batch_size;
                 // Never above the current size: a batch dispatched before a reduction cannot
                 // undo it.
-                let new = (old.min(b.requests.len() as u32) / 2).max(1);
+                let new = (old.min(b.running) / 2).max(1);
                 tool.good_batches = 0;
                 if new < old {
                     tool.batch_size = new;

@@ -79,7 +79,8 @@ impl Core {
             // A request that runs alone is a whole batch by itself.
             Some(front) => {
                 let front = &self.requests[front];
-                front.solo()
+                t.spec.continuous
+                    || front.solo()
                     || t.queue.len() >= t.effective_batch()
                     || self.fills_budget(tool)
                     || now >= front.enqueued_at + self.timing.max_batch_delay
@@ -101,11 +102,20 @@ impl Core {
         })
     }
 
+    /// A slot holding `tool` that can run a batch now: an idle one, or for a continuous tool
+    /// one running fewer than its bound (the least loaded).
     fn free_slot_holding(&self, tool: ToolId) -> Option<SlotId> {
+        let t = &self.tools[tool];
         self.slots
             .iter()
-            .filter(|(_, s)| s.state == SlotState::Idle && s.on_device == Some(tool))
-            .min_by_key(|(id, s)| (s.last_used, **id))
+            .filter(|(_, s)| s.on_device == Some(tool))
+            .filter(|(_, s)| {
+                s.state == SlotState::Idle
+                    || (t.spec.continuous
+                        && s.state == SlotState::Executing
+                        && s.batches.len() < t.effective_batch())
+            })
+            .min_by_key(|(id, s)| (s.batches.len(), s.last_used, **id))
             .map(|(id, _)| *id)
     }
 
@@ -162,7 +172,11 @@ impl Core {
     }
 
     fn dispatch(&mut self, tool: ToolId, slot: SlotId, now: Instant) {
-        let requests = self.next_batch_of(tool);
+        let requests = if self.tools[tool].spec.continuous {
+            self.tools[tool].queue.pop_front().into_iter().collect()
+        } else {
+            self.next_batch_of(tool)
+        };
         let t = &mut self.tools[tool];
         t.inflight += requests.len() as u32;
         let batch = self.next_batch;
@@ -174,13 +188,21 @@ impl Core {
                 queue_waits.push(now.saturating_duration_since(req.enqueued_at));
             }
         }
-        self.slots.get_mut(&slot).expect("slot exists").state = SlotState::Executing(batch);
+        let s = self.slots.get_mut(&slot).expect("slot exists");
+        s.state = SlotState::Executing;
+        s.batches.insert(batch);
+        let running = if self.tools[tool].spec.continuous {
+            s.batches.len() as u32
+        } else {
+            requests.len() as u32
+        };
         self.batches.insert(
             batch,
             Batch {
                 tool,
                 slot,
                 requests: requests.clone(),
+                running,
             },
         );
         self.actions.push(Action::Dispatch {
@@ -189,6 +211,7 @@ impl Core {
             tool,
             requests,
             queue_waits,
+            running,
         });
     }
 

@@ -1,6 +1,7 @@
 //! The core under a fake clock: one module per concern, the harness here.
 
 mod budget;
+mod continuous;
 mod failures;
 mod idle;
 mod placement;

@@ -11,7 +11,16 @@ use super::*;
 fn every_accepted_request_completes_exactly_once_under_random_events() {
     for seed in 0..200u64 {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let tools = vec![spec("a", 4, 2, 16), spec("b", 2, 1, 8), spec("c", 8, 3, 32)];
+        let generate = ToolSpec {
+            continuous: true,
+            ..spec("g", 3, 2, 16)
+        };
+        let tools = vec![
+            spec("a", 4, 2, 16),
+            spec("b", 2, 1, 8),
+            spec("c", 8, 3, 32),
+            generate,
+        ];
         let mut h = Harness::new(tools, 0);
         let mut next_slot = 0;
         let mut accepted = Vec::new();
@@ -45,7 +54,7 @@ fn every_accepted_request_completes_exactly_once_under_random_events() {
             let now = h.now;
             match rng.random_range(0..100) {
                 0..=34 => {
-                    let tool = ["a", "b", "c", "nope"][rng.random_range(0..4)];
+                    let tool = ["a", "b", "c", "g", "nope"][rng.random_range(0..5)];
                     if let Ok(id) = h.try_submit(tool) {
                         accepted.push(id);
                     }

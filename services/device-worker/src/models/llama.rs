@@ -1,0 +1,247 @@
+//! A quantized llama (GGUF) whose forward pass runs many sequences at once, each with its own
+//! KV cache and position: the new tokens of every sequence (a prompt chunk or one decoded token)
+//! are packed into one matrix, so each weight matrix is read once per step for all of them;
+//! attention runs per sequence against that sequence's cache.
+//!
+//! Every row is computed as it would be alone: the quantized matmuls, norms and activations are
+//! row by row, and attention never mixes sequences, so batching does not change any result.
+
+use candle_core::quantized::{QMatMul, gguf_file};
+use candle_core::{D, DType, Device, Module, Result, Tensor};
+use candle_nn::Embedding;
+use candle_nn::kv_cache::KvCache;
+use candle_transformers::quantized_nn::RmsNorm;
+
+struct Layer {
+    attention_norm: RmsNorm,
+    q: QMatMul,
+    k: QMatMul,
+    v: QMatMul,
+    o: QMatMul,
+    ffn_norm: RmsNorm,
+    gate: QMatMul,
+    up: QMatMul,
+    down: QMatMul,
+}
+
+pub struct Llama {
+    embeddings: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    output: QMatMul,
+    /// Rotary tables, one row per position up to the context length.
+    cos: Tensor,
+    sin: Tensor,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    device: Device,
+}
+
+/// The keys and values one sequence has produced, every layer.
+pub struct Cache {
+    layers: Vec<KvCache>,
+    /// Tokens the cache holds (the position of the next token).
+    len: usize,
+}
+
+impl Cache {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// One sequence's share of a step: its new tokens and its cache.
+pub struct Step<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut Cache,
+}
+
+fn md<'a>(ct: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value> {
+    ct.metadata
+        .get(key)
+        .ok_or_else(|| candle_core::Error::Msg(format!("the GGUF lacks {key}")))
+}
+
+impl Llama {
+    /// The weights of a `general.architecture = llama` GGUF.
+    pub fn from_gguf<R: std::io::Read + std::io::Seek>(
+        ct: &gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+        context_length: usize,
+    ) -> Result<Self> {
+        let arch = md(ct, "general.architecture")?.to_string()?;
+        if arch != "llama" {
+            candle_core::bail!("architecture {arch:?}: only llama GGUFs are served");
+        }
+        let number = |key: &str| md(ct, key).and_then(|v| v.to_u32()).map(|v| v as usize);
+        let heads = number("llama.attention.head_count")?;
+        let kv_heads = number("llama.attention.head_count_kv")?;
+        let layers = number("llama.block_count")?;
+        let hidden = number("llama.embedding_length")?;
+        let rope_dim = number("llama.rope.dimension_count")?;
+        let eps = md(ct, "llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64;
+        let freq_base = md(ct, "llama.rope.freq_base")
+            .and_then(|v| v.to_f32())
+            .unwrap_or(10_000.0);
+        let head_dim = hidden / heads;
+        if rope_dim != head_dim || heads % kv_heads != 0 {
+            candle_core::bail!(
+                "rope over {rope_dim} of {head_dim} dims or {heads} heads over {kv_heads} kv heads"
+            );
+        }
+        let tensor = |name: &str, reader: &mut R| ct.tensor(reader, name, device);
+        let embeddings_q = tensor("token_embd.weight", reader)?;
+        let embeddings = Embedding::new(embeddings_q.dequantize(device)?, hidden);
+        let norm = RmsNorm::from_qtensor(tensor("output_norm.weight", reader)?, eps)?;
+        let output = match tensor("output.weight", reader) {
+            Ok(t) => t,
+            Err(_) => embeddings_q, // tied embeddings
+        };
+        let mut blocks = Vec::with_capacity(layers);
+        for i in 0..layers {
+            let mut q = |name: &str| -> Result<QMatMul> {
+                QMatMul::from_qtensor(tensor(&format!("blk.{i}.{name}.weight"), reader)?)
+            };
+            let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
+            let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
+            let attention_norm =
+                RmsNorm::from_qtensor(tensor(&format!("blk.{i}.attn_norm.weight"), reader)?, eps)?;
+            let ffn_norm =
+                RmsNorm::from_qtensor(tensor(&format!("blk.{i}.ffn_norm.weight"), reader)?, eps)?;
+            blocks.push(Layer {
+                attention_norm,
+                q: wq,
+                k: wk,
+                v: wv,
+                o: wo,
+                ffn_norm,
+                gate,
+                up,
+                down,
+            });
+        }
+        let (cos, sin) = rope_tables(head_dim, freq_base, context_length, device)?;
+        Ok(Self {
+            embeddings,
+            layers: blocks,
+            norm,
+            output: QMatMul::from_qtensor(output)?,
+            cos,
+            sin,
+            heads,
+            kv_heads,
+            head_dim,
+            device: device.clone(),
+        })
+    }
+
+    /// An empty cache for a sequence of at most `capacity` tokens.
+    pub fn cache(&self, capacity: usize) -> Cache {
+        Cache {
+            layers: (0..self.layers.len())
+                .map(|_| KvCache::new(2, capacity.max(1)))
+                .collect(),
+            len: 0,
+        }
+    }
+
+    /// Runs every sequence's new tokens in one pass, appending them to its cache; returns each
+    /// sequence's logits after its last new token (`[sequences, vocab]`).
+    pub fn forward(&self, steps: &mut [Step<'_>]) -> Result<Tensor> {
+        let ids: Vec<u32> = steps.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        if ids.is_empty() || steps.iter().any(|s| s.tokens.is_empty()) {
+            candle_core::bail!("every sequence of a step needs a token");
+        }
+        let mut x = self
+            .embeddings
+            .forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = layer.attention_norm.forward(&x)?;
+            let (q, k, v) = (layer.q.forward(&h)?, layer.k.forward(&h)?, layer.v.forward(&h)?);
+            let mut outputs = Vec::with_capacity(steps.len());
+            let mut row = 0;
+            for step in steps.iter_mut() {
+                let n = step.tokens.len();
+                let at = step.cache.len;
+                let part = |t: &Tensor, heads: usize| -> Result<Tensor> {
+                    t.narrow(0, row, n)?
+                        .reshape((1, n, heads, self.head_dim))?
+                        .transpose(1, 2)?
+                        .contiguous()
+                };
+                let q = self.rope(&part(&q, self.heads)?, at)?;
+                let k = self.rope(&part(&k, self.kv_heads)?, at)?;
+                let v = part(&v, self.kv_heads)?;
+                let (k, v) = step.cache.layers[l].append(&k, &v)?;
+                let y = self.attention(&q, &k, &v, at)?;
+                outputs.push(y.transpose(1, 2)?.reshape((n, self.heads * self.head_dim))?);
+                row += n;
+            }
+            let y = Tensor::cat(&outputs, 0)?;
+            let x1 = (layer.o.forward(&y)? + &x)?;
+            let h = layer.ffn_norm.forward(&x1)?;
+            let gated = (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
+            x = (layer.down.forward(&gated)? + x1)?;
+        }
+        let mut last = Vec::with_capacity(steps.len());
+        let mut end = 0u32;
+        for step in steps.iter_mut() {
+            end += step.tokens.len() as u32;
+            last.push(end - 1);
+            step.cache.len += step.tokens.len();
+        }
+        let x = x.index_select(&Tensor::new(last.as_slice(), &self.device)?, 0)?;
+        self.output.forward(&self.norm.forward(&x)?)
+    }
+
+    fn rope(&self, x: &Tensor, at: usize) -> Result<Tensor> {
+        let n = x.dim(2)?;
+        let cos = self.cos.narrow(0, at, n)?;
+        let sin = self.sin.narrow(0, at, n)?;
+        candle_nn::rotary_emb::rope_i(x, &cos, &sin)
+    }
+
+    /// Causal attention of `q` (`[1, heads, n, d]`, positions `at..at + n`) over the cache's
+    /// keys and values (`[1, kv_heads, at + n, d]`).
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, at: usize) -> Result<Tensor> {
+        let n = q.dim(2)?;
+        let repeat = self.heads / self.kv_heads;
+        let k = candle_transformers::utils::repeat_kv(k.contiguous()?, repeat)?;
+        let v = candle_transformers::utils::repeat_kv(v.contiguous()?, repeat)?;
+        let scores = (q.matmul(&k.t()?)? / (self.head_dim as f64).sqrt())?;
+        let scores = if n > 1 {
+            let mask = candle_transformers::utils::build_causal_mask(n, at, &self.device)?;
+            let mask = mask.broadcast_as(scores.shape())?;
+            let minus = Tensor::new(f32::NEG_INFINITY, &self.device)?.broadcast_as(scores.shape())?;
+            mask.where_cond(&minus, &scores)?
+        } else {
+            scores
+        };
+        candle_nn::ops::softmax_last_dim(&scores)?.matmul(&v.contiguous()?)
+    }
+}
+
+fn rope_tables(
+    head_dim: usize,
+    freq_base: f32,
+    positions: usize,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let theta: Vec<f32> = (0..head_dim)
+        .step_by(2)
+        .map(|i| 1.0 / freq_base.powf(i as f32 / head_dim as f32))
+        .collect();
+    let theta = Tensor::new(theta.as_slice(), device)?;
+    let angles = Tensor::arange(0, positions.max(1) as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((positions.max(1), 1))?
+        .matmul(&theta.reshape((1, ()))?)?;
+    Ok((angles.cos()?, angles.sin()?))
+}
+
+/// The greedy token of each row of `logits` (`[sequences, vocab]`).
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    logits.argmax(D::Minus1)?.to_vec1::<u32>()
+}
