@@ -10,6 +10,7 @@ mod serve;
 mod service;
 mod stats;
 mod store;
+mod streaming;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

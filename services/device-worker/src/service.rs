@@ -196,7 +196,11 @@ impl DeviceWorker for WorkerService {
             })
             .collect();
         let limits = self.limits;
-        let outcome = match blocking(move || model.execute(&inputs, &limits)).await? {
+        let executed = match model.streaming() {
+            Some(streaming) => crate::streaming::run_batch(streaming, &inputs, &limits).await,
+            None => blocking(move || model.execute(&inputs, &limits)).await?,
+        };
+        let outcome = match executed {
             Ok(items) => execute_batch_response::Outcome::Results(BatchResults { items }),
             Err(ExecError::OutOfMemory(detail)) => {
                 execute_batch_response::Outcome::OutOfMemory(OutOfMemory { detail })
@@ -216,6 +220,56 @@ impl DeviceWorker for WorkerService {
         Ok(Response::new(ExecuteBatchResponse {
             outcome: Some(outcome),
         }))
+    }
+
+    type ExecuteStreamStream = crate::streaming::EventStream;
+
+    async fn execute_stream(
+        &self,
+        request: Request<ExecuteBatchRequest>,
+    ) -> Result<Response<Self::ExecuteStreamStream>, Status> {
+        let ExecuteBatchRequest {
+            tool,
+            mut inputs,
+            traces,
+        } = request.into_inner();
+        required_tool(&tool)?;
+        if inputs.len() != 1 || traces.len() > 1 {
+            return Err(Status::invalid_argument(format!(
+                "a stream runs one input (with at most one trace carrier); got {} inputs and {} \
+                 carriers",
+                inputs.len(),
+                traces.len()
+            )));
+        }
+        let model = self.store.placed(&tool).map_err(store_status)?;
+        let Some(streaming) = model.streaming() else {
+            return Err(Status::failed_precondition(format!(
+                "{tool} does not stream: only generation tools do; call ExecuteBatch"
+            )));
+        };
+        let parent = traces
+            .first()
+            .map(|c| nomad_telemetry::propagation::extract_map(&c.fields))
+            .unwrap_or_else(Context::current);
+        let span = GroupSpan::start_with(
+            SpanGroup::Batch,
+            "nomad.device.execute",
+            &parent,
+            SpanOptions::default(),
+        );
+        span.set_attributes([
+            KeyValue::new("tool", tool.clone()),
+            KeyValue::new("device", self.device_name.clone()),
+            KeyValue::new("nomad.tool.streamed", true),
+        ]);
+        let input = inputs.remove(0);
+        let stream = crate::streaming::run_stream(streaming, &input, &self.limits, move |error| {
+            if let Some(e) = error {
+                span.set_error("execution_failed", e.to_owned());
+            }
+        });
+        Ok(Response::new(stream))
     }
 
     async fn clear_cache(

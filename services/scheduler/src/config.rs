@@ -32,13 +32,26 @@ pub struct ToolConfig {
     /// Estimated tokens one batch carries at most (UTF-8 bytes / 4 per text input); 0: none.
     #[serde(default)]
     pub max_batch_tokens: u64,
+    /// Generation: requests decoded together on one worker at most (default 8).
+    #[serde(default)]
+    pub max_running: Option<u32>,
+    /// Generation: KV cache the running requests on one worker may reserve (0: the worker's
+    /// memory budget less the weights, else unbounded).
+    #[serde(default)]
+    pub kv_budget_bytes: u64,
     /// `execute_timeout_seconds` resolved (filled in by [`validate`]).
     #[serde(skip)]
     pub execute_timeout: std::time::Duration,
+    /// The kind is served continuously (filled in by [`validate`] from the kinds table).
+    #[serde(skip)]
+    pub continuous: bool,
     /// `tool_manager.oom_regrow_after` (filled in by [`validate`]).
     #[serde(skip)]
     pub oom_regrow_after: u32,
 }
+
+/// Requests a generation tool decodes together on one worker unless configured.
+pub const DEFAULT_MAX_RUNNING: u32 = 8;
 
 fn default_batch_size() -> u32 {
     8
@@ -144,6 +157,17 @@ pub enum ToolConfigError {
     },
     #[error("tools[{index}] ({name}): `source` is empty")]
     EmptySource { index: usize, name: String },
+    #[error(
+        "tools[{index}] ({name}): `{field}` applies to continuous kinds (generate), not {kind}"
+    )]
+    NotContinuous {
+        index: usize,
+        name: String,
+        field: &'static str,
+        kind: String,
+    },
+    #[error("tools[{index}] ({name}): `max_running` must be at least 1")]
+    ZeroRunning { index: usize, name: String },
     #[error("tools[{index}] ({name}): `max_batch_bytes` must be at least 1")]
     ZeroBytes { index: usize, name: String },
     #[error("tools[{index}] ({name}): `batch_size` must be at least 1")]
@@ -164,12 +188,33 @@ pub fn validate(
         if !seen.insert(name.clone()) {
             return Err(ToolConfigError::Duplicate { index, name });
         }
-        if nomad_proto::kinds::kind(&tool.kind).is_none() {
+        let Some(kind) = nomad_proto::kinds::kind(&tool.kind) else {
             return Err(ToolConfigError::UnknownKind {
                 index,
                 name,
                 kind: tool.kind.clone(),
             });
+        };
+        tool.continuous = kind.continuous;
+        if !kind.continuous {
+            let field = match (tool.max_running, tool.kv_budget_bytes) {
+                (Some(_), _) => Some("max_running"),
+                (None, b) if b > 0 => Some("kv_budget_bytes"),
+                _ => None,
+            };
+            if let Some(field) = field {
+                return Err(ToolConfigError::NotContinuous {
+                    index,
+                    name,
+                    field,
+                    kind: tool.kind.clone(),
+                });
+            }
+        }
+        match tool.max_running {
+            Some(0) => return Err(ToolConfigError::ZeroRunning { index, name }),
+            None if kind.continuous => tool.max_running = Some(DEFAULT_MAX_RUNNING),
+            _ => {}
         }
         if tool.source.trim().is_empty() {
             return Err(ToolConfigError::EmptySource { index, name });
@@ -217,7 +262,10 @@ mod tests {
             execute_timeout_seconds: None,
             max_batch_bytes: default_max_batch_bytes(),
             max_batch_tokens: 0,
+            max_running: None,
+            kv_budget_bytes: 0,
             execute_timeout: std::time::Duration::ZERO,
+            continuous: false,
             oom_regrow_after: 0,
         }
     }
@@ -238,6 +286,36 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("batch_size")
+        );
+    }
+
+    #[test]
+    fn generation_is_continuous_with_a_running_bound_and_other_kinds_refuse_one() {
+        let manager = ToolManagerConfig::default();
+        let ok = validate(vec![tool("g", "generate")], &manager).unwrap();
+        assert!(ok[0].continuous);
+        assert_eq!(ok[0].max_running, Some(DEFAULT_MAX_RUNNING));
+        let mut embed = tool("e", "embed");
+        embed.max_running = Some(4);
+        assert_eq!(
+            validate(vec![embed], &manager).unwrap_err().to_string(),
+            "tools[0] (e): `max_running` applies to continuous kinds (generate), not embed"
+        );
+        let mut mlp = tool("m", "mlp");
+        mlp.kv_budget_bytes = 1 << 20;
+        assert!(
+            validate(vec![mlp], &manager)
+                .unwrap_err()
+                .to_string()
+                .contains("`kv_budget_bytes` applies to continuous kinds")
+        );
+        let mut zero = tool("g", "generate");
+        zero.max_running = Some(0);
+        assert!(
+            validate(vec![zero], &manager)
+                .unwrap_err()
+                .to_string()
+                .contains("`max_running` must be at least 1")
         );
     }
 

@@ -4,14 +4,36 @@ use std::sync::Arc;
 
 use nomad_proto::v1::scheduler_server::Scheduler;
 use nomad_proto::v1::{
-    CallToolRequest, CallToolResponse, HeartbeatRequest, HeartbeatResponse, ListToolsRequest,
-    ListToolsResponse, ListWorkersRequest, ListWorkersResponse, RegisterWorkerRequest,
-    RegisterWorkerResponse, ToolInfo,
+    CallToolRequest, CallToolResponse, CallToolStreamEvent, HeartbeatRequest, HeartbeatResponse,
+    ListToolsRequest, ListToolsResponse, ListWorkersRequest, ListWorkersResponse,
+    RegisterWorkerRequest, RegisterWorkerResponse, ToolInfo, ToolInput, call_tool_stream_event,
 };
 use tonic::{Request, Response, Status};
 
 use crate::config::ToolConfig;
-use crate::driver::Handle;
+use crate::driver::{Handle, Served};
+
+/// Text events a streamed call buffers before its worker call waits for the caller to read.
+const STREAM_BUFFER: usize = 64;
+
+fn request_parts(request: CallToolRequest) -> Result<(String, ToolInput), Status> {
+    let CallToolRequest { tool, input } = request;
+    if tool.is_empty() {
+        return Err(Status::invalid_argument("`tool` is required"));
+    }
+    let input = input.ok_or_else(|| Status::invalid_argument("`input` is required"))?;
+    Ok((tool, input))
+}
+
+fn response(served: Served) -> CallToolResponse {
+    CallToolResponse {
+        output: Some(served.output),
+        worker_id: served.worker_id,
+        queue_wait_seconds: served.queue_wait.as_secs_f64(),
+        batch_size: served.batch_size,
+        generation: served.generation,
+    }
+}
 use crate::workers::WorkerRegistry;
 
 pub struct SchedulerService {
@@ -37,6 +59,7 @@ impl Scheduler for SchedulerService {
                 batch_size: t.batch_size,
                 max_devices: t.max_devices,
                 max_pending: t.max_pending,
+                max_running: t.max_running.unwrap_or(0),
             })
             .collect();
         Ok(Response::new(ListToolsResponse { tools }))
@@ -46,18 +69,61 @@ impl Scheduler for SchedulerService {
         &self,
         request: Request<CallToolRequest>,
     ) -> Result<Response<CallToolResponse>, Status> {
-        let CallToolRequest { tool, input } = request.into_inner();
-        if tool.is_empty() {
-            return Err(Status::invalid_argument("`tool` is required"));
-        }
-        let input = input.ok_or_else(|| Status::invalid_argument("`input` is required"))?;
+        let (tool, input) = request_parts(request.into_inner())?;
         let served = self.driver.call(&tool, input).await?;
-        Ok(Response::new(CallToolResponse {
-            output: Some(served.output),
-            worker_id: served.worker_id,
-            queue_wait_seconds: served.queue_wait.as_secs_f64(),
-            batch_size: served.batch_size,
-        }))
+        Ok(Response::new(response(served)))
+    }
+
+    type CallToolStreamStream =
+        std::pin::Pin<Box<dyn futures::Stream<Item = Result<CallToolStreamEvent, Status>> + Send>>;
+
+    async fn call_tool_stream(
+        &self,
+        request: Request<CallToolRequest>,
+    ) -> Result<Response<Self::CallToolStreamStream>, Status> {
+        use opentelemetry::trace::FutureExt as _;
+        let (tool, input) = request_parts(request.into_inner())?;
+        let (text, texts) = tokio::sync::mpsc::channel(STREAM_BUFFER);
+        let driver = self.driver.clone();
+        // Dropping the stream drops the call, which cancels the request.
+        let call: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>> = Box::pin(
+            async move { driver.call_streaming(&tool, input, Some(text)).await }
+                .with_context(nomad_telemetry::Context::current()),
+        );
+        enum State<F> {
+            Running(F, tokio::sync::mpsc::Receiver<String>),
+            /// The answer came: what text is left, then the answer.
+            Ending(std::collections::VecDeque<Result<CallToolStreamEvent, Status>>),
+        }
+        let event = |e| CallToolStreamEvent { event: Some(e) };
+        let stream = futures::stream::unfold(
+            State::Running(call, texts),
+            move |state| async move {
+                match state {
+                    State::Running(mut call, mut texts) => tokio::select! {
+                        // Text first: what the worker sent before its outcome goes out before it.
+                        biased;
+                        Some(t) = texts.recv() => Some((
+                            Ok(event(call_tool_stream_event::Event::Text(t))),
+                            State::Running(call, texts),
+                        )),
+                        result = &mut call => {
+                            let mut rest = std::collections::VecDeque::new();
+                            while let Ok(t) = texts.try_recv() {
+                                rest.push_back(Ok(event(call_tool_stream_event::Event::Text(t))));
+                            }
+                            rest.push_back(
+                                result.map(|s| event(call_tool_stream_event::Event::Done(response(s)))),
+                            );
+                            let first = rest.pop_front().expect("the answer is there");
+                            Some((first, State::Ending(rest)))
+                        }
+                    },
+                    State::Ending(mut rest) => rest.pop_front().map(|e| (e, State::Ending(rest))),
+                }
+            },
+        );
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn register_worker(

@@ -48,6 +48,9 @@ pub struct KindSpec {
     /// The model pads a batch to its longest input (so batching inputs of similar length wastes
     /// less).
     pub pads: bool,
+    /// Served by a decode loop on the worker: requests join while others run (continuous
+    /// batching), bounded by the tool's `max_running`, and may stream their output.
+    pub continuous: bool,
     /// How the input is described to agents.
     pub input_description: &'static str,
     pub options: &'static [OptionSpec],
@@ -92,7 +95,12 @@ const fn integer(
     }
 }
 
-const fn list(name: &'static str, ty: OptionType, max: f64, description: &'static str) -> OptionSpec {
+const fn list(
+    name: &'static str,
+    ty: OptionType,
+    max: f64,
+    description: &'static str,
+) -> OptionSpec {
     OptionSpec {
         name,
         ty,
@@ -124,6 +132,7 @@ pub const EMBED: KindSpec = KindSpec {
     name: "embed",
     input: InputType::Text,
     pads: true,
+    continuous: false,
     input_description: "Text to embed.",
     options: &[flag(
         "truncate",
@@ -136,6 +145,7 @@ pub const GENERATE: KindSpec = KindSpec {
     name: "generate",
     input: InputType::Text,
     pads: true,
+    continuous: true,
     input_description: "The prompt (a user message unless chat is false); empty when `messages` \
                         gives the conversation.",
     options: &[
@@ -205,6 +215,7 @@ pub const MLP: KindSpec = KindSpec {
     name: "mlp",
     input: InputType::Tensor,
     pads: false,
+    continuous: false,
     input_description: "Tensor values, row-major.",
     options: &[],
 };

@@ -12,6 +12,7 @@ mod export_log;
 pub mod fields;
 pub mod groups;
 pub mod grpc;
+pub mod metric_docs;
 pub mod metrics;
 pub mod process;
 pub mod propagation;

@@ -1,36 +1,51 @@
 //! Text generation (`generate`): a quantized llama from a GGUF file (SmolLM2-135M-Instruct by
-//! default) run by candle-transformers, with its tokenizer built from the GGUF's own metadata.
-//!
-//! The tokenizer is built here rather than with `Tokenizer::from_gguf`, which gets this model's
-//! pre-tokenizer wrong (it adds a leading space, so "user" becomes "Ġuser"). SmolLM's
-//! pre-tokenizer (`tokenizer.ggml.pre = smollm`) splits every digit on its own and then applies
-//! the GPT-2 byte-level split without a prefix space.
+//! default), its tokenizer built from the GGUF's own metadata (`gguf.rs`), served by a decode
+//! loop that batches every running request's steps (`decoder.rs`, continuous batching).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
-use candle_core::{Device, Tensor};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
-use candle_transformers::models::quantized_llama::ModelWeights;
-use nomad_proto::v1::{ItemResult, ToolInput, ToolOutput, item_result, tool_input, tool_output};
-use tokenizers::models::bpe::BPE;
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, Tokenizer};
+use candle_core::Device;
+use candle_core::quantized::{GgmlDType, gguf_file};
+use nomad_proto::v1::{
+    GenerationStats, ItemResult, ToolInput, ToolOutput, item_result, tool_input, tool_output,
+};
+use tokenizers::Tokenizer;
 
-use super::options::Options;
-use super::{ExecError, ExecLimits, LoadError, Model, invalid};
+use super::decoder::{Bounds, Decoder, Engine, Event, Finished, Params};
+use super::gguf::{gguf_path, load_error, metadata, requantized, tokenizer_from_gguf};
+use super::llama::Llama;
+use super::options::{Message, Options};
+use super::{ExecError, ExecLimits, LoadError, Model, StartError, Streaming, invalid};
 use nomad_proto::kinds;
 
 /// The chat template of SmolLM2 (ChatML with its default system line).
 const SYSTEM: &str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
 
+/// Sequences a decode loop runs together unless the tool says otherwise.
+pub const DEFAULT_MAX_RUNNING: usize = 8;
+
+/// How a tool's decode loop is bounded (from its `ModelSpec`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeConfig {
+    pub max_running: usize,
+    /// KV cache budget; `None`: the slot's memory budget less the weights, else unbounded.
+    pub kv_budget_bytes: Option<u64>,
+}
+
+impl Default for DecodeConfig {
+    fn default() -> Self {
+        Self {
+            max_running: DEFAULT_MAX_RUNNING,
+            kv_budget_bytes: None,
+        }
+    }
+}
+
 pub struct Generator {
     q4_1_to_q8_0: bool,
     path: PathBuf,
-    weights: ModelWeights,
+    model: Arc<Llama>,
     tokenizer: Tokenizer,
     context_length: usize,
     /// Token ids that end a generation.
@@ -38,16 +53,32 @@ pub struct Generator {
     /// Bytes of KV cache one token occupies (all layers, keys and values).
     kv_bytes_per_token: u64,
     bytes: u64,
-    device: Device,
+    config: DecodeConfig,
+    /// Started at the first request.
+    decoder: OnceLock<Decoder>,
 }
 
 impl Generator {
     /// Loads the GGUF at `path`, rewriting Q4_1 weights as Q8_0 when `q4_1_to_q8_0` is set.
     pub fn load_with(path: &Path, device: &Device, q4_1_to_q8_0: bool) -> Result<Self, LoadError> {
+        Self::load_configured(path, device, q4_1_to_q8_0, DecodeConfig::default())
+    }
+
+    pub fn load_configured(
+        path: &Path,
+        device: &Device,
+        q4_1_to_q8_0: bool,
+        config: DecodeConfig,
+    ) -> Result<Self, LoadError> {
         let path = gguf_path(path)?;
         let mut file = std::fs::File::open(&path).map_err(|e| load_error(&path, e))?;
         let ct = gguf_file::Content::read(&mut file)
             .map_err(|e| load_error(&path, format!("not a readable GGUF: {e}")))?;
+        let loading = Loading {
+            device,
+            q4_1_to_q8_0,
+            config,
+        };
         if q4_1_to_q8_0
             && ct
                 .tensor_infos
@@ -57,12 +88,12 @@ impl Generator {
             let (ct, mut buffer) = requantized(&ct, &mut file, GgmlDType::Q4_1, GgmlDType::Q8_0)
                 .map_err(|e| load_error(&path, format!("re-quantizing to Q8_0: {e}")))?;
             let bytes = buffer.get_ref().len() as u64;
-            return Self::from_content(path, ct, &mut buffer, bytes, device, q4_1_to_q8_0);
+            return Self::from_content(path, ct, &mut buffer, bytes, loading);
         }
         let bytes = std::fs::metadata(&path)
             .map_err(|e| load_error(&path, e))?
             .len();
-        Self::from_content(path, ct, &mut file, bytes, device, q4_1_to_q8_0)
+        Self::from_content(path, ct, &mut file, bytes, loading)
     }
 
     fn from_content<R: std::io::Read + std::io::Seek>(
@@ -70,8 +101,7 @@ impl Generator {
         ct: gguf_file::Content,
         file: &mut R,
         bytes: u64,
-        device: &Device,
-        q4_1_to_q8_0: bool,
+        loading: Loading<'_>,
     ) -> Result<Self, LoadError> {
         let tokenizer = tokenizer_from_gguf(&ct).map_err(|e| load_error(&path, e))?;
         let number = |key: &str| {
@@ -94,30 +124,49 @@ impl Generator {
                 stop.push(id);
             }
         }
-        let weights = ModelWeights::from_gguf(ct, file, device)
+        let model = Llama::from_gguf(&ct, file, loading.device, context_length)
             .map_err(|e| load_error(&path, format!("loading the weights: {e}")))?;
         Ok(Self {
-            q4_1_to_q8_0,
+            q4_1_to_q8_0: loading.q4_1_to_q8_0,
             path,
-            weights,
+            model: Arc::new(model),
             tokenizer,
             context_length,
             stop,
             kv_bytes_per_token: (layers * 2 * kv_heads * head_dim * 4) as u64,
             bytes,
-            device: device.clone(),
+            config: loading.config,
+            decoder: OnceLock::new(),
         })
     }
 
     /// The prompt as the model sees it: the chat template around a user message, or raw text.
     pub fn prompt(text: &str, chat: bool) -> String {
         if chat {
-            format!(
-                "<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-            )
+            Self::chat(&[Message {
+                role: "user",
+                content: text.to_owned(),
+            }])
         } else {
             text.to_owned()
         }
+    }
+
+    /// A conversation in SmolLM2's chat template (ChatML; its default system line unless the
+    /// conversation has one), ready for the assistant's turn.
+    pub fn chat(messages: &[Message]) -> String {
+        let mut prompt = String::new();
+        if messages.first().is_none_or(|m| m.role != "system") {
+            prompt.push_str(&format!("<|im_start|>system\n{SYSTEM}<|im_end|>\n"));
+        }
+        for m in messages {
+            prompt.push_str(&format!(
+                "<|im_start|>{}\n{}<|im_end|>\n",
+                m.role, m.content
+            ));
+        }
+        prompt.push_str("<|im_start|>assistant\n");
+        prompt
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
@@ -127,97 +176,141 @@ impl Generator {
             .map_err(|e| format!("tokenizing: {e}"))
     }
 
-    /// Generates up to `max_tokens` after `prompt`; greedy when `temperature` is 0.
-    pub fn generate_ids(
-        &self,
-        prompt: &[u32],
-        max_tokens: usize,
-        temperature: f64,
-        seed: u64,
-    ) -> Result<Vec<u32>, ExecError> {
-        let mut model = self.weights.clone();
-        let sampling = if temperature <= 0.0 {
-            Sampling::ArgMax
-        } else {
-            Sampling::All { temperature }
-        };
-        let mut sampler = LogitsProcessor::from_sampling(seed, sampling);
-        let input = Tensor::new(prompt, &self.device)?.unsqueeze(0)?;
-        let mut logits = model.forward(&input, 0)?.squeeze(0)?;
-        let mut generated = Vec::with_capacity(max_tokens);
-        for step in 0..max_tokens {
-            let next = sampler.sample(&logits)?;
-            if self.stop.contains(&next) {
-                break;
-            }
-            generated.push(next);
-            if step + 1 == max_tokens {
-                break;
-            }
-            let input = Tensor::new(&[next], &self.device)?.unsqueeze(0)?;
-            logits = model.forward(&input, prompt.len() + step)?.squeeze(0)?;
-        }
-        Ok(generated)
-    }
-
-    /// Times the prompt pass and `tokens` greedy decode steps (ignoring end-of-turn), for
-    /// benchmarks.
+    /// Times the prompt pass and `tokens` greedy decode steps of one sequence (ignoring end of
+    /// turn), for benchmarks.
     pub fn time_decode(
         &self,
         prompt: &[u32],
         tokens: usize,
     ) -> candle_core::Result<(std::time::Duration, std::time::Duration)> {
-        let mut model = self.weights.clone();
+        use super::llama::Step;
+        let mut cache = self.model.cache(prompt.len() + tokens);
         let started = std::time::Instant::now();
-        let input = Tensor::new(prompt, &self.device)?.unsqueeze(0)?;
-        let mut logits = model.forward(&input, 0)?.squeeze(0)?;
+        let mut logits = self.model.forward(&mut [Step {
+            tokens: prompt,
+            cache: &mut cache,
+        }])?;
         let prompt_time = started.elapsed();
         let started = std::time::Instant::now();
-        for step in 0..tokens {
-            let next = logits.argmax(0)?.to_scalar::<u32>()?;
-            let input = Tensor::new(&[next], &self.device)?.unsqueeze(0)?;
-            logits = model.forward(&input, prompt.len() + step)?.squeeze(0)?;
+        for _ in 0..tokens {
+            let next = super::llama::argmax_rows(&logits)?[0];
+            logits = self.model.forward(&mut [Step {
+                tokens: &[next],
+                cache: &mut cache,
+            }])?;
         }
         Ok((prompt_time, started.elapsed()))
     }
 
-    fn request(
-        &self,
-        index: usize,
-        input: &ToolInput,
-    ) -> Result<(Vec<u32>, usize, f64, u64), ItemResult> {
+    /// The prompt and sampling of request `index`, or why it is refused.
+    fn request(&self, index: usize, input: &ToolInput) -> Result<(Vec<u32>, Params), ItemResult> {
+        let opts = Options::parse(index, &input.options_json, &kinds::GENERATE)?;
         let text = match &input.value {
-            Some(tool_input::Value::Text(t)) if !t.trim().is_empty() => t,
-            Some(tool_input::Value::Text(_)) | None => {
-                return Err(invalid(
-                    index,
-                    "empty prompt; generate takes a non-empty text",
-                ));
-            }
+            Some(tool_input::Value::Text(t)) => t.as_str(),
+            None => "",
             Some(tool_input::Value::Tensor(_)) => {
                 return Err(invalid(index, "generate takes a text prompt, got a tensor"));
             }
         };
-        let opts = Options::parse(index, &input.options_json, &kinds::GENERATE)?;
-        let max_tokens = opts.integer("max_tokens") as usize;
-        let temperature = opts.number("temperature");
-        let seed = opts.integer("seed");
-        let chat = opts.flag("chat");
-        let prompt = self
-            .encode(&Self::prompt(text, chat))
-            .map_err(|e| invalid(index, e))?;
-        if prompt.len() + max_tokens > self.context_length {
+        let messages = opts.messages("messages");
+        let prompt = match (text.trim().is_empty(), messages.is_empty()) {
+            (false, true) => Self::prompt(text, opts.flag("chat")),
+            (true, false) => Self::chat(messages),
+            (false, false) => {
+                return Err(invalid(
+                    index,
+                    "give the prompt as `text` or as `messages`, not both",
+                ));
+            }
+            (true, true) => {
+                return Err(invalid(
+                    index,
+                    "empty prompt; generate takes a non-empty text (or messages)",
+                ));
+            }
+        };
+        let prompt = self.encode(&prompt).map_err(|e| invalid(index, e))?;
+        let params = Params {
+            max_tokens: opts.integer("max_tokens") as usize,
+            temperature: opts.number("temperature"),
+            top_p: opts.number("top_p"),
+            top_k: opts.integer("top_k") as usize,
+            repeat_penalty: opts.number("repeat_penalty") as f32,
+            seed: opts.integer("seed"),
+            stop: opts.strings("stop").to_vec(),
+        };
+        if prompt.len() + params.max_tokens > self.context_length {
             return Err(invalid(
                 index,
                 format!(
-                    "the prompt is {} tokens; with max_tokens {max_tokens} that is more than the \
+                    "the prompt is {} tokens; with max_tokens {} that is more than the \
                      model's context of {} tokens",
                     prompt.len(),
+                    params.max_tokens,
                     self.context_length
                 ),
             ));
         }
-        Ok((prompt, max_tokens, temperature, seed))
+        Ok((prompt, params))
+    }
+
+    fn decoder(&self, limits: &ExecLimits) -> &Decoder {
+        self.decoder.get_or_init(|| {
+            let kv_budget_bytes = self.config.kv_budget_bytes.unwrap_or_else(|| {
+                limits
+                    .memory_budget
+                    .map_or(u64::MAX, |b| b.saturating_sub(self.bytes))
+            });
+            Decoder::start(
+                Engine {
+                    model: self.model.clone(),
+                    tokenizer: self.tokenizer.clone(),
+                    end: self.stop.clone(),
+                },
+                Bounds {
+                    max_running: self.config.max_running,
+                    kv_budget_bytes,
+                    kv_bytes_per_token: self.kv_bytes_per_token,
+                },
+            )
+        })
+    }
+}
+
+/// What a load is told besides the file.
+#[derive(Clone, Copy)]
+struct Loading<'a> {
+    device: &'a Device,
+    q4_1_to_q8_0: bool,
+    config: DecodeConfig,
+}
+
+/// The answer to one generation, with what it took.
+pub fn answer(done: Finished) -> ItemResult {
+    ItemResult {
+        result: Some(item_result::Result::Output(ToolOutput {
+            value: Some(tool_output::Value::Text(done.text)),
+        })),
+        generation: Some(GenerationStats {
+            prompt_tokens: done.prompt_tokens as u32,
+            completion_tokens: done.completion_tokens as u32,
+            time_to_first_token_seconds: done.time_to_first_token.as_secs_f64(),
+            decode_seconds: done.decode.as_secs_f64(),
+        }),
+    }
+}
+
+impl Streaming for Generator {
+    fn start(
+        &self,
+        index: usize,
+        input: &ToolInput,
+        limits: &ExecLimits,
+    ) -> Result<tokio::sync::mpsc::Receiver<Event>, StartError> {
+        let (prompt, params) = self.request(index, input).map_err(StartError::Invalid)?;
+        self.decoder(limits)
+            .submit(prompt, params)
+            .map_err(StartError::Exec)
     }
 }
 
@@ -227,57 +320,52 @@ impl Model for Generator {
     }
 
     fn to_device(&self, device: &Device) -> Result<Arc<dyn Model>, ExecError> {
-        Generator::load_with(&self.path, device, self.q4_1_to_q8_0)
+        Generator::load_configured(&self.path, device, self.q4_1_to_q8_0, self.config)
             .map(|m| Arc::new(m) as Arc<dyn Model>)
             .map_err(|e| ExecError::Failed(e.to_string()))
     }
 
-    /// Requests of a batch run one after another, each with its own KV cache: the quantized
-    /// llama has no batched (padded) forward pass.
+    /// Every input joins the decode loop at once; the batch ends when the last one does.
     fn execute(
         &self,
         inputs: &[ToolInput],
         limits: &ExecLimits,
     ) -> Result<Vec<ItemResult>, ExecError> {
-        let requests: Vec<_> = inputs
+        let started: Vec<_> = inputs
             .iter()
             .enumerate()
-            .map(|(i, x)| self.request(i, x))
+            .map(|(i, input)| self.start(i, input, limits))
             .collect();
-        let kv: u64 = requests
-            .iter()
-            .flatten()
-            .map(|(prompt, max, _, _)| (prompt.len() + max) as u64 * self.kv_bytes_per_token)
-            .max()
-            .unwrap_or(0);
-        let runnable = requests.iter().filter(|r| r.is_ok()).count();
-        if runnable > 0 {
-            limits.check(self.bytes, kv, runnable)?;
+        let mut results = Vec::with_capacity(inputs.len());
+        for start in started {
+            match start {
+                Err(StartError::Invalid(refused)) => results.push(refused),
+                Err(StartError::Exec(e)) => return Err(e),
+                Ok(mut events) => loop {
+                    match events.blocking_recv() {
+                        Some(Event::Text(_)) => continue,
+                        Some(Event::Done(done)) => {
+                            results.push(answer(done?));
+                            break;
+                        }
+                        None => return Err(ExecError::Failed("the decode loop stopped".into())),
+                    }
+                },
+            }
         }
-        requests
-            .into_iter()
-            .map(|request| match request {
-                Err(refused) => Ok(refused),
-                Ok((prompt, max_tokens, temperature, seed)) => {
-                    let ids = self.generate_ids(&prompt, max_tokens, temperature, seed)?;
-                    let text = self
-                        .tokenizer
-                        .decode(&ids, true)
-                        .map_err(|e| ExecError::Failed(format!("decoding: {e}")))?;
-                    Ok(ItemResult {
-                        result: Some(item_result::Result::Output(ToolOutput {
-                            value: Some(tool_output::Value::Text(text)),
-                        })),
-                    })
-                }
-            })
-            .collect()
+        Ok(results)
+    }
+
+    fn streaming(&self) -> Option<&dyn Streaming> {
+        Some(self)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::llama::Step;
     use super::*;
+    use candle_core::Tensor;
 
     /// The model as served: Q4_1 weights re-quantized to Q8_0 at load.
     fn model() -> Generator {
@@ -337,13 +425,19 @@ mod tests {
             for case in fixture()["greedy"].as_array().unwrap() {
                 let prompt = ids(&case["prompt_ids"]);
                 let reference = ids(&case["tokens"]);
-                let mut model = m.weights.clone();
+                let mut cache = m.model.cache(prompt.len() + reference.len());
                 let logits_of = |t: Tensor| t.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
-                let input = Tensor::new(prompt.as_slice(), &m.device)
-                    .unwrap()
-                    .unsqueeze(0)
-                    .unwrap();
-                let mut logits = logits_of(model.forward(&input, 0).unwrap());
+                let mut forward = |tokens: &[u32]| {
+                    logits_of(
+                        m.model
+                            .forward(&mut [Step {
+                                tokens,
+                                cache: &mut cache,
+                            }])
+                            .unwrap(),
+                    )
+                };
+                let mut logits = forward(&prompt);
                 let margins: Vec<f32> = case["top2_margins"]
                     .as_array()
                     .unwrap()
@@ -369,11 +463,7 @@ mod tests {
                         );
                         ties += 1;
                     }
-                    let input = Tensor::new(&[want], &m.device)
-                        .unwrap()
-                        .unsqueeze(0)
-                        .unwrap();
-                    logits = logits_of(model.forward(&input, prompt.len() + step).unwrap());
+                    logits = forward(&[want]);
                 }
             }
             eprintln!(
@@ -396,7 +486,7 @@ mod tests {
                 &[
                     text("", ""),
                     text("hi", r#"{"max_tokens": 0}"#),
-                    text("hi", r#"{"top_k": 3}"#),
+                    text("hi", r#"{"top_q": 3}"#),
                     text(&long, ""),
                     text("Say hi.", r#"{"max_tokens": 4}"#),
                 ],
@@ -409,7 +499,7 @@ mod tests {
         };
         assert!(refusal(0).starts_with("request 0: empty prompt"));
         assert!(refusal(1).contains("\"max_tokens\" is 0"));
-        assert!(refusal(2).contains("unknown option \"top_k\""));
+        assert!(refusal(2).contains("unknown option \"top_q\""));
         assert!(
             refusal(3).contains("context of 8192 tokens"),
             "{}",

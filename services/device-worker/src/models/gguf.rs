@@ -142,4 +142,3 @@ pub fn requantized(
     let content = gguf_file::Content::read(&mut buffer)?;
     Ok((content, buffer))
 }
-

@@ -45,12 +45,6 @@ pub struct Cache {
     len: usize,
 }
 
-impl Cache {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-}
-
 /// One sequence's share of a step: its new tokens and its cache.
 pub struct Step<'a> {
     pub tokens: &'a [u32],
@@ -150,7 +144,10 @@ impl Llama {
     /// Runs every sequence's new tokens in one pass, appending them to its cache; returns each
     /// sequence's logits after its last new token (`[sequences, vocab]`).
     pub fn forward(&self, steps: &mut [Step<'_>]) -> Result<Tensor> {
-        let ids: Vec<u32> = steps.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let ids: Vec<u32> = steps
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
         if ids.is_empty() || steps.iter().any(|s| s.tokens.is_empty()) {
             candle_core::bail!("every sequence of a step needs a token");
         }
@@ -159,7 +156,11 @@ impl Llama {
             .forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let h = layer.attention_norm.forward(&x)?;
-            let (q, k, v) = (layer.q.forward(&h)?, layer.k.forward(&h)?, layer.v.forward(&h)?);
+            let (q, k, v) = (
+                layer.q.forward(&h)?,
+                layer.k.forward(&h)?,
+                layer.v.forward(&h)?,
+            );
             let mut outputs = Vec::with_capacity(steps.len());
             let mut row = 0;
             for step in steps.iter_mut() {
@@ -176,13 +177,17 @@ impl Llama {
                 let v = part(&v, self.kv_heads)?;
                 let (k, v) = step.cache.layers[l].append(&k, &v)?;
                 let y = self.attention(&q, &k, &v, at)?;
-                outputs.push(y.transpose(1, 2)?.reshape((n, self.heads * self.head_dim))?);
+                outputs.push(
+                    y.transpose(1, 2)?
+                        .reshape((n, self.heads * self.head_dim))?,
+                );
                 row += n;
             }
             let y = Tensor::cat(&outputs, 0)?;
             let x1 = (layer.o.forward(&y)? + &x)?;
             let h = layer.ffn_norm.forward(&x1)?;
-            let gated = (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
+            let gated =
+                (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
             x = (layer.down.forward(&gated)? + x1)?;
         }
         let mut last = Vec::with_capacity(steps.len());
@@ -214,7 +219,8 @@ impl Llama {
         let scores = if n > 1 {
             let mask = candle_transformers::utils::build_causal_mask(n, at, &self.device)?;
             let mask = mask.broadcast_as(scores.shape())?;
-            let minus = Tensor::new(f32::NEG_INFINITY, &self.device)?.broadcast_as(scores.shape())?;
+            let minus =
+                Tensor::new(f32::NEG_INFINITY, &self.device)?.broadcast_as(scores.shape())?;
             mask.where_cond(&minus, &scores)?
         } else {
             scores

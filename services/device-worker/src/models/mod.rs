@@ -1,6 +1,7 @@
 //! Models a worker can run, behind one small trait, and the errors loading and running them
 //! can give.
 
+pub mod decoder;
 pub mod embed;
 pub mod generate;
 mod gguf;
@@ -28,6 +29,29 @@ pub trait Model: Send + Sync + 'static {
         inputs: &[ToolInput],
         limits: &ExecLimits,
     ) -> Result<Vec<ItemResult>, ExecError>;
+    /// A model that serves requests one by one as they come (generation's decode loop).
+    fn streaming(&self) -> Option<&dyn Streaming> {
+        None
+    }
+}
+
+/// A model whose requests each join a running loop and report as they go.
+pub trait Streaming: Send + Sync {
+    /// Starts request `index`; its text and its end arrive as events.
+    fn start(
+        &self,
+        index: usize,
+        input: &ToolInput,
+        limits: &ExecLimits,
+    ) -> Result<tokio::sync::mpsc::Receiver<decoder::Event>, StartError>;
+}
+
+/// Why a request did not start.
+#[derive(Debug)]
+pub enum StartError {
+    /// Its input was refused (an `invalid_input` result).
+    Invalid(ItemResult),
+    Exec(ExecError),
 }
 
 /// Limits a batch runs under.
@@ -69,7 +93,7 @@ pub enum LoadError {
     UnknownKind(String),
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ExecError {
     /// The batch does not fit in device memory; the scheduler halves it and retries.
     #[error("out of memory: {0}")]
@@ -110,11 +134,21 @@ pub fn load(spec: &ModelSpec, backend: &Backend) -> Result<Arc<dyn Model>, LoadE
     match spec.kind.as_str() {
         "mlp" => Ok(Arc::new(mlp::Mlp::load(path)?)),
         "embed" => Ok(Arc::new(embed::Embedder::load(path, &Device::Cpu)?)),
-        "generate" => Ok(Arc::new(generate::Generator::load_with(
-            path,
-            &Device::Cpu,
-            true,
-        )?)),
+        "generate" => {
+            let config = generate::DecodeConfig {
+                max_running: match spec.max_running {
+                    0 => generate::DEFAULT_MAX_RUNNING,
+                    n => n as usize,
+                },
+                kv_budget_bytes: (spec.kv_budget_bytes > 0).then_some(spec.kv_budget_bytes),
+            };
+            Ok(Arc::new(generate::Generator::load_configured(
+                path,
+                &Device::Cpu,
+                true,
+                config,
+            )?))
+        }
         other => Err(LoadError::UnknownKind(other.to_owned())),
     }
 }
@@ -124,6 +158,7 @@ pub(crate) fn invalid(index: usize, message: impl std::fmt::Display) -> ItemResu
         result: Some(item_result::Result::InvalidInput(format!(
             "request {index}: {message}"
         ))),
+        generation: None,
     }
 }
 
@@ -135,6 +170,7 @@ pub(crate) fn vector(values: &[f32]) -> ItemResult {
                 nomad_proto::v1::Tensor::from_f32(values, vec![values.len() as u64]),
             )),
         })),
+        generation: None,
     }
 }
 

@@ -293,16 +293,31 @@ mod tests {
         assert!(defaults.strings("stop").is_empty() && defaults.messages("messages").is_empty());
         let long = format!(r#"{{"stop": ["{}"]}}"#, "x".repeat(65));
         for (json, expected) in [
-            (r#"{"top_p": 0}"#, r#"option "top_p" is 0; it must be between 0.01 and 1"#),
+            (
+                r#"{"top_p": 0}"#,
+                r#"option "top_p" is 0; it must be between 0.01 and 1"#,
+            ),
             (r#"{"top_p": 1.5}"#, "between 0.01 and 1"),
-            (r#"{"top_k": -1}"#, r#"option "top_k" must be a whole number"#),
+            (
+                r#"{"top_k": -1}"#,
+                r#"option "top_k" must be a whole number"#,
+            ),
             (r#"{"top_k": 5000}"#, "between 0 and 1000"),
-            (r#"{"repeat_penalty": 3}"#, r#""repeat_penalty" is 3; it must be between 0.5 and 2"#),
-            (r#"{"stop": "END"}"#, r#"option "stop" must be a list of strings"#),
+            (
+                r#"{"repeat_penalty": 3}"#,
+                r#""repeat_penalty" is 3; it must be between 0.5 and 2"#,
+            ),
+            (
+                r#"{"stop": "END"}"#,
+                r#"option "stop" must be a list of strings"#,
+            ),
             (r#"{"stop": ["a", "b", "c", "d", "e"]}"#, "at most 4"),
             (r#"{"stop": [""]}"#, "1 to 64 bytes"),
             (long.as_str(), "1 to 64 bytes"),
-            (r#"{"messages": [{"role": "robot", "content": "x"}]}"#, "roles are system, user, assistant"),
+            (
+                r#"{"messages": [{"role": "robot", "content": "x"}]}"#,
+                "roles are system, user, assistant",
+            ),
             (r#"{"messages": [{"role": "user"}]}"#, "message 0 must be"),
             (r#"{"messages": "hi"}"#, "must be a list of messages"),
         ] {

@@ -247,6 +247,7 @@ impl Model for SimModel {
             .map(|(i, input)| match echo(input) {
                 Some(output) => ItemResult {
                     result: Some(item_result::Result::Output(output)),
+                    generation: None,
                 },
                 None => invalid(i, "empty input"),
             })

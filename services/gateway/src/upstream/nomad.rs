@@ -46,10 +46,23 @@ pub fn input_schema(kind: &str) -> Value {
                                           "minimum": o.min as u64, "maximum": o.max as u64}),
             OptionType::Number => json!({"type": "number", "default": o.default,
                                          "minimum": o.min, "maximum": o.max}),
+            OptionType::Strings => json!({"type": "array", "maxItems": o.max as u64,
+                "items": {"type": "string", "minLength": 1,
+                          "maxLength": nomad_proto::kinds::MAX_STRING_BYTES}}),
+            OptionType::Messages => json!({"type": "array", "maxItems": o.max as u64,
+                "items": {"type": "object", "required": ["role", "content"],
+                          "additionalProperties": false,
+                          "properties": {"role": {"enum": nomad_proto::kinds::ROLES},
+                                         "content": {"type": "string"}}}}),
         };
         let mut schema = schema;
         schema["description"] = json!(o.description);
         properties.insert(o.name.into(), schema);
+    }
+    // A kind that takes a conversation takes it instead of the text.
+    if spec.options.iter().any(|o| o.ty == OptionType::Messages) {
+        return json!({"type": "object", "properties": properties,
+                      "anyOf": [{"required": [required]}, {"required": ["messages"]}]});
     }
     json!({"type": "object", "properties": properties, "required": [required]})
 }

@@ -53,6 +53,8 @@ pub fn input_from_value(value: &Value) -> Result<ToolInput, ArgumentError> {
     let shape = object.remove("shape");
     let value = match (text, input) {
         (Some(_), Some(_)) => return Err(ArgumentError::Both),
+        // A conversation in `messages` stands for the text (generation).
+        (None, None) if object.contains_key("messages") => tool_input::Value::Text(String::new()),
         (None, None) => return Err(ArgumentError::Neither),
         (Some(Value::String(text)), None) => tool_input::Value::Text(text),
         (Some(_), None) => return Err(ArgumentError::TextNotString),

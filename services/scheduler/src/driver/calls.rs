@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use nomad_proto::v1::{
-    ClearCacheRequest, ExecuteBatchRequest, ItemResult, LoadRequest, ModelSpec, OffloadRequest,
-    PlaceRequest, ToolOutput, UnloadRequest, execute_batch_response, item_result,
+    ClearCacheRequest, ExecuteBatchRequest, ExecuteBatchResponse, ItemResult, LoadRequest,
+    ModelSpec, OffloadRequest, PlaceRequest, UnloadRequest, execute_batch_response, item_result,
 };
 use nomad_scheduler_core::{BatchId, BatchResult, LoadKind, SlotId, ToolId};
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions};
@@ -15,7 +15,7 @@ use opentelemetry::trace::FutureExt as _;
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use super::handle::Command;
+use super::handle::{Answer, Command};
 
 /// Where a call reports (its metrics, and the driver's channel), and its deadlines.
 #[derive(Clone)]
@@ -45,31 +45,97 @@ use crate::config::{Deadlines, ToolConfig};
 use crate::metrics::Metrics;
 use crate::workers::Worker;
 
-/// Runs one batch on `worker` inside `batch_span` and reports `BatchDone`.
-pub(super) async fn execute_batch(
-    worker: Worker,
-    batch: BatchId,
-    request: ExecuteBatchRequest,
-    deadline: std::time::Duration,
-    batch_span: GroupSpan,
-    mut attributes: Vec<KeyValue>,
-    back: Back,
-) {
-    let Back { metrics, tx, .. } = back;
-    let size = request.inputs.len();
+/// One batch to run on a worker, with what its report needs.
+pub(super) struct Call {
+    pub worker: Worker,
+    pub batch: BatchId,
+    pub request: ExecuteBatchRequest,
+    /// The batch size its metrics and spans record (for a continuous tool, the requests
+    /// running together on the worker).
+    pub size: u32,
+    pub deadline: std::time::Duration,
+    pub batch_span: GroupSpan,
+    pub attributes: Vec<KeyValue>,
+}
+
+/// Runs one batch inside its span and reports `BatchDone`.
+pub(super) async fn execute_batch(mut call: Call, back: Back) {
     let started = Instant::now();
-    let mut client = worker.client.clone();
+    let mut client = call.worker.client.clone();
+    let request = std::mem::take(&mut call.request.inputs);
+    let expected = request.len();
+    let request = ExecuteBatchRequest {
+        inputs: request,
+        ..call.request.clone()
+    };
     let reply = within(
-        deadline,
+        call.deadline,
         "a batch (execute_timeout_seconds)",
         client.execute_batch(request),
     )
-    .with_context(batch_span.context().clone())
-    .await;
+    .with_context(call.batch_span.context().clone())
+    .await
+    .map(tonic::Response::into_inner);
+    report(call, expected, started, reply, back).await;
+}
+
+/// Runs one generation as a stream, sending its text on `text` as it comes, and reports
+/// `BatchDone` with its outcome as `execute_batch` would.
+pub(super) async fn execute_stream(mut call: Call, text: mpsc::Sender<String>, back: Back) {
+    use nomad_proto::v1::execute_stream_event::Event;
+    let started = Instant::now();
+    let mut client = call.worker.client.clone();
+    let request = ExecuteBatchRequest {
+        inputs: std::mem::take(&mut call.request.inputs),
+        ..call.request.clone()
+    };
+    let streamed = async {
+        let mut stream = client.execute_stream(request).await?.into_inner();
+        loop {
+            match stream.message().await? {
+                Some(event) => match event.event {
+                    // A caller that went away is cancelled through its request, not here.
+                    Some(Event::Text(t)) => {
+                        let _ = text.send(t).await;
+                    }
+                    Some(Event::Done(done)) => return Ok(done),
+                    None => {}
+                },
+                None => {
+                    return Err(Status::internal(
+                        "the worker's stream ended without an outcome",
+                    ));
+                }
+            }
+        }
+    };
+    let reply = within(call.deadline, "a batch (execute_timeout_seconds)", streamed)
+        .with_context(call.batch_span.context().clone())
+        .await;
+    report(call, 1, started, reply, back).await;
+}
+
+/// Records a batch's outcome (span, metrics) and reports `BatchDone`.
+async fn report(
+    call: Call,
+    expected: usize,
+    started: Instant,
+    reply: Result<ExecuteBatchResponse, Status>,
+    back: Back,
+) {
+    let Back { metrics, tx, .. } = back;
+    let Call {
+        worker,
+        batch,
+        size,
+        batch_span,
+        mut attributes,
+        ..
+    } = call;
     let (result, outputs, lost_reason) = match reply {
-        Ok(reply) => match reply.into_inner().outcome {
+        Ok(reply) => match reply.outcome {
             Some(execute_batch_response::Outcome::Results(results)) => {
-                let (outputs, items) = split_items(results.items, size);
+                let (outputs, items) = split_items(results.items, expected);
                 (BatchResult::Done(items), outputs, None)
             }
             Some(execute_batch_response::Outcome::OutOfMemory(oom)) => {
@@ -122,17 +188,20 @@ pub(super) async fn execute_batch(
         .await;
 }
 
-/// Per item: the output, or why the model refused that input.
+/// Per item: the answer, or why the model refused that input.
 fn split_items(
     items: Vec<ItemResult>,
     expected: usize,
-) -> (Vec<Option<ToolOutput>>, Vec<Option<String>>) {
+) -> (Vec<Option<Answer>>, Vec<Option<String>>) {
     let mut outputs = Vec::with_capacity(expected);
     let mut refusals = Vec::with_capacity(expected);
     for item in items {
         match item.result {
-            Some(item_result::Result::Output(o)) => {
-                outputs.push(Some(o));
+            Some(item_result::Result::Output(output)) => {
+                outputs.push(Some(Answer {
+                    output,
+                    generation: item.generation,
+                }));
                 refusals.push(None);
             }
             Some(item_result::Result::InvalidInput(m)) => {
@@ -241,6 +310,8 @@ async fn prepare_on_worker(
                     tool: config.name.clone(),
                     kind: config.kind.clone(),
                     source: config.source.clone(),
+                    max_running: config.max_running.unwrap_or(0),
+                    kv_budget_bytes: config.kv_budget_bytes,
                 }),
             })
             .await?;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use nomad_proto::v1::{ToolInput, ToolOutput};
+use nomad_proto::v1::{GenerationStats, ToolInput, ToolOutput};
 use nomad_scheduler_core::{BatchId, BatchResult, RequestId, SlotId, ToolId};
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
 use tokio::sync::{mpsc, oneshot};
@@ -22,6 +22,15 @@ pub struct Served {
     pub worker_id: String,
     pub queue_wait: Duration,
     pub batch_size: u32,
+    /// What a generation took, as its worker reported it.
+    pub generation: Option<GenerationStats>,
+}
+
+/// A worker's answer to one request of a batch.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub output: ToolOutput,
+    pub generation: Option<GenerationStats>,
 }
 
 /// What the driver's loop receives: from callers, and from its own worker-call tasks.
@@ -32,6 +41,8 @@ pub(super) enum Command {
         input: ToolInput,
         cx: Context,
         reply: oneshot::Sender<Result<Served, Status>>,
+        /// Where a streamed generation's text goes as it is made.
+        text: Option<mpsc::Sender<String>>,
     },
     Cancel {
         request: RequestId,
@@ -50,7 +61,7 @@ pub(super) enum Command {
     BatchDone {
         batch: BatchId,
         result: BatchResult,
-        outputs: Vec<Option<ToolOutput>>,
+        outputs: Vec<Option<Answer>>,
         lost: Option<String>,
     },
     SlotFreed {
@@ -88,6 +99,17 @@ impl Drop for CancelOnDrop {
 impl Handle {
     /// Runs one request on `tool`; the caller's context is current.
     pub async fn call(&self, tool: &str, input: ToolInput) -> Result<Served, Status> {
+        self.call_streaming(tool, input, None).await
+    }
+
+    /// Runs one request on `tool`, sending a generation's text to `text` as it is made (other
+    /// kinds send none); the answer is the whole of it.
+    pub async fn call_streaming(
+        &self,
+        tool: &str,
+        input: ToolInput,
+        text: Option<mpsc::Sender<String>>,
+    ) -> Result<Served, Status> {
         let span = GroupSpan::start(SpanGroup::Tool, "nomad.tool.request", &Context::current());
         span.set_attribute(KeyValue::new("tool", tool.to_owned()));
         let request = self.next_request.fetch_add(1, Ordering::Relaxed);
@@ -99,6 +121,7 @@ impl Handle {
                 input,
                 cx: span.context().clone(),
                 reply,
+                text,
             })
             .await
             .map_err(|_| stopped())?;
@@ -115,6 +138,22 @@ impl Handle {
                     "nomad.tool.queue_wait_seconds",
                     served.queue_wait.as_secs_f64(),
                 ));
+                if let Some(g) = &served.generation {
+                    span.set_attributes([
+                        KeyValue::new(
+                            "nomad.tool.generate.time_to_first_token_seconds",
+                            g.time_to_first_token_seconds,
+                        ),
+                        KeyValue::new(
+                            "nomad.tool.generate.prompt_tokens",
+                            i64::from(g.prompt_tokens),
+                        ),
+                        KeyValue::new(
+                            "nomad.tool.generate.completion_tokens",
+                            i64::from(g.completion_tokens),
+                        ),
+                    ]);
+                }
                 span.set_ok();
             }
             Err(status) => span.set_error(format!("{:?}", status.code()), status.message()),

@@ -16,7 +16,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nomad_proto::v1::{ExecuteBatchRequest, ToolInput, ToolOutput, TraceCarrier};
+use nomad_proto::v1::{ExecuteBatchRequest, ToolInput, TraceCarrier};
 use nomad_scheduler_core::{
     Action, BatchId, BatchResult, Core, Cost, LoadKind, Outcome, RequestId, SizeChange, SlotId,
     Timing, ToolId, ToolSpec,
@@ -28,7 +28,7 @@ use tonic::Status;
 
 use self::calls::Maintenance;
 use self::handle::Command;
-pub use self::handle::{Handle, Served};
+pub use self::handle::{Answer, Handle, Served};
 use crate::config::{Deadlines, ToolConfig};
 use crate::metrics::{Metrics, Published};
 use crate::workers::{Worker, WorkerRegistry};
@@ -44,16 +44,19 @@ struct Pending {
     /// The request span's context (or the caller's, when the `tool` group is off).
     cx: Context,
     reply: oneshot::Sender<Result<Served, Status>>,
+    /// Where a streamed generation's text goes.
+    text: Option<mpsc::Sender<String>>,
     /// Set while a batch holds the request.
     execution: Option<Execution>,
     /// The worker's answer, held until the core completes the request. Kept here rather than
     /// in a map of its own so that a request cancelled while its batch runs cannot leave an
     /// output behind.
-    output: Option<ToolOutput>,
+    output: Option<Answer>,
 }
 
 /// A request's part in its current batch.
 struct Execution {
+    batch: BatchId,
     /// Its share of the batch, in its own trace.
     share: GroupSpan,
     worker_id: String,
@@ -113,6 +116,9 @@ pub struct Driver {
     metrics: Arc<Metrics>,
     published: Arc<Mutex<Published>>,
     deadlines: Deadlines,
+    /// The worker calls of continuous tools' requests, to stop one whose caller cancels (its
+    /// place in the decode loop is freed at the next step).
+    continuous_calls: HashMap<BatchId, tokio::task::AbortHandle>,
 }
 
 impl Driver {
@@ -128,6 +134,12 @@ impl Driver {
         let specs = tools
             .iter()
             .map(|t| ToolSpec {
+                continuous: t.continuous,
+                batch_size: if t.continuous {
+                    t.max_running.unwrap_or(1)
+                } else {
+                    t.batch_size
+                },
                 max_batch_bytes: t.max_batch_bytes,
                 max_batch_tokens: t.max_batch_tokens,
                 group_by_size: nomad_proto::kinds::kind(&t.kind).is_some_and(|k| k.pads),
@@ -147,6 +159,7 @@ impl Driver {
             metrics,
             published,
             deadlines,
+            continuous_calls: HashMap::new(),
         };
         let handle = Handle {
             tx,
@@ -194,6 +207,7 @@ impl Driver {
                 input,
                 cx,
                 reply,
+                text,
             } => match self.core.submit(request, &tool, cost_of(&input), now) {
                 Ok(()) => {
                     self.metrics
@@ -205,6 +219,7 @@ impl Driver {
                             input,
                             cx,
                             reply,
+                            text,
                             execution: None,
                             output: None,
                         },
@@ -261,10 +276,11 @@ impl Driver {
         &mut self,
         batch: BatchId,
         result: BatchResult,
-        outputs: Vec<Option<ToolOutput>>,
+        outputs: Vec<Option<Answer>>,
         lost: Option<String>,
         now: Instant,
     ) {
+        self.continuous_calls.remove(&batch);
         let Some(info) = self.core.batch(batch) else {
             return;
         };
@@ -358,7 +374,8 @@ impl Driver {
                 tool,
                 requests,
                 queue_waits,
-            } => self.dispatch(batch, slot, tool, &requests, &queue_waits),
+                running,
+            } => self.dispatch(batch, slot, tool, &requests, &queue_waits, running),
             Action::Prepare {
                 slot,
                 tool,
@@ -418,12 +435,46 @@ impl Driver {
             duration.as_secs_f64(),
             &[tool_attr[0].clone(), KeyValue::new("status", status)],
         );
+        // A continuous request cancelled while it runs: stop its call, which frees its place.
+        if outcome == Outcome::Cancelled
+            && let Some(execution) = &p.execution
+            && let Some(call) = self.continuous_calls.remove(&execution.batch)
+        {
+            call.abort();
+            self.core.batch_finished(
+                execution.batch,
+                BatchResult::Failed("cancelled by its caller".into()),
+                Instant::now(),
+            );
+        }
+        if let (
+            Outcome::Ok,
+            Some(Answer {
+                generation: Some(g),
+                ..
+            }),
+        ) = (&outcome, &p.output)
+        {
+            self.metrics
+                .generate_time_to_first_token
+                .record(g.time_to_first_token_seconds, &tool_attr);
+            for (phase, tokens) in [
+                ("prefill", g.prompt_tokens),
+                ("decode", g.completion_tokens),
+            ] {
+                self.metrics.generate_tokens.add(
+                    u64::from(tokens),
+                    &[tool_attr[0].clone(), KeyValue::new("phase", phase)],
+                );
+            }
+        }
         let result = match (outcome, p.output, &p.execution) {
-            (Outcome::Ok, Some(output), Some(execution)) => Ok(Served {
-                output,
+            (Outcome::Ok, Some(answer), Some(execution)) => Ok(Served {
+                output: answer.output,
                 worker_id: execution.worker_id.clone(),
                 queue_wait: execution.queue_wait,
                 batch_size: execution.batch_size,
+                generation: answer.generation,
             }),
             (outcome, _, _) => Err(status::failure(outcome, tool)),
         };
@@ -445,6 +496,7 @@ impl Driver {
         tool: ToolId,
         requests: &[RequestId],
         queue_waits: &[Duration],
+        running: u32,
     ) {
         let Some(worker) = self.workers.get(&slot).cloned() else {
             // The core only dispatches to slots it knows, and they are added with the worker.
@@ -456,7 +508,8 @@ impl Driver {
             return;
         };
         let name = self.tools[tool].name.clone();
-        let size = requests.len() as u32;
+        // For a continuous tool, the requests running together on the worker.
+        let size = running;
         let attributes = worker.tool_attributes(&name);
         let batch_span = self.batch_span(requests, &attributes, size);
         let batch_link: Vec<Link> = {
@@ -495,6 +548,7 @@ impl Driver {
                 fields: propagation::inject_map(share.context()),
             });
             p.execution = Some(Execution {
+                batch,
                 share,
                 worker_id: worker.id.clone(),
                 queue_wait,
@@ -511,15 +565,28 @@ impl Driver {
             inputs,
             traces,
         };
-        tokio::spawn(calls::execute_batch(
+        let call = calls::Call {
             worker,
             batch,
             request,
-            self.tools[tool].execute_timeout,
+            size,
+            deadline: self.tools[tool].execute_timeout,
             batch_span,
             attributes,
-            self.back(),
-        ));
+        };
+        let text = match requests {
+            [only] => self.pending.get(only).and_then(|p| p.text.clone()),
+            _ => None,
+        };
+        let task = match text {
+            Some(text) if self.tools[tool].continuous => {
+                tokio::spawn(calls::execute_stream(call, text, self.back()))
+            }
+            _ => tokio::spawn(calls::execute_batch(call, self.back())),
+        };
+        if self.tools[tool].continuous {
+            self.continuous_calls.insert(batch, task.abort_handle());
+        }
     }
 
     /// The batch span starts its own trace, linked to every request it serves.

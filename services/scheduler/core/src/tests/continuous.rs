@@ -96,7 +96,10 @@ fn a_lost_worker_requeues_every_running_request_once() {
     let actions = h.take();
     let d = dispatches(&h.prepare_ok(&actions));
     let slot = d[0].1;
-    assert!(d.iter().all(|(_, s, _)| *s == slot), "max_devices 1: one slot");
+    assert!(
+        d.iter().all(|(_, s, _)| *s == slot),
+        "max_devices 1: one slot"
+    );
     h.core.worker_lost(slot, "connection reset", h.now);
     let actions = h.take();
     assert!(completions(&actions).is_empty());
