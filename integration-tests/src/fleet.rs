@@ -125,6 +125,8 @@ pub struct FleetOptions {
     /// Run this many simulated workers (`--backend sim`, `sim:` from `config_yaml`) instead of
     /// one candle worker.
     pub sim_workers: usize,
+    /// Candle workers to run when `sim_workers` is 0 (0 means one).
+    pub candle_workers: usize,
     /// Every service requires [`TEST_TOKEN`] (an `auth:` block in the config).
     pub auth: bool,
 }
@@ -257,7 +259,10 @@ impl Fleet {
         };
         fleet.scheduler_addr = fleet.spawn(Service::Scheduler, &[]).await;
         let scheduler = fleet.scheduler_addr.clone();
-        let workers = fleet.options.sim_workers.max(1);
+        let workers = match fleet.options.sim_workers {
+            0 => fleet.options.candle_workers.max(1),
+            n => n,
+        };
         for i in 0..workers {
             let id = format!("worker-{i}");
             let mut args = vec![

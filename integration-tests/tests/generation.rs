@@ -1,0 +1,170 @@
+//! Generation served continuously, through real processes: a scheduler and candle workers
+//! running SmolLM2 (`scripts/fetch-models`).
+
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use nomad_integration_tests::fleet::models_dir;
+use nomad_integration_tests::{Fleet, FleetOptions};
+use nomad_proto::v1::scheduler_client::SchedulerClient;
+use nomad_proto::v1::{
+    CallToolRequest, CallToolResponse, ToolInput, call_tool_stream_event, tool_input, tool_output,
+};
+use nomad_rpc::Channel;
+use serde_json::json;
+
+fn tools(max_running: u32, max_devices: u32) -> String {
+    format!(
+        "tools:\n  - {{name: generate, kind: generate, source: {}, max_running: {max_running}, \
+         max_devices: {max_devices}}}\ntool_manager:\n  heartbeat_interval_ms: 200\n",
+        models_dir().join("smollm2-135m-instruct").display()
+    )
+}
+
+fn request(prompt: &str, max_tokens: u32) -> CallToolRequest {
+    CallToolRequest {
+        tool: "generate".into(),
+        input: Some(ToolInput {
+            value: Some(tool_input::Value::Text(prompt.into())),
+            options_json: json!({ "max_tokens": max_tokens }).to_string(),
+        }),
+    }
+}
+
+fn answer(reply: &CallToolResponse) -> String {
+    match reply.output.as_ref().and_then(|o| o.value.as_ref()) {
+        Some(tool_output::Value::Text(t)) => t.clone(),
+        other => panic!("not a text answer: {other:?}"),
+    }
+}
+
+async fn call(
+    client: &SchedulerClient<Channel>,
+    prompt: &str,
+    max_tokens: u32,
+) -> Result<CallToolResponse, tonic::Status> {
+    client
+        .clone()
+        .call_tool(request(prompt, max_tokens))
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+const PROMPTS: [&str; 8] = [
+    "Name a colour.",
+    "What is 2 + 2?",
+    "Write one word about the sea.",
+    "Say hello in French.",
+    "List three fruits.",
+    "What day comes after Monday?",
+    "Give me a short greeting.",
+    "Why is the sky blue? Answer in one sentence.",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_concurrent_generations_run_together_and_answer_as_each_would_alone() {
+    let mut fleet = Fleet::start(FleetOptions {
+        tools_yaml: Some(tools(8, 1)),
+        ..Default::default()
+    })
+    .await;
+    let client = fleet.scheduler_client().await;
+    let mut alone = Vec::new();
+    for p in PROMPTS {
+        alone.push(answer(&call(&client, p, 16).await.unwrap()));
+    }
+    let together = futures::future::join_all(PROMPTS.iter().map(|p| call(&client, p, 16))).await;
+    let replies: Vec<CallToolResponse> = together.into_iter().map(Result::unwrap).collect();
+    let texts: Vec<String> = replies.iter().map(answer).collect();
+    assert_eq!(texts, alone, "batching changed an answer");
+    // They ran side by side: some joined while others were running.
+    let most = replies.iter().map(|r| r.batch_size).max().unwrap();
+    assert!(most >= 4, "at most {most} ran together");
+    for r in &replies {
+        let g = r.generation.as_ref().expect("generation stats");
+        assert!(g.prompt_tokens > 10 && g.completion_tokens > 0, "{g:?}");
+        assert!(g.time_to_first_token_seconds > 0.0, "{g:?}");
+    }
+    fleet.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_yields_the_text_of_the_unary_call_as_it_is_made() {
+    let mut fleet = Fleet::start(FleetOptions {
+        tools_yaml: Some(tools(8, 1)),
+        ..Default::default()
+    })
+    .await;
+    let client = fleet.scheduler_client().await;
+    let unary = answer(&call(&client, PROMPTS[4], 24).await.unwrap());
+    let mut stream = client
+        .clone()
+        .call_tool_stream(request(PROMPTS[4], 24))
+        .await
+        .unwrap()
+        .into_inner();
+    let (mut streamed, mut pieces, mut done) = (String::new(), 0, None);
+    while let Some(event) = stream.next().await {
+        match event.unwrap().event {
+            Some(call_tool_stream_event::Event::Text(t)) => {
+                assert!(done.is_none(), "text after the end");
+                streamed.push_str(&t);
+                pieces += 1;
+            }
+            Some(call_tool_stream_event::Event::Done(reply)) => done = Some(reply),
+            None => panic!("an empty event"),
+        }
+    }
+    let done = done.expect("the stream ended without its response");
+    assert_eq!(streamed, unary);
+    assert_eq!(answer(&done), unary);
+    assert!(pieces > 3, "the text came in {pieces} piece(s)");
+    fleet.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_decode_has_its_running_requests_served_by_the_other() {
+    let mut fleet = Fleet::start(FleetOptions {
+        tools_yaml: Some(tools(8, 1)),
+        candle_workers: 2,
+        ..Default::default()
+    })
+    .await;
+    let client = fleet.scheduler_client().await;
+    let first = call(&client, PROMPTS[0], 4).await.unwrap();
+    let holder: usize = first
+        .worker_id
+        .strip_prefix("worker-")
+        .and_then(|n| n.parse().ok())
+        .expect("worker ids are worker-N");
+    let running = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            futures::future::join_all(PROMPTS[..4].iter().map(|p| call(&client, p, 48))).await
+        })
+    };
+    // Well into decoding (48 tokens take seconds here), then the worker dies.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !running.is_finished(),
+        "finished before the kill: too fast to test"
+    );
+    fleet.kill_worker(holder);
+    let replies = tokio::time::timeout(Duration::from_secs(120), running)
+        .await
+        .expect("requests hung after the worker died")
+        .unwrap();
+    let other = format!("worker-{}", 1 - holder);
+    let mut answers = Vec::new();
+    for (i, r) in replies.into_iter().enumerate() {
+        let r = r.unwrap_or_else(|s| panic!("request {i} failed: {s}"));
+        assert_eq!(r.worker_id, other, "request {i}");
+        answers.push(answer(&r));
+    }
+    // Served again from the start: the same greedy answers as alone.
+    for (i, p) in PROMPTS[..4].iter().enumerate() {
+        assert_eq!(answer(&call(&client, p, 48).await.unwrap()), answers[i]);
+    }
+    fleet.reap_killed().await;
+    fleet.terminate().await;
+}
