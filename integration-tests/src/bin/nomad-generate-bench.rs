@@ -1,0 +1,290 @@
+//! `generate` through the scheduler beside llama.cpp's `llama-server` on the same GGUF, one
+//! run, interleaved per concurrency: output tokens/s, time to first token and request latency
+//! at 1, 4, 8 and 16 callers, each request 64 greedy tokens after the same prompt.
+//!
+//! Run: `cargo build --release --workspace --bins && target/release/nomad-generate-bench
+//! [--llama-server PATH] [--concurrency 1,4,8,16]` (without `--llama-server`, Nomad alone).
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use nomad_integration_tests::{Fleet, FleetOptions, fleet};
+use nomad_proto::v1::scheduler_client::SchedulerClient;
+use nomad_proto::v1::{CallToolRequest, ToolInput, call_tool_stream_event, tool_input};
+use nomad_rpc::Channel;
+
+const TOKENS: u32 = 64;
+const TOPICS: [&str; 16] = [
+    "a lighthouse keeper",
+    "a lost robot",
+    "a city under the sea",
+    "a dragon who bakes",
+    "a time traveller",
+    "a desert caravan",
+    "a haunted library",
+    "a mountain village",
+    "a pirate astronomer",
+    "a clockwork garden",
+    "a river that talks",
+    "a winter festival",
+    "a detective cat",
+    "a floating market",
+    "an old violin",
+    "a secret tunnel",
+];
+
+fn arg(name: &str, default: &str) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| default.to_owned())
+}
+
+/// The same text both servers get: SmolLM2's chat template around a user turn.
+fn prompt(i: usize) -> String {
+    format!(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+         Face<|im_end|>\n<|im_start|>user\nTell me a long story about {}.<|im_end|>\n\
+         <|im_start|>assistant\n",
+        TOPICS[i % TOPICS.len()]
+    )
+}
+
+/// One request's measurements.
+struct Sample {
+    first_token: Duration,
+    total: Duration,
+    tokens: u64,
+}
+
+struct Level {
+    tokens_per_second: f64,
+    ttft: (Duration, Duration),
+    latency: (Duration, Duration),
+}
+
+fn p50_p99(mut v: Vec<Duration>) -> (Duration, Duration) {
+    v.sort();
+    let at = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    (at(0.5), at(0.99))
+}
+
+fn level(samples: Vec<Sample>, wall: Duration) -> Level {
+    let tokens: u64 = samples.iter().map(|s| s.tokens).sum();
+    Level {
+        tokens_per_second: tokens as f64 / wall.as_secs_f64(),
+        ttft: p50_p99(samples.iter().map(|s| s.first_token).collect()),
+        latency: p50_p99(samples.iter().map(|s| s.total).collect()),
+    }
+}
+
+async fn nomad_request(client: SchedulerClient<Channel>, i: usize) -> Sample {
+    let started = Instant::now();
+    let mut stream = client
+        .clone()
+        .call_tool_stream(CallToolRequest {
+            tool: "generate".into(),
+            input: Some(ToolInput {
+                value: Some(tool_input::Value::Text(prompt(i))),
+                options_json: format!(r#"{{"max_tokens": {TOKENS}, "chat": false}}"#),
+            }),
+        })
+        .await
+        .expect("CallToolStream")
+        .into_inner();
+    let mut first = None;
+    let mut tokens = 0;
+    while let Some(event) = stream.next().await {
+        match event.expect("stream event").event {
+            Some(call_tool_stream_event::Event::Text(_)) => {
+                first.get_or_insert_with(|| started.elapsed());
+            }
+            Some(call_tool_stream_event::Event::Done(done)) => {
+                tokens = done
+                    .generation
+                    .map_or(0, |g| u64::from(g.completion_tokens));
+            }
+            None => {}
+        }
+    }
+    Sample {
+        first_token: first.unwrap_or_else(|| started.elapsed()),
+        total: started.elapsed(),
+        tokens,
+    }
+}
+
+async fn llama_request(http: reqwest::Client, url: String, i: usize) -> Sample {
+    let body = serde_json::json!({
+        "prompt": prompt(i), "n_predict": TOKENS, "temperature": 0.0, "stream": true,
+        "cache_prompt": false,
+    });
+    let started = Instant::now();
+    let reply = http
+        .post(format!("{url}/completion"))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("llama-server request");
+    let mut stream = reply.bytes_stream();
+    let (mut first, mut tokens, mut buffer) = (None, 0, String::new());
+    while let Some(chunk) = stream.next().await {
+        buffer.push_str(&String::from_utf8_lossy(
+            &chunk.expect("llama-server stream"),
+        ));
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+                continue;
+            };
+            if v["content"].as_str().is_some_and(|c| !c.is_empty()) {
+                first.get_or_insert_with(|| started.elapsed());
+            }
+            if v["stop"].as_bool() == Some(true) {
+                tokens = v["tokens_predicted"].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    Sample {
+        first_token: first.unwrap_or_else(|| started.elapsed()),
+        total: started.elapsed(),
+        tokens,
+    }
+}
+
+/// `2 * concurrency` requests (at least 4), `concurrency` at a time.
+async fn run<F, Fut>(concurrency: usize, one: F) -> Level
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = Sample>,
+{
+    let total = (2 * concurrency).max(4);
+    let started = Instant::now();
+    let samples: Vec<Sample> = futures::stream::iter(0..total)
+        .map(one)
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+    level(samples, started.elapsed())
+}
+
+struct LlamaServer {
+    child: std::process::Child,
+    url: String,
+}
+
+impl LlamaServer {
+    async fn start(binary: &str, model: &std::path::Path, parallel: usize) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::path::Path::new(binary).parent().unwrap().to_owned();
+        let child = std::process::Command::new(binary)
+            .args(["-m", model.to_str().unwrap(), "--host", "127.0.0.1"])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--parallel",
+                &parallel.to_string(),
+            ])
+            .args(["--ctx-size", &(parallel * 512).to_string()])
+            .env(
+                "LD_LIBRARY_PATH",
+                std::env::var("LD_LIBRARY_PATH").unwrap_or_else(|_| dir.display().to_string()),
+            )
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("starting llama-server");
+        let url = format!("http://127.0.0.1:{port}");
+        let http = reqwest::Client::new();
+        for _ in 0..600 {
+            if let Ok(r) = http.get(format!("{url}/health")).send().await
+                && r.status().is_success()
+            {
+                return Self { child, url };
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("llama-server did not come up");
+    }
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn row(system: &str, c: usize, l: &Level) {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "| {c} | {system} | {:.1} | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms |",
+        l.tokens_per_second,
+        ms(l.ttft.0),
+        ms(l.ttft.1),
+        ms(l.latency.0),
+        ms(l.latency.1)
+    );
+}
+
+async fn bench(llama: Option<String>, levels: Vec<usize>) {
+    let models = fleet::models_dir();
+    let gguf = models.join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let most = *levels.iter().max().unwrap();
+    let mut fleet = Fleet::start(FleetOptions {
+        tools_yaml: Some(format!(
+            "tools:\n  - {{name: generate, kind: generate, source: {}, max_running: {most}}}\n",
+            gguf.parent().unwrap().display()
+        )),
+        ..Default::default()
+    })
+    .await;
+    let client = SchedulerClient::new(fleet::rpc_channel(&fleet.scheduler_addr));
+    nomad_request(client.clone(), 0).await; // loads and places the model
+    println!(
+        "| callers | server | output tokens/s | TTFT p50 | TTFT p99 | latency p50 | latency p99 |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut nomad1 = None;
+    for &c in &levels {
+        if let Some(binary) = &llama {
+            let server = LlamaServer::start(binary, &gguf, c).await;
+            let http = reqwest::Client::new();
+            llama_request(http.clone(), server.url.clone(), 0).await; // warm-up
+            let l = run(c, |i| llama_request(http.clone(), server.url.clone(), i)).await;
+            row("llama-server", c, &l);
+        }
+        let l = run(c, |i| nomad_request(client.clone(), i)).await;
+        row("Nomad", c, &l);
+        match nomad1 {
+            None => nomad1 = Some(l.tokens_per_second),
+            Some(one) => eprintln!(
+                "Nomad at {c} callers: {:.2}x its 1-caller throughput",
+                l.tokens_per_second / one
+            ),
+        }
+    }
+    fleet.terminate().await;
+}
+
+fn main() {
+    let llama = Some(arg("--llama-server", "")).filter(|s| !s.is_empty());
+    let levels: Vec<usize> = arg("--concurrency", "1,4,8,16")
+        .split(',')
+        .map(|c| c.parse().expect("--concurrency"))
+        .collect();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(bench(llama, levels));
+}
