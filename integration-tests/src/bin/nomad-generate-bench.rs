@@ -203,17 +203,24 @@ impl LlamaServer {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("starting llama-server");
-        let url = format!("http://127.0.0.1:{port}");
+        // Owned before the wait, so a server that never comes up is killed by the panic.
+        let mut server = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        };
         let http = reqwest::Client::new();
         for _ in 0..600 {
-            if let Ok(r) = http.get(format!("{url}/health")).send().await
+            if let Ok(r) = http.get(format!("{}/health", server.url)).send().await
                 && r.status().is_success()
             {
-                return Self { child, url };
+                return server;
+            }
+            if let Ok(Some(status)) = server.child.try_wait() {
+                panic!("llama-server exited before it was ready: {status}");
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        panic!("llama-server did not come up");
+        panic!("llama-server did not come up within 60 s");
     }
 }
 
