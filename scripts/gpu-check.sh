@@ -1,14 +1,88 @@
 #!/usr/bin/env bash
-# Checks the device worker on a machine with an NVIDIA GPU: builds it with `--features cuda`,
-# runs the embedding parity test, the generation tests and the out-of-memory test on cuda:0, and
-# prints the driver's memory figures. Needs the CUDA toolkit (nvcc) and a driver.
-set -euo pipefail
+# The device checks: builds the workers for the device, then runs model parity, the
+# accelerator-only tests, out-of-memory halving through a real fleet, generation through a real
+# fleet and the embed and generate benchmarks, all on that device. Prints one summary line per
+# check (PASS, FAIL with the reason, or SKIP with why) and exits non-zero if any check failed.
+#
+#   scripts/gpu-check.sh [--device cuda:0 | cpu] [--out DIR]
+#
+# On an NVIDIA machine it needs the repository, a Rust toolchain and the CUDA toolkit (nvcc, and
+# the driver's nvidia-smi); `--device cpu` runs the same checks on the CPU with the default build,
+# as a dry run of the script. Logs and benchmark tables go to DIR (default gpu-check-results/).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
-command -v nvcc >/dev/null || { echo "nvcc not found: install the CUDA toolkit first" >&2; exit 1; }
-scripts/fetch-models
-export NOMAD_TEST_DEVICE=${NOMAD_TEST_DEVICE:-cuda:0}
-# Unit tests of the models on the GPU; --include-ignored adds the accelerator-only ones
-# (real CUDA out-of-memory, memory figures).
-cargo test --release -p nomad-device-worker --features cuda -- models:: --include-ignored --nocapture 2>&1 \
-  | grep -E '^test |test result|device memory|panicked|error' 
+
+device=cuda:0
+out=gpu-check-results
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device=${2:?--device needs a value: cuda:N or cpu}; shift 2 ;;
+    --out) out=${2:?--out needs a directory}; shift 2 ;;
+    *) echo "unknown argument $1; usage: scripts/gpu-check.sh [--device cuda:N|cpu] [--out DIR]" >&2; exit 2 ;;
+  esac
+done
+case "$device" in
+  cpu) features=() ;;
+  cuda:[0-9]*) features=(--features nomad-device-worker/cuda) ;;
+  *) echo "--device must be cpu or cuda:N, not $device" >&2; exit 2 ;;
+esac
+mkdir -p "$out"
+export NOMAD_TEST_DEVICE=$device
+summary=()
+failed=0
+
+# check NAME COMMAND...: runs COMMAND with its output in $out/NAME.log and records one line.
+check() {
+  local name=$1; shift
+  local started=$SECONDS
+  if "$@" >"$out/$name.log" 2>&1; then
+    summary+=("PASS $name ($((SECONDS - started)) s)")
+  else
+    local status=$?
+    summary+=("FAIL $name: exit $status after $((SECONDS - started)) s; last line: $(tail -n 1 "$out/$name.log")")
+    failed=1
+  fi
+  echo "${summary[-1]}"
+}
+skip() { summary+=("SKIP $1: $2"); echo "${summary[-1]}"; }
+
+toolkit() {
+  nvcc --version && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+}
+gpu_memory() {
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+}
+
+if [ "$device" = cpu ]; then
+  skip toolkit "a CPU dry run needs no CUDA toolkit"
+else
+  check toolkit toolkit
+fi
+check models scripts/fetch-models
+check build cargo build --release --locked --workspace --bins "${features[@]}"
+# Embedding parity with sentence-transformers, generation token parity and greedy agreement with
+# llama.cpp, the decode loop's batching tests: the worker's model tests on the device.
+check parity cargo test --release --locked -p nomad-device-worker "${features[@]}" -- models::
+if [ "$device" = cpu ]; then
+  skip accelerator "a real allocation failure and the driver's memory figures need an accelerator"
+else
+  # A real CUDA out-of-memory becomes the OOM outcome; loading shows in the driver's figures.
+  check accelerator cargo test --release --locked -p nomad-device-worker "${features[@]}" -- \
+    models:: --ignored --nocapture
+fi
+# A batch over the worker's memory budget fails as out of memory, the scheduler halves it,
+# every request is served and the device's memory reaches nomad.device.memory.allocated.
+# (The fleet tests run the service binaries the build step made, for the device.)
+check oom-halving cargo test --release --locked -p nomad-integration-tests --test devices -- \
+  --nocapture
+[ "$device" = cpu ] || echo "nvidia-smi after the fleet test: $(gpu_memory)" >>"$out/oom-halving.log"
+check generation cargo test --release --locked -p nomad-integration-tests --test generation
+check embed-bench target/release/nomad-embed-bench --seconds 3 --batch-size 128
+check generate-bench target/release/nomad-generate-bench --concurrency 1,8
+
+echo
+echo "device $device:"
+printf '  %s\n' "${summary[@]}"
+grep -h "device memory" "$out"/*.log 2>/dev/null | sed 's/^/  /'
+echo "  logs and benchmark tables: $out/"
+exit $failed

@@ -129,6 +129,8 @@ pub struct FleetOptions {
     pub candle_workers: usize,
     /// Every service requires [`TEST_TOKEN`] (an `auth:` block in the config).
     pub auth: bool,
+    /// Extra arguments for every device worker (e.g. `--memory-budget-bytes N`).
+    pub worker_args: Vec<String>,
 }
 
 impl FleetOptions {
@@ -263,6 +265,9 @@ impl Fleet {
             0 => fleet.options.candle_workers.max(1),
             n => n,
         };
+        // Candle workers run on NOMAD_TEST_DEVICE when it is set (scripts/gpu-check.sh).
+        let test_device = std::env::var("NOMAD_TEST_DEVICE").ok();
+        let worker_args = fleet.options.worker_args.clone();
         for i in 0..workers {
             let id = format!("worker-{i}");
             let mut args = vec![
@@ -273,7 +278,10 @@ impl Fleet {
             ];
             if fleet.options.sim_workers > 0 {
                 args.extend(["--backend", "sim"]);
+            } else if let Some(device) = test_device.as_deref() {
+                args.extend(["--device", device]);
             }
+            args.extend(worker_args.iter().map(String::as_str));
             fleet.spawn(Service::DeviceWorker, &args).await;
         }
         let mcp_addr_file = fleet.dir.join("gateway-mcp.addr");

@@ -1,13 +1,14 @@
 //! `embed` through the scheduler next to the worker's own batch rates, one real candle worker
 //! (all-minilm-l6-v2), interleaved per level so drift on a shared machine hits both alike:
-//! - the worker alone: `ExecuteBatch` straight to it with batches of 1, 8 and 32, one at a time;
-//! - through the scheduler: 1, 8 and 64 callers, one sentence per `CallTool`.
+//! - the worker alone: `ExecuteBatch` straight to it with batches of 1, 8 and the tool's batch
+//!   size (`--batch-size`, 32), one at a time;
+//! - through the scheduler: 1, 8 and 2 × batch size callers, one sentence per `CallTool`.
 //!
 //! Two workloads: uniform 32-token sentences (`scripts/reference/bench_sentences.txt`) and a
 //! mix of 90 % short (about 8 tokens) and 10 % long (about 200 tokens) inputs.
 //!
 //! Run: `cargo build --release --workspace --bins && target/release/nomad-embed-bench
-//! [--seconds 5]`.
+//! [--seconds 5] [--batch-size 32]`; the worker runs on `NOMAD_TEST_DEVICE` when it is set.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -18,8 +19,6 @@ use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{CallToolRequest, ExecuteBatchRequest, ToolInput, tool_input};
 use nomad_rpc::Channel;
-
-const BATCH_SIZE: usize = 32;
 
 fn arg(name: &str, default: &str) -> String {
     let args: Vec<String> = std::env::args().collect();
@@ -182,11 +181,11 @@ async fn through_scheduler(
     }
 }
 
-async fn run(seconds: f64) {
+async fn run(seconds: f64, batch_size: usize) {
     let models = fleet::models_dir();
     let options = FleetOptions {
         tools_yaml: Some(format!(
-            "tools:\n  - {{name: embed, kind: embed, source: {}, batch_size: {BATCH_SIZE}, \
+            "tools:\n  - {{name: embed, kind: embed, source: {}, batch_size: {batch_size}, \
              max_pending: 100000}}\n",
             models.join("all-minilm-l6-v2").display()
         )),
@@ -206,15 +205,17 @@ async fn run(seconds: f64) {
         .await
         .expect("the first embed call failed");
 
+    let device = std::env::var("NOMAD_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
     println!(
-        "Interleaved per level, {seconds} s each, one CPU worker, `batch_size: {BATCH_SIZE}`.\n"
+        "Interleaved per level, {seconds} s each, one worker on {device}, `batch_size: \
+         {batch_size}`.\n"
     );
     for (workload, inputs) in workloads() {
         let inputs = Arc::new(inputs);
         println!("### {workload}\n");
         println!("| path | inputs/s | p50 | p99 | mean batch |\n|---|---|---|---|---|");
         let mut rows = Vec::new();
-        for (batch, callers) in [(1, 1), (8, 8), (BATCH_SIZE, 64)] {
+        for (batch, callers) in [(1, 1), (8, 8), (batch_size, 2 * batch_size)] {
             rows.push(worker_alone(&mut worker, &inputs, batch, seconds).await);
             rows.push(through_scheduler(&scheduler, inputs.clone(), callers, seconds).await);
         }
@@ -229,13 +230,14 @@ async fn run(seconds: f64) {
             );
         }
         let (alone1, via1) = (&rows[0], &rows[1]);
-        let (alone_full, via64) = (&rows[4], &rows[5]);
+        let (alone_full, via_full) = (&rows[4], &rows[5]);
         println!(
-            "\nconcurrency 1: p50 {:+.2} ms over the worker's batch of 1; concurrency 64: {:.1} % \
-             of the worker's batch-{BATCH_SIZE} rate, p99 / p50 = {:.2}\n",
+            "\nconcurrency 1: p50 {:+.2} ms over the worker's batch of 1; concurrency {}: {:.1} % \
+             of the worker's batch-{batch_size} rate, p99 / p50 = {:.2}\n",
             (via1.p50.as_secs_f64() - alone1.p50.as_secs_f64()) * 1e3,
-            100.0 * via64.per_second / alone_full.per_second,
-            via64.p99.as_secs_f64() / via64.p50.as_secs_f64()
+            2 * batch_size,
+            100.0 * via_full.per_second / alone_full.per_second,
+            via_full.p99.as_secs_f64() / via_full.p50.as_secs_f64()
         );
     }
     fleet.terminate().await;
@@ -243,9 +245,10 @@ async fn run(seconds: f64) {
 
 fn main() {
     let seconds: f64 = arg("--seconds", "5").parse().expect("--seconds");
+    let batch_size: usize = arg("--batch-size", "32").parse().expect("--batch-size");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(run(seconds));
+    rt.block_on(run(seconds, batch_size));
 }

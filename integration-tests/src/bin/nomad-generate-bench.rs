@@ -3,12 +3,13 @@
 //! at 1, 4, 8 and 16 callers, each request 64 greedy tokens after the same prompt.
 //!
 //! Run: `cargo build --release --workspace --bins && target/release/nomad-generate-bench
-//! [--llama-server PATH] [--concurrency 1,4,8,16]` (without `--llama-server`, Nomad alone).
+//! [--llama-server PATH [--llama-model GGUF]] [--concurrency 1,4,8,16]` (without
+//! `--llama-server`, Nomad alone); the worker runs on `NOMAD_TEST_DEVICE` when it is set.
 
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use nomad_integration_tests::{Fleet, FleetOptions, fleet};
+use nomad_integration_tests::{Fleet, FleetOptions, Service, fleet};
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{CallToolRequest, ToolInput, call_tool_stream_event, tool_input};
 use nomad_rpc::Channel;
@@ -246,15 +247,22 @@ fn row(system: &str, c: usize, l: &Level) {
 async fn bench(llama: Option<String>, levels: Vec<usize>) {
     let models = fleet::models_dir();
     let gguf = models.join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    // The worker serves Q4_1 re-quantized to Q8_0; give llama-server the same weights with
+    // `llama-quantize --allow-requantize <Q4_1> <out> Q8_0` and `--llama-model <out>`.
+    let llama_model = std::path::PathBuf::from(arg("--llama-model", gguf.to_str().unwrap()));
     let most = *levels.iter().max().unwrap();
-    let mut fleet = Fleet::start(FleetOptions {
+    let mut options = FleetOptions {
         tools_yaml: Some(format!(
             "tools:\n  - {{name: generate, kind: generate, source: {}, max_running: {most}}}\n",
             gguf.parent().unwrap().display()
         )),
         ..Default::default()
-    })
-    .await;
+    };
+    // The quantized matmuls' thread count (the worker's default is 1; README, "Devices").
+    if let Ok(threads) = std::env::var("CANDLE_NUM_THREADS") {
+        options = options.service_env(Service::DeviceWorker, "CANDLE_NUM_THREADS", threads);
+    }
+    let mut fleet = Fleet::start(options).await;
     let client = SchedulerClient::new(fleet::rpc_channel(&fleet.scheduler_addr));
     nomad_request(client.clone(), 0).await; // loads and places the model
     println!(
@@ -264,7 +272,7 @@ async fn bench(llama: Option<String>, levels: Vec<usize>) {
     let mut nomad1 = None;
     for &c in &levels {
         if let Some(binary) = &llama {
-            let server = LlamaServer::start(binary, &gguf, c).await;
+            let server = LlamaServer::start(binary, &llama_model, c).await;
             let http = reqwest::Client::new();
             llama_request(http.clone(), server.url.clone(), 0).await; // warm-up
             let l = run(c, |i| llama_request(http.clone(), server.url.clone(), i)).await;

@@ -24,7 +24,7 @@ pub fn default_config(models: &Path) -> String {
          \x20   kind: generate\n\
          \x20   source: {}\n\
          \x20   description: A short chat answer from SmolLM2-135M-Instruct.\n\
-         \x20   batch_size: 4\n",
+         \x20   max_running: 8\n",
         models.join(DEFAULT_MODELS[0]).display(),
         models.join(DEFAULT_MODELS[1]).display(),
     )
