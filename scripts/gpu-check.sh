@@ -39,7 +39,11 @@ check() {
     summary+=("PASS $name ($((SECONDS - started)) s)")
   else
     local status=$?
-    summary+=("FAIL $name: exit $status after $((SECONDS - started)) s; last line: $(tail -n 1 "$out/$name.log")")
+    # The first error the log names, else its last line.
+    local reason
+    reason=$(grep -m 1 -E '^error|panicked at|command not found|FAILED' "$out/$name.log" ||
+      tail -n 1 "$out/$name.log")
+    summary+=("FAIL $name: exit $status after $((SECONDS - started)) s: $reason")
     failed=1
   fi
   echo "${summary[-1]}"
