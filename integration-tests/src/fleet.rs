@@ -139,6 +139,12 @@ impl FleetOptions {
         self
     }
 
+    /// Every process exports its telemetry over OTLP to `receiver`.
+    pub fn exporting_to(self, receiver: &crate::OtlpReceiver) -> Self {
+        self.env("NOMAD_OTEL_ENABLED", "true")
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone())
+    }
+
     pub fn service_env(mut self, service: Service, key: &str, value: impl Into<String>) -> Self {
         self.service_env
             .entry(service)

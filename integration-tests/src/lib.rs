@@ -12,3 +12,12 @@ pub mod users;
 pub use fleet::{Fleet, FleetOptions, HeadRun, Service};
 pub use receiver::OtlpReceiver;
 pub use spans::SpanRecord;
+
+/// The value after `name` on the command line, else `default` (the benchmarks' flags).
+pub fn arg(name: &str, default: &str) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| default.to_owned())
+}

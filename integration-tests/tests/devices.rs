@@ -40,8 +40,7 @@ async fn a_real_batch_over_device_memory_is_halved_and_every_request_served() {
         worker_args: vec!["--memory-budget-bytes".into(), budget.to_string()],
         ..Default::default()
     }
-    .env("NOMAD_OTEL_ENABLED", "true")
-    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone())
+    .exporting_to(&receiver)
     .env("NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS", "0.2");
     let mut fleet = Fleet::start(options).await;
     let client = fleet.scheduler_client().await;

@@ -79,8 +79,7 @@ async fn sandboxed_code_calls_every_kind_of_upstream_inside_the_callers_trace() 
     let upstream = HttpUpstream::start(&dir, &http_record).await;
     let receiver = OtlpReceiver::grpc().await;
     let options = options(&dir, &upstream.url, "")
-        .env("NOMAD_OTEL_ENABLED", "true")
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone())
+        .exporting_to(&receiver)
         .env("OTEL_BSP_SCHEDULE_DELAY", "600000");
     let mut fleet = Fleet::start(options).await;
 
@@ -711,8 +710,7 @@ async fn made_up_server_and_tool_names_never_become_metric_attributes() {
         "",
         "  timeout_seconds: 120\n  max_tool_calls: 20000\n  warm: 0\n",
     )
-    .env("NOMAD_OTEL_ENABLED", "true")
-    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone());
+    .exporting_to(&receiver);
     let mut fleet = Fleet::start(options).await;
     let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
         .await

@@ -19,8 +19,7 @@ async fn a_thousand_rollouts_at_concurrency_64_are_whole_traces_after_sigterm() 
         tools_yaml: None,
         ..Default::default()
     }
-    .env("NOMAD_OTEL_ENABLED", "true")
-    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone());
+    .exporting_to(&receiver);
     let mut fleet = Fleet::start(options).await;
     let tasks = mlp_tasks(1000);
     let run = fleet.run_head(&tasks, 64).await;

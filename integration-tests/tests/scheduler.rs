@@ -122,8 +122,7 @@ async fn every_model_serving_metric_is_exported_with_its_type_unit_and_attribute
             .into(),
         ..Default::default()
     }
-    .env("NOMAD_OTEL_ENABLED", "true")
-    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone())
+    .exporting_to(&receiver)
     .env("NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS", "0.2");
     let mut fleet = Fleet::start(options).await;
     let client = fleet.scheduler_client().await;
@@ -566,8 +565,7 @@ async fn thirty_two_one_mib_inputs_go_in_batches_under_the_byte_budget_and_are_a
         config_yaml: "sim:\n  load_ms: 300\n  base_latency_ms: 50\n".into(),
         ..Default::default()
     }
-    .env("NOMAD_OTEL_ENABLED", "true")
-    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone())
+    .exporting_to(&receiver)
     .env("NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS", "0.2");
     let mut fleet = Fleet::start(options).await;
     let client = fleet.scheduler_client().await;

@@ -45,8 +45,7 @@ fn assert_outputs_match_the_model(fleet: &Fleet, tasks: &[Value], run: &HeadRun)
 
 fn otlp(receiver: &OtlpReceiver) -> FleetOptions {
     FleetOptions::default()
-        .env("NOMAD_OTEL_ENABLED", "true")
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone())
+        .exporting_to(receiver)
         // Nothing is exported on a timer: only the flush on exit (head) and on SIGTERM
         // (services) can deliver, so arriving spans prove the shutdown flush.
         .env("OTEL_BSP_SCHEDULE_DELAY", "600000")

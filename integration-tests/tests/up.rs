@@ -342,9 +342,7 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nomad_traces_finds_the_runs_rollouts_through_jaegers_query_api() {
     let receiver = Arc::new(OtlpReceiver::grpc().await);
-    let options = FleetOptions::default()
-        .env("NOMAD_OTEL_ENABLED", "true")
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone());
+    let options = FleetOptions::default().exporting_to(&receiver);
     let mut fleet = Fleet::start(options).await;
     let run = fleet.run_head(&mlp_tasks(50), 8).await;
     assert!(run.success, "{}", run.stderr);

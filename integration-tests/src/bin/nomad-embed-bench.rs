@@ -14,19 +14,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::{Fleet, FleetOptions, fleet};
+use nomad_integration_tests::{Fleet, FleetOptions, arg, fleet};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{CallToolRequest, ExecuteBatchRequest, ToolInput, tool_input};
 use nomad_rpc::Channel;
-
-fn arg(name: &str, default: &str) -> String {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_owned())
-}
 
 fn text(s: &str) -> ToolInput {
     ToolInput {

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use nomad_integration_tests::{Fleet, FleetOptions, Service, fleet};
+use nomad_integration_tests::{Fleet, FleetOptions, Service, arg, fleet};
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{CallToolRequest, ToolInput, call_tool_stream_event, tool_input};
 use nomad_rpc::Channel;
@@ -33,14 +33,6 @@ const TOPICS: [&str; 16] = [
     "an old violin",
     "a secret tunnel",
 ];
-
-fn arg(name: &str, default: &str) -> String {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_owned())
-}
 
 /// The same text both servers get: SmolLM2's chat template around a user turn.
 fn prompt(i: usize) -> String {

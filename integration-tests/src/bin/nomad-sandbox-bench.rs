@@ -9,19 +9,11 @@
 
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::{Fleet, FleetOptions, Service};
+use nomad_integration_tests::{arg, fleet::models_dir};
 use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::{ExecuteCodeRequest, GatewayCallToolRequest, GatewayStatusRequest};
 use tonic::transport::Channel;
-
-fn arg(name: &str, default: &str) -> String {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_owned())
-}
 
 const TRIVIAL: &str = "RESULT = 6 * 7";
 const EMBED: &str =

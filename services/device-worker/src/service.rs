@@ -197,7 +197,9 @@ impl DeviceWorker for WorkerService {
             .collect();
         let limits = self.limits;
         let executed = match model.streaming() {
-            Some(streaming) => crate::streaming::run_batch(streaming, &inputs, &limits).await,
+            Some(streaming) => {
+                crate::models::generate::run_batch(streaming, &inputs, &limits).await
+            }
             None => blocking(move || model.execute(&inputs, &limits)).await?,
         };
         let outcome = match executed {

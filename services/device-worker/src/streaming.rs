@@ -1,6 +1,6 @@
-//! Serving models with a decode loop (generation): each input joins the loop and is answered
-//! when it ends, as a batch item or as a stream of text. Dropping the call drops the receivers,
-//! which frees the sequences' places at the loop's next step.
+//! Streaming a model with a decode loop (generation): an input joins the loop, its text is sent
+//! as it is made, then its outcome (a whole batch is `models::generate::run_batch`). Dropping
+//! the call drops the receiver, which frees the sequence's place at the loop's next step.
 
 use std::pin::Pin;
 
@@ -16,42 +16,6 @@ use crate::models::generate::answer;
 use crate::models::{ExecError, ExecLimits, StartError, Streaming};
 
 pub type EventStream = Pin<Box<dyn Stream<Item = Result<ExecuteStreamEvent, Status>> + Send>>;
-
-/// Starts every input at once and waits for all of them: the batch's outcome.
-pub async fn run_batch(
-    model: &dyn Streaming,
-    inputs: &[ToolInput],
-    limits: &ExecLimits,
-) -> Result<Vec<ItemResult>, ExecError> {
-    let started: Vec<_> = inputs
-        .iter()
-        .enumerate()
-        .map(|(i, input)| model.start(i, input, limits))
-        .collect();
-    let mut items = Vec::with_capacity(inputs.len());
-    for start in started {
-        match start {
-            Err(StartError::Invalid(refused)) => items.push(refused),
-            Err(StartError::Exec(e)) => return Err(e),
-            Ok(mut events) => items.push(answer(finish(&mut events, |_| {}).await?)),
-        }
-    }
-    Ok(items)
-}
-
-/// Reads events until the end, handing text to `on_text`.
-async fn finish(
-    events: &mut tokio::sync::mpsc::Receiver<Event>,
-    mut on_text: impl FnMut(String),
-) -> Result<crate::models::decoder::Finished, ExecError> {
-    loop {
-        match events.recv().await {
-            Some(Event::Text(text)) => on_text(text),
-            Some(Event::Done(done)) => return done,
-            None => return Err(ExecError::Failed("the decode loop stopped".into())),
-        }
-    }
-}
 
 /// The outcome ExecuteBatch gives for one item, as the stream's last event.
 fn done(outcome: Result<ItemResult, ExecError>) -> Result<ExecuteStreamEvent, Status> {

@@ -285,6 +285,37 @@ struct Loading<'a> {
     config: DecodeConfig,
 }
 
+/// Starts every input at once and waits for all of them: the batch's outcome.
+pub async fn run_batch(
+    model: &dyn Streaming,
+    inputs: &[ToolInput],
+    limits: &ExecLimits,
+) -> Result<Vec<ItemResult>, ExecError> {
+    let started: Vec<_> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, input)| model.start(i, input, limits))
+        .collect();
+    let mut items = Vec::with_capacity(inputs.len());
+    for start in started {
+        match start {
+            Err(StartError::Invalid(refused)) => items.push(refused),
+            Err(StartError::Exec(e)) => return Err(e),
+            Ok(mut events) => loop {
+                match events.recv().await {
+                    Some(Event::Text(_)) => {}
+                    Some(Event::Done(done)) => {
+                        items.push(answer(done?));
+                        break;
+                    }
+                    None => return Err(ExecError::Failed("the decode loop stopped".into())),
+                }
+            },
+        }
+    }
+    Ok(items)
+}
+
 /// The answer to one generation, with what it took.
 pub fn answer(done: Finished) -> ItemResult {
     ItemResult {
@@ -331,29 +362,7 @@ impl Model for Generator {
         inputs: &[ToolInput],
         limits: &ExecLimits,
     ) -> Result<Vec<ItemResult>, ExecError> {
-        let started: Vec<_> = inputs
-            .iter()
-            .enumerate()
-            .map(|(i, input)| self.start(i, input, limits))
-            .collect();
-        let mut results = Vec::with_capacity(inputs.len());
-        for start in started {
-            match start {
-                Err(StartError::Invalid(refused)) => results.push(refused),
-                Err(StartError::Exec(e)) => return Err(e),
-                Ok(mut events) => loop {
-                    match events.blocking_recv() {
-                        Some(Event::Text(_)) => continue,
-                        Some(Event::Done(done)) => {
-                            results.push(answer(done?));
-                            break;
-                        }
-                        None => return Err(ExecError::Failed("the decode loop stopped".into())),
-                    }
-                },
-            }
-        }
-        Ok(results)
+        futures::executor::block_on(run_batch(self, inputs, limits))
     }
 
     fn streaming(&self) -> Option<&dyn Streaming> {
