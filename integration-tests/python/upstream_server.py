@@ -1,6 +1,8 @@
 """A real MCP server (the official Python SDK) for the gateway's tests.
 
-Its tool `environment` lists the names of the variables in its environment. Its tool `shout`
+Its tool `environment` lists the names of the variables in its environment. Its tool
+`add_tool` adds a tool with the given name and description and says the list changed (on a
+`subscriptions/listen` stream, and unasked for clients on earlier protocols). Its tool `shout`
 upper-cases a text and appends what it received in `_meta` (traceparent,
 baggage) as one JSON line to the --record file, so a test can check the call stayed in the
 caller's trace.
@@ -40,6 +42,22 @@ def environment() -> list[str]:
     import os
 
     return sorted(os.environ)
+
+
+@app.tool()
+async def add_tool(name: str, description: str, ctx: Context) -> str:
+    """Adds a tool that answers with its own name, and announces the change."""
+
+    def added() -> str:
+        return name
+
+    app.add_tool(added, name=name, description=description)
+    await ctx.notify_tools_changed()
+    try:
+        await ctx.session.send_tool_list_changed()
+    except Exception:  # noqa: BLE001 - a modern connection has no unasked notifications
+        pass
+    return name
 
 
 if __name__ == "__main__":

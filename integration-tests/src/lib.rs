@@ -1,6 +1,7 @@
 //! Harness for Nomad's end-to-end tests: real service binaries on loopback ports, an OTLP
 //! receiver speaking the real protocol (gRPC and HTTP/protobuf), and checks over the spans.
 
+pub mod catalog;
 pub mod fleet;
 pub mod jaeger;
 pub mod peers;

@@ -29,6 +29,12 @@ pub struct GatewayConfig {
     /// How long an upstream's tool listing is kept before it is asked again (a server that
     /// sends `notifications/tools/list_changed` is asked at once).
     pub tools_ttl_seconds: f64,
+    /// `search_code_tools`: the embedding tool that ranks by meaning.
+    pub search: crate::search::SearchConfig,
+    /// Return each sandboxed run's tool calls (server, tool, status, start offset, duration).
+    pub record_tool_calls: bool,
+    /// With `record_tool_calls`: also their arguments, outputs and errors.
+    pub record_tool_call_payloads: bool,
 }
 
 impl Default for GatewayConfig {
@@ -42,6 +48,9 @@ impl Default for GatewayConfig {
             upstream_connect_timeout_seconds: 10.0,
             upstream_call_timeout_seconds: 60.0,
             tools_ttl_seconds: 60.0,
+            search: Default::default(),
+            record_tool_calls: false,
+            record_tool_call_payloads: false,
         }
     }
 }

@@ -1,9 +1,10 @@
-//! The gateway's operations, shared by its MCP and gRPC front ends: search the upstream tools,
-//! run code or a script in the sandbox, call one tool. Spans and metrics are recorded here,
+//! The gateway's operations, shared by its MCP and gRPC front ends: run code or a script in the
+//! sandbox, call one tool (search is `search::ToolSearch`). Spans and metrics are recorded here,
 //! never the code text or argument values.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use nomad_telemetry::metrics as defs;
@@ -11,8 +12,10 @@ use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
 use opentelemetry::metrics::{Counter, Histogram};
 use serde_json::{Value, json};
 
+use crate::config::GatewayConfig;
 use crate::sandbox::{Outcome, Rejected, Sandbox, Source};
-use crate::schema;
+use crate::search::ToolSearch;
+use crate::upstream::record::CallLog;
 use crate::upstream::{RunTools, Upstreams};
 
 /// The reply to `execute_mcp_code` / `execute_mcp_script`.
@@ -28,17 +31,32 @@ pub struct ExecuteReply {
     pub error: String,
     /// `ok`, `error` or `timeout`.
     pub status: &'static str,
+    /// How long the sandboxed run took.
+    pub duration_seconds: f64,
+    /// With `gateway.record_tool_calls`: the run's tool calls (see `upstream::record`).
+    pub tool_calls: Option<Vec<Value>>,
+    /// Calls past the log's bound, not in `tool_calls`.
+    pub tool_calls_dropped: u64,
 }
 
 impl ExecuteReply {
     pub fn to_json(&self) -> Value {
-        json!({
+        let mut reply = json!({
             "result": self.result,
             "stdout": self.stdout,
             "stderr": self.stderr,
             "returncode": self.returncode,
+            "duration_seconds": self.duration_seconds,
+            "status": self.status,
             "error": if self.error.is_empty() { Value::Null } else { Value::String(self.error.clone()) },
-        })
+        });
+        if let Some(calls) = &self.tool_calls {
+            reply["tool_calls"] = json!(calls);
+            if self.tool_calls_dropped > 0 {
+                reply["tool_calls_dropped"] = json!(self.tool_calls_dropped);
+            }
+        }
+        reply
     }
 }
 
@@ -67,9 +85,12 @@ impl ExecuteError {
 }
 
 pub struct Gateway {
-    pub upstreams: Upstreams,
+    pub upstreams: Arc<Upstreams>,
+    pub search: ToolSearch,
     pub sandbox: Sandbox,
     workspace_root: Option<PathBuf>,
+    /// `None`: tool calls are not recorded; `Some(payloads)`: recorded, with payloads or not.
+    record_tool_calls: Option<bool>,
     requests: Counter<u64>,
     request_duration: Histogram<f64>,
     sandbox_duration: Histogram<f64>,
@@ -77,15 +98,24 @@ pub struct Gateway {
 
 impl Gateway {
     pub fn new(
-        upstreams: Upstreams,
+        upstreams: Arc<Upstreams>,
+        search: ToolSearch,
         sandbox: Sandbox,
-        workspace_root: Option<PathBuf>,
+        config: &GatewayConfig,
     ) -> std::io::Result<Self> {
-        let workspace_root = workspace_root.map(|r| r.canonicalize()).transpose()?;
+        let workspace_root = config
+            .workspace_root
+            .as_ref()
+            .map(|r| r.canonicalize())
+            .transpose()?;
         Ok(Self {
             upstreams,
+            search,
             sandbox,
             workspace_root,
+            record_tool_calls: config
+                .record_tool_calls
+                .then_some(config.record_tool_call_payloads),
             requests: defs::GATEWAY_REQUESTS.u64_counter(),
             request_duration: defs::GATEWAY_REQUEST_DURATION.f64_histogram(),
             sandbox_duration: defs::GATEWAY_SANDBOX_DURATION.f64_histogram(),
@@ -167,11 +197,15 @@ impl Gateway {
         let trace: Vec<(String, String)> = nomad_telemetry::propagation::inject_map(&run_cx)
             .into_iter()
             .collect();
+        let log = self.record_tool_calls.map(CallLog::new);
         let tools = RunTools {
             upstreams: &self.upstreams,
             cx: run_cx,
+            log: log.as_ref(),
         };
-        let outcome = match self.sandbox.run(source, &env, &trace, &tools).await {
+        let ran = self.sandbox.run(source, &env, &trace, &tools).await;
+        drop(tools);
+        let outcome = match ran {
             Ok(outcome) => outcome,
             Err(rejected) => {
                 for s in [&run_span, &span] {
@@ -188,7 +222,12 @@ impl Gateway {
                 return Err(rejected.into());
             }
         };
-        let reply = reply_of(&outcome);
+        let mut reply = reply_of(&outcome);
+        if let Some(log) = log {
+            let (calls, dropped) = log.finish();
+            reply.tool_calls = Some(calls);
+            reply.tool_calls_dropped = dropped;
+        }
         let returncode = i64::from(reply.returncode);
         for s in [&run_span, &span] {
             s.set_attributes([
@@ -226,75 +265,6 @@ impl Gateway {
             ],
         );
         Ok(reply)
-    }
-
-    /// Tools matching `query` (every word, case-insensitive, in name or description), best
-    /// first: name matches before description matches.
-    pub async fn search(
-        &self,
-        query: &str,
-        server_filter: &str,
-        full: bool,
-        limit: usize,
-    ) -> Result<Vec<Value>, String> {
-        let words: Vec<String> = query.split_whitespace().map(str::to_lowercase).collect();
-        let servers: Vec<String> = self
-            .upstreams
-            .server_names()
-            .into_iter()
-            .filter(|s| server_filter.is_empty() || s == server_filter)
-            .collect();
-        if servers.is_empty() {
-            return Err(format!(
-                "unknown server {server_filter:?}; configured: {}",
-                self.upstreams.server_names().join(", ")
-            ));
-        }
-        let mut found = Vec::new();
-        for server in servers {
-            let tools = match self.upstreams.tools(&server).await {
-                Ok(t) => t,
-                Err(e) => {
-                    tracing::warn!(%server, "listing tools failed: {e}");
-                    continue;
-                }
-            };
-            for tool in tools {
-                let name = tool.name.to_lowercase();
-                let text = format!("{name} {}", tool.description.to_lowercase());
-                if !words.iter().all(|w| text.contains(w.as_str())) {
-                    continue;
-                }
-                let rank = usize::from(!words.iter().all(|w| name.contains(w.as_str())));
-                let signature = schema::python_signature(&tool.name, &tool.input_schema);
-                let import = format!(
-                    "from mcp_tools.{} import {}",
-                    schema::identifier(&server),
-                    schema::identifier(&tool.name)
-                );
-                let mut entry = json!({
-                    "server": server,
-                    "name": tool.name,
-                    "description": if full { tool.description.clone() } else { first_line(&tool.description).to_owned() },
-                    "signature": signature,
-                    "import": import,
-                });
-                if full {
-                    entry["input_schema"] = tool.input_schema.clone();
-                    entry["async"] = json!(format!(
-                        "await {}_async(...)",
-                        schema::identifier(&tool.name)
-                    ));
-                }
-                found.push((rank, entry));
-            }
-        }
-        found.sort_by_key(|(rank, _)| *rank);
-        Ok(found
-            .into_iter()
-            .take(limit.max(1))
-            .map(|(_, e)| e)
-            .collect())
     }
 
     /// One upstream call on behalf of a gRPC caller (`request.kind` `call_tool`).
@@ -335,5 +305,8 @@ fn reply_of(outcome: &Outcome) -> ExecuteReply {
         returncode: outcome.returncode.unwrap_or(-1),
         error,
         status,
+        duration_seconds: outcome.duration.as_secs_f64(),
+        tool_calls: None,
+        tool_calls_dropped: 0,
     }
 }

@@ -8,6 +8,7 @@ mod mcp_http;
 mod mcp_server;
 mod sandbox;
 mod schema;
+mod search;
 mod serve;
 mod service;
 mod upstream;

@@ -15,6 +15,7 @@ use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::{Map, Value, json};
 
 use crate::execute::Gateway;
+use crate::search::SearchRequest;
 
 #[derive(Clone)]
 pub struct McpFrontEnd {
@@ -34,15 +35,19 @@ fn tools() -> Vec<Tool> {
     vec![
         Tool::new(
             "search_code_tools",
-            "Find upstream tools by name or description, with how to call each from code: \
-             `from mcp_tools.<server> import <tool>` and its Python signature.",
+            "Find upstream tools for a task, in plain words or by name (ranked by words and by \
+             meaning), with how to call each from code: `from mcp_tools.<server> import <tool>` \
+             and its Python signature. Says how it ranked and which servers could not be listed.",
             schema(json!({
                 "type": "object",
                 "properties": {
-                    "query": {"type": "string", "description": "Words to match; empty lists every tool."},
+                    "query": {"type": "string", "maxLength": crate::search::MAX_QUERY_BYTES,
+                              "description": "What the tool should do, or its name; empty lists every tool."},
                     "server_filter": {"type": "string", "description": "Only this upstream server."},
-                    "detail_level": {"type": "string", "enum": ["brief", "full"], "default": "brief"},
-                    "limit": {"type": "integer", "minimum": 1, "default": 20}
+                    "detail_level": {"type": "string", "enum": ["brief", "full"], "default": "brief",
+                                     "description": "brief: description, import and signature; full: also the input and output schema."},
+                    "limit": {"type": "integer", "minimum": 1,
+                              "description": "At most this many tools (default 20; every tool for an empty query)."}
                 }
             })),
         ),
@@ -50,7 +55,7 @@ fn tools() -> Vec<Tool> {
             "execute_mcp_code",
             "Run Python in a sandbox. Call tools as `from mcp_tools.<server> import <tool>` \
              (sync, or `<tool>_async` to await). Set `RESULT` to what you want back (JSON). \
-             Returns result, stdout, stderr, returncode and error.",
+             Returns result, stdout, stderr, returncode, duration_seconds, status and error.",
             schema(json!({
                 "type": "object",
                 "properties": {"code": {"type": "string"}, "env": env},
@@ -156,17 +161,23 @@ impl ServerHandler for McpFrontEnd {
                     }
                 };
                 let limit = match args.get("limit") {
-                    None | Some(Value::Null) => 20,
-                    Some(v) => v.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
+                    None | Some(Value::Null) => None,
+                    Some(v) => Some(v.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
                         McpError::invalid_params(
                             "`limit` must be a whole number of at least 1",
                             None,
                         )
-                    })? as usize,
+                    })? as usize),
                 };
-                match self.gateway.search(&query, &server, full, limit).await {
-                    Ok(found) => Ok(complete(json!({ "tools": found }), false)),
-                    Err(e) => Ok(complete(json!({ "error": e }), true)),
+                let request = SearchRequest {
+                    query: &query,
+                    server_filter: &server,
+                    full,
+                    limit,
+                };
+                match self.gateway.search.search(&request).await {
+                    Ok(reply) => Ok(complete(reply.to_json(), false)),
+                    Err(e) => Ok(complete(json!({ "error": e.to_string() }), true)),
                 }
             }
             "execute_mcp_code" => {

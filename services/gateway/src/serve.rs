@@ -12,7 +12,7 @@ use nomad_telemetry::{ConsoleSink, InitOptions, ServerType};
 use rmcp::ServiceExt as _;
 use tokio::sync::watch;
 
-use crate::{Args, config, execute, mcp_http, mcp_server, sandbox, service, upstream};
+use crate::{Args, config, execute, mcp_http, mcp_server, sandbox, search, service, upstream};
 
 pub async fn serve(args: Args) -> anyhow::Result<()> {
     let options = StartOptions {
@@ -39,14 +39,16 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
     }
 
     let sandbox = sandbox::Sandbox::new(sandbox_config).await?;
-    let upstreams = upstream::Upstreams::new(
+    let tools_ttl = nomad_config::seconds(
+        "gateway.tools_ttl_seconds",
+        gateway_config.tools_ttl_seconds,
+    )
+    .map_err(anyhow::Error::msg)?;
+    let changed = Arc::new(tokio::sync::Notify::new());
+    let upstreams = Arc::new(upstream::Upstreams::new(
         upstream::nomad::Nomad::new(
             SchedulerClient::new(nomad_rpc::channel(&args.scheduler)?),
-            nomad_config::seconds(
-                "gateway.tools_ttl_seconds",
-                gateway_config.tools_ttl_seconds,
-            )
-            .map_err(anyhow::Error::msg)?,
+            tools_ttl,
         ),
         servers
             .into_iter()
@@ -54,13 +56,18 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
                 let timing = gateway_config
                     .timing(&name, &c)
                     .map_err(anyhow::Error::msg)?;
-                Ok((name.clone(), upstream::mcp::McpServer::new(name, c, timing)))
+                let server =
+                    upstream::mcp::McpServer::new(name.clone(), c, timing, changed.clone());
+                Ok((name, server))
             })
             .collect::<anyhow::Result<_>>()?,
         upstream::policy::Policy::new(gateway_config.allowlist.clone(), gateway_config.redaction),
-    );
+        changed,
+    ));
+    let search = search::ToolSearch::start(upstreams.clone(), &gateway_config.search, tools_ttl)
+        .map_err(anyhow::Error::msg)?;
     let gateway = Arc::new(
-        execute::Gateway::new(upstreams, sandbox, gateway_config.workspace_root.clone())
+        execute::Gateway::new(upstreams, search, sandbox, &gateway_config)
             .context("gateway.workspace_root")?,
     );
 

@@ -6,12 +6,13 @@ use nomad_proto::v1::gateway_server::Gateway as GatewayApi;
 use nomad_proto::v1::{
     ExecuteCodeRequest, ExecuteResponse, ExecuteScriptRequest, GatewayCallToolRequest,
     GatewayCallToolResponse, GatewayStatus, GatewayStatusRequest, SandboxLayer, SearchToolsRequest,
-    SearchToolsResponse, UpstreamTool,
+    SearchToolsResponse, ToolCallRecord, UnavailableServer, UpstreamTool,
 };
 use nomad_telemetry::Context;
 use tonic::{Request, Response, Status};
 
 use crate::execute::{ExecuteReply, Gateway};
+use crate::search::SearchRequest;
 use crate::upstream::nomad;
 
 pub struct GatewayService {
@@ -19,12 +20,34 @@ pub struct GatewayService {
 }
 
 fn response(reply: ExecuteReply) -> ExecuteResponse {
+    let text = |v: &serde_json::Value, key: &str| v[key].as_str().unwrap_or_default().to_owned();
+    let number = |v: &serde_json::Value, key: &str| v[key].as_f64().unwrap_or_default();
+    let json =
+        |v: &serde_json::Value, key: &str| v.get(key).map(|x| x.to_string()).unwrap_or_default();
     ExecuteResponse {
         result_json: reply.result.to_string(),
         stdout: reply.stdout,
         stderr: reply.stderr,
         returncode: reply.returncode,
         error: reply.error,
+        duration_seconds: reply.duration_seconds,
+        status: reply.status.to_owned(),
+        tool_calls: reply
+            .tool_calls
+            .unwrap_or_default()
+            .iter()
+            .map(|c| ToolCallRecord {
+                server: text(c, "server"),
+                tool: text(c, "tool"),
+                status: text(c, "status"),
+                start_offset_seconds: number(c, "start_offset_seconds"),
+                duration_seconds: number(c, "duration_seconds"),
+                arguments_json: json(c, "arguments"),
+                output_json: json(c, "output"),
+                error: text(c, "error"),
+            })
+            .collect(),
+        tool_calls_dropped: reply.tool_calls_dropped,
     }
 }
 
@@ -44,26 +67,49 @@ impl GatewayApi for GatewayService {
                 )));
             }
         };
-        let limit = if r.limit == 0 { 20 } else { r.limit as usize };
-        let found = self
+        let request = SearchRequest {
+            query: &r.query,
+            server_filter: &r.server_filter,
+            full,
+            limit: (r.limit > 0).then_some(r.limit as usize),
+        };
+        let reply = self
             .gateway
-            .search(&r.query, &r.server_filter, full, limit)
+            .search
+            .search(&request)
             .await
-            .map_err(Status::not_found)?;
-        let tools = found
-            .into_iter()
+            .map_err(|e| e.status())?;
+        let text =
+            |v: &serde_json::Value, key: &str| v[key].as_str().unwrap_or_default().to_owned();
+        let json = |v: &serde_json::Value, key: &str| {
+            v.get(key)
+                .filter(|s| !s.is_null())
+                .map(|s| s.to_string())
+                .unwrap_or_default()
+        };
+        let tools = reply
+            .tools
+            .iter()
             .map(|t| UpstreamTool {
-                server: t["server"].as_str().unwrap_or_default().to_owned(),
-                name: t["name"].as_str().unwrap_or_default().to_owned(),
-                description: t["description"].as_str().unwrap_or_default().to_owned(),
-                input_schema_json: t
-                    .get("input_schema")
-                    .map(|s| s.to_string())
-                    .unwrap_or_default(),
-                python_signature: t["signature"].as_str().unwrap_or_default().to_owned(),
+                server: text(t, "server"),
+                name: text(t, "name"),
+                description: text(t, "description"),
+                input_schema_json: json(t, "input_schema"),
+                python_signature: text(t, "signature"),
+                import_path: text(t, "import"),
+                output_schema_json: json(t, "output_schema"),
+                title: text(t, "title"),
             })
             .collect();
-        Ok(Response::new(SearchToolsResponse { tools }))
+        Ok(Response::new(SearchToolsResponse {
+            tools,
+            ranking: reply.ranking.as_str().to_owned(),
+            unavailable_servers: reply
+                .unavailable
+                .into_iter()
+                .map(|(server, error)| UnavailableServer { server, error })
+                .collect(),
+        }))
     }
 
     async fn execute_code(

@@ -48,6 +48,11 @@ pub struct ToolSpec {
     pub name: String,
     pub description: String,
     pub input_schema: Value,
+    /// Shown by search only; the sandbox's modules need none of these.
+    #[serde(skip)]
+    pub title: String,
+    #[serde(skip)]
+    pub output_schema: Option<Value>,
 }
 
 /// What sandboxed code can reach: the gateway's upstream tools.

@@ -9,27 +9,39 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use rmcp::model::{CallToolRequestParams, CallToolResult, MetaObject, RequestMetaObject};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResult, MetaObject, RequestMetaObject, ServerNotification,
+    SubscriptionFilter,
+};
 use rmcp::service::{NotificationContext, RunningService};
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use rmcp::{ClientHandler, Peer, RoleClient, ServiceExt as _};
 use serde_json::Value;
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, Notify};
 
 use crate::config::{ServerConfig, Timing};
 use crate::sandbox::ToolSpec;
 
 type Session = RunningService<RoleClient, Listener>;
 
-/// Hears the server's notifications: a changed tool list drops the cached one.
-#[derive(Clone, Default)]
+/// Hears the server's notifications: a changed tool list drops the cached one and wakes the
+/// search index.
+#[derive(Clone)]
 struct Listener {
     tools_changed: Arc<AtomicU64>,
+    wake: Arc<Notify>,
+}
+
+impl Listener {
+    fn tools_changed(&self) {
+        self.tools_changed.fetch_add(1, Ordering::Relaxed);
+        self.wake.notify_one();
+    }
 }
 
 impl ClientHandler for Listener {
     async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
-        self.tools_changed.fetch_add(1, Ordering::Relaxed);
+        self.tools_changed();
     }
 }
 
@@ -59,14 +71,18 @@ enum CallError {
 }
 
 impl McpServer {
-    pub fn new(name: String, config: ServerConfig, timing: Timing) -> Self {
+    /// `changed` is woken when the server's tools may have changed.
+    pub fn new(name: String, config: ServerConfig, timing: Timing, changed: Arc<Notify>) -> Self {
         Self {
             name,
             config,
             timing,
             session: Mutex::new(None),
             connecting: Mutex::new(()),
-            listener: Listener::default(),
+            listener: Listener {
+                tools_changed: Arc::default(),
+                wake: changed,
+            },
             listing: Mutex::new(None),
         }
     }
@@ -138,10 +154,40 @@ impl McpServer {
         }
         let session = self.connect().await?;
         let peer = session.peer().clone();
+        self.listen_for_tool_changes(&peer);
         *self.session.lock().await = Some(session);
         // A new session may see other tools.
         self.listing.lock().await.take();
+        self.listener.wake.notify_one();
         Ok(peer)
+    }
+
+    /// On connections of protocol 2026-07-28 and later a server sends `tools/list_changed` only
+    /// on a `subscriptions/listen` stream that asked for it: ask, and hear it there for as long
+    /// as the session lives. Servers on earlier versions refuse, and send it unasked (heard by
+    /// [`Listener`]).
+    fn listen_for_tool_changes(&self, peer: &Peer<RoleClient>) {
+        let (peer, listener, deadline) = (peer.clone(), self.listener.clone(), self.timing.call);
+        let name = self.name.clone();
+        tokio::spawn(async move {
+            let filter = SubscriptionFilter::builder().tools_list_changed().build();
+            let mut subscription = match tokio::time::timeout(deadline, peer.listen(filter)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tracing::debug!(server = %name, "no subscriptions/listen ({e}); relying on unasked notifications");
+                    return;
+                }
+                Err(_) => return,
+            };
+            while let Ok(Some(notification)) = subscription.next().await {
+                if matches!(
+                    notification,
+                    ServerNotification::ToolListChangedNotification(_)
+                ) {
+                    listener.tools_changed();
+                }
+            }
+        });
     }
 
     /// Runs `f` on a live session; when the session itself fails, opens a new one and tries once
@@ -192,6 +238,15 @@ impl McpServer {
             .await?
             .into_iter()
             .map(|t| ToolSpec {
+                title: t
+                    .title
+                    .clone()
+                    .or_else(|| t.annotations.as_ref().and_then(|a| a.title.clone()))
+                    .unwrap_or_default(),
+                output_schema: t
+                    .output_schema
+                    .as_ref()
+                    .map(|s| Value::Object((**s).clone())),
                 name: t.name.to_string(),
                 description: t.description.map(|d| d.to_string()).unwrap_or_default(),
                 input_schema: Value::Object((*t.input_schema).clone()),
@@ -203,6 +258,14 @@ impl McpServer {
             tools: tools.clone(),
         });
         Ok(tools)
+    }
+
+    /// Whether the last listing, however old, has `tool`; never lists.
+    pub async fn listed(&self, tool: &str) -> bool {
+        let listing = self.listing.lock().await;
+        listing
+            .as_ref()
+            .is_some_and(|l| l.tools.iter().any(|t| t.name == tool))
     }
 
     /// Calls `tool` with `arguments`, carrying `trace` (`traceparent`, `tracestate`, `baggage`)

@@ -6,8 +6,10 @@ pub mod mcp;
 pub mod nomad;
 pub mod nomad_json;
 pub mod policy;
+pub mod record;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 use nomad_telemetry::metrics as defs;
@@ -15,6 +17,7 @@ use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
 use opentelemetry::metrics::{Counter, Histogram};
 use opentelemetry::trace::FutureExt as _;
 use serde_json::Value;
+use tokio::sync::Notify;
 
 use self::policy::Policy;
 use crate::sandbox::{ToolHost, ToolSpec};
@@ -23,6 +26,8 @@ pub struct Upstreams {
     nomad: nomad::Nomad,
     servers: BTreeMap<String, mcp::McpServer>,
     policy: Policy,
+    /// Woken when a server's tools may have changed (a new session, a list_changed notice).
+    changed: Arc<Notify>,
     calls: Counter<u64>,
     duration: Histogram<f64>,
 }
@@ -32,11 +37,13 @@ impl Upstreams {
         nomad: nomad::Nomad,
         servers: BTreeMap<String, mcp::McpServer>,
         policy: Policy,
+        changed: Arc<Notify>,
     ) -> Self {
         Self {
             nomad,
             servers,
             policy,
+            changed,
             calls: defs::GATEWAY_UPSTREAM_TOOL_CALLS.u64_counter(),
             duration: defs::GATEWAY_UPSTREAM_TOOL_DURATION.f64_histogram(),
         }
@@ -64,6 +71,32 @@ impl Upstreams {
             .collect())
     }
 
+    /// Woken when a server's tools may have changed.
+    pub fn changed(&self) -> Arc<Notify> {
+        self.changed.clone()
+    }
+
+    /// The gateway's own call (search's embeddings): no allowlist, span or call metrics, which
+    /// are for what sandboxed code calls.
+    pub async fn call_unrecorded(
+        &self,
+        server: &str,
+        tool: &str,
+        arguments: &Value,
+    ) -> Result<Value, String> {
+        if server == nomad::NAME {
+            return self
+                .nomad
+                .call(tool, arguments)
+                .await
+                .map_err(|s| s.message().to_owned());
+        }
+        match self.servers.get(server) {
+            Some(upstream) => upstream.call(tool, arguments, &HashMap::new()).await,
+            None => Err(self.unknown_server(server)),
+        }
+    }
+
     fn unknown_server(&self, server: &str) -> String {
         format!(
             "unknown upstream server {server:?}; configured: {}",
@@ -72,17 +105,22 @@ impl Upstreams {
     }
 
     /// The names to record for a call: the server and tool as given when they exist (the
-    /// tool in the server's kept listing), else `unknown`, so names sandboxed code makes up never
-    /// become attribute values.
+    /// tool in the server's last listing; this never lists), else `unknown`, so names
+    /// sandboxed code makes up never become attribute values.
     async fn labels(&self, server: &str, tool: &str) -> (String, String) {
         const UNKNOWN: &str = "unknown";
         if !self.server_names().iter().any(|s| s == server) {
             return (UNKNOWN.into(), UNKNOWN.into());
         }
-        let known = match self.tools(server).await {
-            Ok(tools) => tools.iter().any(|t| t.name == tool),
-            Err(_) => false,
+        let listed = if server == nomad::NAME {
+            self.nomad.listed(tool).await
+        } else {
+            match self.servers.get(server) {
+                Some(s) => s.listed(tool).await,
+                None => false,
+            }
         };
+        let known = listed && self.policy.allows(server, tool);
         let tool = if known { tool } else { UNKNOWN };
         (server.to_owned(), tool.to_owned())
     }
@@ -173,10 +211,12 @@ fn clip(text: &str) -> std::borrow::Cow<'_, str> {
     format!("{}… ({} bytes in all)", &text[..end], text.len()).into()
 }
 
-/// The tool host one sandboxed run sees: every call runs in that run's context.
+/// The tool host one sandboxed run sees: every call runs in that run's context, and is logged
+/// for the caller when it asked.
 pub struct RunTools<'a> {
     pub upstreams: &'a Upstreams,
     pub cx: Context,
+    pub log: Option<&'a record::CallLog>,
 }
 
 impl ToolHost for RunTools<'_> {
@@ -189,9 +229,15 @@ impl ToolHost for RunTools<'_> {
     }
 
     async fn call(&self, server: &str, tool: &str, arguments: Value) -> Result<Value, String> {
-        self.upstreams
+        let started = Instant::now();
+        let result = self
+            .upstreams
             .call(&self.cx, server, tool, &arguments)
             .await
-            .map_err(|s| s.message().to_owned())
+            .map_err(|s| s.message().to_owned());
+        if let Some(log) = self.log {
+            log.record(server, tool, started, &arguments, &result);
+        }
+        result
     }
 }

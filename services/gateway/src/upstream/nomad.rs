@@ -103,6 +103,14 @@ impl Nomad {
         Ok(tools)
     }
 
+    /// Whether the last listing, however old, has `tool`; never lists.
+    pub async fn listed(&self, tool: &str) -> bool {
+        let listing = self.listing.lock().await;
+        listing
+            .as_ref()
+            .is_some_and(|(_, tools)| tools.iter().any(|t| t.name == tool))
+    }
+
     async fn list(&self) -> Result<Vec<ToolSpec>, String> {
         let listed = self
             .scheduler
@@ -121,6 +129,8 @@ impl Nomad {
                     t.description
                 },
                 input_schema: input_schema(&t.kind),
+                title: String::new(),
+                output_schema: None,
                 name: t.name,
             })
             .collect())

@@ -18,12 +18,12 @@ pub fn default_config(models: &Path) -> String {
          \x20 - name: embed\n\
          \x20   kind: embed\n\
          \x20   source: {}\n\
-         \x20   description: Sentence embedding (all-MiniLM-L6-v2, 384 dimensions, unit length).\n\
+         \x20   description: Sentence embedding of a text as a 384-dimension unit vector (all-MiniLM-L6-v2), for semantic search and similarity.\n\
          \x20   batch_size: 16\n\
          \x20 - name: generate\n\
          \x20   kind: generate\n\
          \x20   source: {}\n\
-         \x20   description: A short chat answer from SmolLM2-135M-Instruct.\n\
+         \x20   description: A short chat answer from a small language model (SmolLM2-135M-Instruct).\n\
          \x20   max_running: 8\n",
         models.join(DEFAULT_MODELS[0]).display(),
         models.join(DEFAULT_MODELS[1]).display(),
