@@ -13,9 +13,10 @@ use nomad_proto::v1::{
     ExecuteCodeRequest, GatewayCallToolRequest, SearchToolsRequest, SearchToolsResponse,
 };
 
-/// Recall@5 the hybrid ranking keeps on `data/tool-queries.json` (measured 0.00 with today's
-/// lexical ranking alone; see BENCHMARKS.md, "Tool search").
-const MIN_RECALL_AT_5: f64 = 0.90;
+/// Recall@5 the hybrid ranking keeps on `data/tool-queries.json`: measured 0.953 (BM25 with
+/// name tiers alone 0.828, the former substring search 0.094; BENCHMARKS.md, "Tool search"),
+/// with room for one more miss on another machine's arithmetic.
+const MIN_RECALL_AT_5: f64 = 0.93;
 
 type Gateway = GatewayClient<nomad_rpc::Channel>;
 
@@ -190,6 +191,7 @@ async fn a_tool_added_upstream_is_found_without_a_restart_and_calls_are_recorded
              \x20 echo_http: {{url: \"{url}\"}}\n\
              gateway:\n\
              \x20 tools_ttl_seconds: 3600\n\
+             \x20 search: {{embed_tool: \"\"}}\n\
              \x20 record_tool_calls: true\n\
              \x20 record_tool_call_payloads: true\n",
             python = python_sdk().display(),
@@ -204,6 +206,7 @@ async fn a_tool_added_upstream_is_found_without_a_restart_and_calls_are_recorded
 
     let reply = search(&mut gateway, "shout", 10).await;
     assert!(reply.unavailable_servers.is_empty(), "{reply:?}");
+    assert_eq!(reply.ranking, "lexical", "no embedding tool configured");
     assert!(
         reply
             .tools
@@ -211,8 +214,8 @@ async fn a_tool_added_upstream_is_found_without_a_restart_and_calls_are_recorded
             .any(|t| t.server == "echo_stdio" && t.name == "shout")
     );
 
-    // Each upstream adds a tool and says so; with an hour's listing TTL and every server listed
-    // (no retry pending), only that notice can bring the tool into the index.
+    // Each upstream adds a tool and says so; with an hour's listing TTL, every server listed and
+    // nothing to embed (no retry pending), only that notice can bring the tool into the index.
     for (server, tool) in [
         ("echo_stdio", "zebra_counter"),
         ("echo_http", "heron_counter"),

@@ -235,21 +235,17 @@ async fn main() -> anyhow::Result<()> {
         .collect();
     let rrf = |k| Fusion::ReciprocalRank { k };
     let weighted = |lexical| Fusion::Weighted { lexical };
-    let rows: Vec<(String, Vec<Vec<String>>)> = vec![
+    let mut rows: Vec<(String, Vec<Vec<String>>)> = vec![
         ("substring (previous)".into(), substring),
         ("BM25 + name tiers".into(), rank(false, rrf(10.0))),
         ("embedding only".into(), rank(true, weighted(0.0))),
-        ("hybrid, RRF k=10".into(), rank(true, rrf(10.0))),
-        ("hybrid, RRF k=60".into(), rank(true, rrf(60.0))),
-        (
-            "hybrid, weighted 0.3 BM25".into(),
-            rank(true, weighted(0.3)),
-        ),
-        (
-            "hybrid, weighted 0.5 BM25".into(),
-            rank(true, weighted(0.5)),
-        ),
     ];
+    for k in [2.0, 10.0, 60.0] {
+        rows.push((format!("hybrid, RRF k={k}"), rank(true, rrf(k))));
+    }
+    for w in [0.1, 0.2, 0.3, 0.5] {
+        rows.push((format!("hybrid, weighted {w} BM25"), rank(true, weighted(w))));
+    }
     println!("\n| ranking | recall@1 | recall@5 | MRR@5 |\n|---|---|---|---|");
     for (name, ranked) in &rows {
         let q = quality(ranked, &wanted);

@@ -30,7 +30,7 @@ pub struct GatewayConfig {
     /// sends `notifications/tools/list_changed` is asked at once).
     pub tools_ttl_seconds: f64,
     /// `search_code_tools`: the embedding tool that ranks by meaning.
-    pub search: crate::search::SearchConfig,
+    pub search: SearchConfig,
     /// Return each sandboxed run's tool calls (server, tool, status, start offset, duration).
     pub record_tool_calls: bool,
     /// With `record_tool_calls`: also their arguments, outputs and errors.
@@ -77,6 +77,27 @@ impl GatewayConfig {
             )?,
             tools_ttl: nomad_config::seconds("gateway.tools_ttl_seconds", self.tools_ttl_seconds)?,
         })
+    }
+}
+
+/// `gateway.search`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SearchConfig {
+    /// `server:tool` that embeds text for ranking by meaning: called with `{"text": ...}`
+    /// (plus `"truncate": true` when its schema takes it), answering `{"output": [numbers]}` as
+    /// the `embed` kind does. Empty: rank lexically only.
+    pub embed_tool: String,
+    /// How long embedding one query may take before the search ranks lexically.
+    pub embed_timeout_seconds: f64,
+}
+
+impl Default for SearchConfig {
+    fn default() -> Self {
+        Self {
+            embed_tool: "nomad:embed".into(),
+            embed_timeout_seconds: 2.0,
+        }
     }
 }
 

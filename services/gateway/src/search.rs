@@ -10,34 +10,13 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use nomad_tool_search::{DEFAULT_FUSION, Index, Query, Ranking, ToolDoc};
-use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
+use crate::config::SearchConfig;
 use crate::sandbox::ToolSpec;
 use crate::schema;
 use crate::upstream::Upstreams;
-
-/// `gateway.search`.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct SearchConfig {
-    /// `server:tool` that embeds text for ranking by meaning: called with `{"text": ...}`
-    /// (plus `"truncate": true` when its schema takes it), answering `{"output": [numbers]}` as
-    /// the `embed` kind does. Empty: rank lexically only.
-    pub embed_tool: String,
-    /// How long embedding one query may take before the search ranks lexically.
-    pub embed_timeout_seconds: f64,
-}
-
-impl Default for SearchConfig {
-    fn default() -> Self {
-        Self {
-            embed_tool: "nomad:embed".into(),
-            embed_timeout_seconds: 2.0,
-        }
-    }
-}
 
 /// Tools a catalog holds at most; the rest are left out with a warning.
 const MAX_TOOLS: usize = 20_000;
