@@ -244,7 +244,10 @@ async fn main() -> anyhow::Result<()> {
         rows.push((format!("hybrid, RRF k={k}"), rank(true, rrf(k))));
     }
     for w in [0.1, 0.2, 0.3, 0.5] {
-        rows.push((format!("hybrid, weighted {w} BM25"), rank(true, weighted(w))));
+        rows.push((
+            format!("hybrid, weighted {w} BM25"),
+            rank(true, weighted(w)),
+        ));
     }
     println!("\n| ranking | recall@1 | recall@5 | MRR@5 |\n|---|---|---|---|");
     for (name, ranked) in &rows {
@@ -287,9 +290,10 @@ async fn main() -> anyhow::Result<()> {
             totals.push(t2 - t0);
         }
     }
-    // End to end through the gateway on the real catalog.
-    let mut e2e = Vec::new();
-    for _ in 0..rounds {
+    // End to end through the gateway on the real catalog: each query's first search embeds it,
+    // later ones find its embedding kept.
+    let (mut first, mut repeated) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
         for q in &queries {
             let t0 = Instant::now();
             gateway
@@ -298,7 +302,12 @@ async fn main() -> anyhow::Result<()> {
                     ..Default::default()
                 })
                 .await?;
-            e2e.push(t0.elapsed());
+            if round == 0 {
+                &mut first
+            } else {
+                &mut repeated
+            }
+            .push(t0.elapsed());
         }
     }
     println!(
@@ -306,10 +315,7 @@ async fn main() -> anyhow::Result<()> {
         ms(built),
         embedded.as_secs_f64()
     );
-    println!(
-        "\n| search ({} queries) | p50 ms | p99 ms |\n|---|---|---|",
-        totals.len()
-    );
+    println!("\n| search | searches | p50 ms | p99 ms |\n|---|---|---|---|");
     for (name, times) in [
         ("query embedding (scheduler CallTool)", &mut embed_times),
         (
@@ -317,11 +323,22 @@ async fn main() -> anyhow::Result<()> {
             &mut rank_times,
         ),
         ("both: search at 1,000 tools", &mut totals),
-        ("gateway SearchTools end to end, real catalog", &mut e2e),
+        (
+            "gateway SearchTools, real catalog, a query's first search",
+            &mut first,
+        ),
+        (
+            "gateway SearchTools, real catalog, repeated queries",
+            &mut repeated,
+        ),
     ] {
+        if times.is_empty() {
+            continue;
+        }
         times.sort();
         println!(
-            "| {name} | {} | {} |",
+            "| {name} | {} | {} | {} |",
+            times.len(),
             ms(percentile(times, 0.5)),
             ms(percentile(times, 0.99))
         );

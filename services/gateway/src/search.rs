@@ -5,10 +5,12 @@
 //! there is one).
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt as _;
+use lru::LruCache;
 use nomad_tool_search::{DEFAULT_FUSION, Index, Query, Ranking, ToolDoc};
 use serde_json::{Value, json};
 use tokio::sync::watch;
@@ -84,7 +86,13 @@ struct Catalog {
     /// (server, tool) in the index's order.
     tools: Vec<(String, ToolSpec)>,
     unavailable: Vec<(String, String)>,
+    /// Query embeddings already made for this index: rollouts repeat their searches (many
+    /// samples of one task), and a repeated query then costs no model call.
+    queries: Mutex<LruCache<String, Arc<Vec<f32>>>>,
 }
+
+/// Query embeddings one index keeps (about 6 MiB of 384-dimension vectors and their texts).
+const CACHED_QUERIES: NonZeroUsize = NonZeroUsize::new(4096).expect("not zero");
 
 /// The embedding tool, as `server` and `tool`.
 #[derive(Clone)]
@@ -169,15 +177,31 @@ impl ToolSearch {
                     .iter()
                     .find(|(s, t)| *s == e.server && t.name == e.tool)
                     .map(|(_, t)| t);
-                match spec {
-                    Some(spec) => match embed(&self.upstreams, e, spec, request.query).await {
-                        Ok(v) => Some(v),
-                        Err(err) => {
-                            tracing::info!("embedding the query failed, ranking lexically: {err}");
-                            None
+                let cached = catalog
+                    .queries
+                    .lock()
+                    .expect("query cache lock")
+                    .get(request.query)
+                    .cloned();
+                match (cached, spec) {
+                    (Some(v), _) => Some(v),
+                    (None, Some(spec)) => {
+                        match embed(&self.upstreams, e, spec, request.query).await {
+                            Ok(v) => {
+                                let v = Arc::new(v);
+                                let mut queries = catalog.queries.lock().expect("query cache lock");
+                                queries.put(request.query.to_owned(), v.clone());
+                                Some(v)
+                            }
+                            Err(err) => {
+                                tracing::info!(
+                                    "embedding the query failed, ranking lexically: {err}"
+                                );
+                                None
+                            }
                         }
-                    },
-                    None => None,
+                    }
+                    (None, None) => None,
                 }
             }
             _ => None,
@@ -191,7 +215,7 @@ impl ToolSearch {
             .index
             .search(&Query {
                 text: request.query,
-                embedding: embedding.as_deref(),
+                embedding: embedding.as_deref().map(Vec::as_slice),
                 server: filter,
                 limit,
                 fusion: DEFAULT_FUSION,
@@ -395,6 +419,7 @@ impl Indexer {
                 index,
                 tools: tools.to_vec(),
                 unavailable: unavailable.to_vec(),
+                queries: Mutex::new(LruCache::new(CACHED_QUERIES)),
             })
         };
         let lexical = match Index::build(docs.to_vec()) {
