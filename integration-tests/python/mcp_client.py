@@ -4,8 +4,10 @@
     mcp_client.py stdio MODE COMMAND [ARGS...] < calls.json    (spawns a stdio server)
 
 MODE is `auto` (newest protocol, falling back to the initialize handshake) or `legacy`
-(the initialize handshake). calls.json is a list of {"tool", "arguments", "meta"?}. Prints one
-JSON line per call: {"is_error", "structured", "text"} or {"exception": "..."}.
+(the initialize handshake). calls.json is a list of {"tool", "arguments", "meta"?,
+"progress"?}. Prints one JSON line per call: {"is_error", "structured", "text"} (and, for a call
+with "progress": true, "progress": the [progress, message] pairs the server sent) or
+{"exception": "..."}.
 """
 
 import asyncio
@@ -29,9 +31,22 @@ async def main():
         async with Client(transport, mode=mode) as client:
             for call in calls:
                 try:
-                    result = await client.call_tool(call["tool"], call.get("arguments") or {}, meta=call.get("meta"))
+                    notes = []
+
+                    async def on_progress(progress, total, message):
+                        notes.append([progress, message])
+
+                    result = await client.call_tool(
+                        call["tool"],
+                        call.get("arguments") or {},
+                        progress_callback=on_progress if call.get("progress") else None,
+                        meta=call.get("meta"),
+                    )
                     text = "".join(getattr(c, "text", "") for c in result.content)
-                    print(json.dumps({"is_error": bool(result.is_error), "structured": result.structured_content, "text": text}))
+                    reply = {"is_error": bool(result.is_error), "structured": result.structured_content, "text": text}
+                    if call.get("progress"):
+                        reply["progress"] = notes
+                    print(json.dumps(reply))
                 except Exception as e:  # noqa: BLE001
                     print(json.dumps({"exception": repr(e)}))
                 sys.stdout.flush()

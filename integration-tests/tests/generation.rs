@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use nomad_integration_tests::fleet::models_dir;
+use nomad_integration_tests::peers::mcp_client;
 use nomad_integration_tests::{Fleet, FleetOptions};
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{
@@ -166,5 +167,46 @@ async fn a_worker_killed_mid_decode_has_its_running_requests_served_by_the_other
         assert_eq!(answer(&call(&client, p, 48).await.unwrap()), answers[i]);
     }
     fleet.reap_killed().await;
+    fleet.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mcp_caller_asking_for_progress_gets_the_text_as_it_is_generated() {
+    let mut fleet = Fleet::start(FleetOptions {
+        tools_yaml: Some(tools(4, 1)),
+        ..Default::default()
+    })
+    .await;
+    let code = "from mcp_tools.nomad import generate\n\
+                RESULT = generate(text='Why is the sky blue? Answer in one sentence.', max_tokens=24)['text']\n";
+    // The same run on the newest protocol and on the initialize handshake, and once without
+    // a progress token.
+    let call = |progress: bool| json!({"tool": "execute_mcp_code", "arguments": {"code": code}, "progress": progress});
+    for mode in ["auto", "legacy"] {
+        let replies = mcp_client(
+            &fleet.gateway_mcp_url(),
+            mode,
+            None,
+            &json!([call(true), call(false)]),
+        )
+        .await;
+        let streamed = &replies[0];
+        assert_eq!(streamed["is_error"], false, "{mode}: {streamed}");
+        let answer = streamed["structured"]["result"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let notes = streamed["progress"].as_array().unwrap();
+        assert!(notes.len() >= 2, "{mode}: {notes:?}");
+        // Progress counts pieces; the pieces, in order, are the answer.
+        let counts: Vec<f64> = notes.iter().map(|n| n[0].as_f64().unwrap()).collect();
+        assert!(counts.windows(2).all(|w| w[0] < w[1]), "{mode}: {counts:?}");
+        let text: String = notes.iter().map(|n| n[1].as_str().unwrap()).collect();
+        assert_eq!(text, answer, "{mode}");
+        // Without a token: the same greedy answer, no notifications.
+        let plain = &replies[1];
+        assert_eq!(plain["structured"]["result"], answer.as_str(), "{mode}");
+        assert!(plain.get("progress").is_none());
+    }
     fleet.terminate().await;
 }

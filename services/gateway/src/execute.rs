@@ -16,7 +16,7 @@ use crate::config::GatewayConfig;
 use crate::sandbox::{Outcome, Rejected, Sandbox, Source};
 use crate::search::ToolSearch;
 use crate::upstream::record::CallLog;
-use crate::upstream::{RunTools, Upstreams};
+use crate::upstream::{Progress, RunTools, Upstreams};
 
 /// The reply to `execute_mcp_code` / `execute_mcp_script`.
 #[derive(Debug, Clone)]
@@ -136,15 +136,24 @@ impl Gateway {
         }
     }
 
+    /// Runs `code`; with `progress`, text the `nomad` tools make is offered there as it comes.
     pub async fn execute_code(
         &self,
         code: String,
         env: BTreeMap<String, String>,
         cx: &Context,
+        progress: Option<Progress>,
     ) -> Result<ExecuteReply, ExecuteError> {
         let size = code.len();
-        self.execute("execute_mcp_code", Source::Code(code), size, env, cx)
-            .await
+        self.execute(
+            "execute_mcp_code",
+            Source::Code(code),
+            size,
+            env,
+            cx,
+            progress,
+        )
+        .await
     }
 
     pub async fn execute_script(
@@ -152,6 +161,7 @@ impl Gateway {
         script_path: &str,
         env: BTreeMap<String, String>,
         cx: &Context,
+        progress: Option<Progress>,
     ) -> Result<ExecuteReply, ExecuteError> {
         let path = self.resolve_script(script_path);
         let path = match path {
@@ -165,8 +175,15 @@ impl Gateway {
             }
         };
         let size = std::fs::metadata(&path).map_or(0, |m| m.len() as usize);
-        self.execute("execute_mcp_script", Source::Script(path), size, env, cx)
-            .await
+        self.execute(
+            "execute_mcp_script",
+            Source::Script(path),
+            size,
+            env,
+            cx,
+            progress,
+        )
+        .await
     }
 
     async fn execute(
@@ -176,6 +193,7 @@ impl Gateway {
         code_size: usize,
         env: BTreeMap<String, String>,
         cx: &Context,
+        progress: Option<Progress>,
     ) -> Result<ExecuteReply, ExecuteError> {
         let started = Instant::now();
         self.requests.add(1, &[KeyValue::new("request.kind", kind)]);
@@ -202,6 +220,7 @@ impl Gateway {
             upstreams: &self.upstreams,
             cx: run_cx,
             log: log.as_ref(),
+            progress,
         };
         let ran = self.sandbox.run(source, &env, &trace, &tools).await;
         drop(tools);
@@ -278,7 +297,7 @@ impl Gateway {
         let started = Instant::now();
         let kind = KeyValue::new("request.kind", "call_tool");
         self.requests.add(1, std::slice::from_ref(&kind));
-        let result = self.upstreams.call(cx, server, tool, arguments).await;
+        let result = self.upstreams.call(cx, server, tool, arguments, None).await;
         let status = if result.is_ok() { "ok" } else { "error" };
         self.request_duration.record(
             started.elapsed().as_secs_f64(),

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ListToolsResult,
-    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+    PaginatedRequestParams, ProgressNotificationParam, ProgressToken, ServerCapabilities,
+    ServerConfig, Tool,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -55,7 +56,9 @@ fn tools() -> Vec<Tool> {
             "execute_mcp_code",
             "Run Python in a sandbox. Call tools as `from mcp_tools.<server> import <tool>` \
              (sync, or `<tool>_async` to await). Set `RESULT` to what you want back (JSON). \
-             Returns result, stdout, stderr, returncode, duration_seconds, status and error.",
+             Returns result, stdout, stderr, returncode, duration_seconds, status and error. \
+             With a progress token, text the `nomad` tools generate arrives as progress \
+             notifications as it is made.",
             schema(json!({
                 "type": "object",
                 "properties": {"code": {"type": "string"}, "env": env},
@@ -112,6 +115,28 @@ fn complete(value: Value, failed: bool) -> CallToolResponse {
     } else {
         CallToolResult::structured(value)
     })
+}
+
+/// Pieces of streamed text waiting to become progress notifications; more are dropped (the
+/// answer holds all of the text anyway).
+const PROGRESS_BUFFER: usize = 256;
+
+/// Sends each piece of text a run's tools stream as a `notifications/progress` for `token`
+/// (progress = pieces so far, message = the text), until the run ends.
+async fn forward_progress(
+    mut texts: tokio::sync::mpsc::Receiver<String>,
+    peer: rmcp::Peer<RoleServer>,
+    token: ProgressToken,
+) {
+    let mut pieces = 0u64;
+    while let Some(text) = texts.recv().await {
+        pieces += 1;
+        let note = ProgressNotificationParam::new(token.clone(), pieces as f64).with_message(text);
+        if peer.notify_progress(note).await.is_err() {
+            // The client went away; the run still finishes and is recorded.
+            return;
+        }
+    }
 }
 
 impl ServerHandler for McpFrontEnd {
@@ -180,19 +205,43 @@ impl ServerHandler for McpFrontEnd {
                     Err(e) => Ok(complete(json!({ "error": e.to_string() }), true)),
                 }
             }
-            "execute_mcp_code" => {
-                let code = string(&args, "code")?
-                    .filter(|c| !c.trim().is_empty())
-                    .ok_or_else(|| McpError::invalid_params("`code` is required", None))?;
-                match self.gateway.execute_code(code, env(&args)?, &cx).await {
-                    Ok(reply) => Ok(complete(reply.to_json(), !reply.error.is_empty())),
-                    Err(e) => Ok(complete(json!({ "error": e.to_string() }), true)),
+            "execute_mcp_code" | "execute_mcp_script" => {
+                let token = request
+                    .meta
+                    .as_ref()
+                    .and_then(|m| m.get_progress_token())
+                    .or_else(|| context.meta.get_progress_token());
+                let (progress, forwarding) = match token {
+                    Some(token) => {
+                        let (tx, rx) = tokio::sync::mpsc::channel(PROGRESS_BUFFER);
+                        (
+                            Some(tx),
+                            Some(tokio::spawn(forward_progress(
+                                rx,
+                                context.peer.clone(),
+                                token,
+                            ))),
+                        )
+                    }
+                    None => (None, None),
+                };
+                let env = env(&args)?;
+                let ran = if request.name == "execute_mcp_code" {
+                    let code = string(&args, "code")?
+                        .filter(|c| !c.trim().is_empty())
+                        .ok_or_else(|| McpError::invalid_params("`code` is required", None))?;
+                    self.gateway.execute_code(code, env, &cx, progress).await
+                } else {
+                    let path = string(&args, "script_path")?.ok_or_else(|| {
+                        McpError::invalid_params("`script_path` is required", None)
+                    })?;
+                    self.gateway.execute_script(&path, env, &cx, progress).await
+                };
+                // Every progress notification goes out before the answer.
+                if let Some(forwarding) = forwarding {
+                    let _ = forwarding.await;
                 }
-            }
-            "execute_mcp_script" => {
-                let path = string(&args, "script_path")?
-                    .ok_or_else(|| McpError::invalid_params("`script_path` is required", None))?;
-                match self.gateway.execute_script(&path, env(&args)?, &cx).await {
+                match ran {
                     Ok(reply) => Ok(complete(reply.to_json(), !reply.error.is_empty())),
                     Err(e) => Ok(complete(json!({ "error": e.to_string() }), true)),
                 }

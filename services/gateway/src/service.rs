@@ -122,7 +122,7 @@ impl GatewayApi for GatewayService {
         }
         let reply = self
             .gateway
-            .execute_code(code, env.into_iter().collect(), &Context::current())
+            .execute_code(code, env.into_iter().collect(), &Context::current(), None)
             .await
             .map_err(|e| e.status())?;
         Ok(Response::new(response(reply)))
@@ -135,7 +135,12 @@ impl GatewayApi for GatewayService {
         let ExecuteScriptRequest { script_path, env } = request.into_inner();
         let reply = self
             .gateway
-            .execute_script(&script_path, env.into_iter().collect(), &Context::current())
+            .execute_script(
+                &script_path,
+                env.into_iter().collect(),
+                &Context::current(),
+                None,
+            )
             .await
             .map_err(|e| e.status())?;
         Ok(Response::new(response(reply)))

@@ -87,7 +87,7 @@ impl Upstreams {
         if server == nomad::NAME {
             return self
                 .nomad
-                .call(tool, arguments)
+                .call(tool, arguments, None)
                 .await
                 .map_err(|s| s.message().to_owned());
         }
@@ -125,13 +125,15 @@ impl Upstreams {
         (server.to_owned(), tool.to_owned())
     }
 
-    /// Calls `server.tool` in context `cx`, recording the span and metrics.
+    /// Calls `server.tool` in context `cx`, recording the span and metrics. With `progress`,
+    /// text a `nomad` tool makes is offered there as it comes (see [`nomad::Nomad::call`]).
     pub async fn call(
         &self,
         cx: &Context,
         server: &str,
         tool: &str,
         arguments: &Value,
+        progress: Option<&Progress>,
     ) -> Result<Value, tonic::Status> {
         let (server_label, tool_label) = self.labels(server, tool).await;
         let span = GroupSpan::start(SpanGroup::Upstream, "nomad.gateway.upstream_tool", cx);
@@ -141,7 +143,7 @@ impl Upstreams {
         ]);
         let started = Instant::now();
         let result = self
-            .dispatch(span.context(), server, tool, arguments)
+            .dispatch(span.context(), server, tool, arguments, progress)
             .with_context(span.context().clone())
             .await;
         let status = if result.is_ok() { "ok" } else { "error" };
@@ -176,6 +178,7 @@ impl Upstreams {
         server: &str,
         tool: &str,
         arguments: &Value,
+        progress: Option<&Progress>,
     ) -> Result<Value, tonic::Status> {
         if !self.policy.allows(server, tool) {
             return Err(tonic::Status::permission_denied(format!(
@@ -183,7 +186,7 @@ impl Upstreams {
             )));
         }
         if server == nomad::NAME {
-            return self.nomad.call(tool, arguments).await;
+            return self.nomad.call(tool, arguments, progress).await;
         }
         let Some(upstream) = self.servers.get(server) else {
             return Err(tonic::Status::not_found(self.unknown_server(server)));
@@ -211,12 +214,17 @@ fn clip(text: &str) -> std::borrow::Cow<'_, str> {
     format!("{}… ({} bytes in all)", &text[..end], text.len()).into()
 }
 
-/// The tool host one sandboxed run sees: every call runs in that run's context, and is logged
-/// for the caller when it asked.
+/// Where a run's streamed tool text goes as it is made (the MCP caller's progress
+/// notifications); bounded, and text that does not fit is not offered.
+pub type Progress = tokio::sync::mpsc::Sender<String>;
+
+/// The tool host one sandboxed run sees: every call runs in that run's context, is logged for
+/// the caller when it asked, and streams its text to the caller's progress when it asked.
 pub struct RunTools<'a> {
     pub upstreams: &'a Upstreams,
     pub cx: Context,
     pub log: Option<&'a record::CallLog>,
+    pub progress: Option<Progress>,
 }
 
 impl ToolHost for RunTools<'_> {
@@ -232,7 +240,7 @@ impl ToolHost for RunTools<'_> {
         let started = Instant::now();
         let result = self
             .upstreams
-            .call(&self.cx, server, tool, &arguments)
+            .call(&self.cx, server, tool, &arguments, self.progress.as_ref())
             .await
             .map_err(|s| s.message().to_owned());
         if let Some(log) = self.log {

@@ -1,7 +1,10 @@
 //! The built-in `nomad` upstream: the scheduler's tools, called with JSON arguments.
 
 use nomad_proto::v1::scheduler_client::SchedulerClient;
-use nomad_proto::v1::{CallToolRequest, ListToolsRequest};
+use nomad_proto::v1::{
+    CallToolRequest, CallToolResponse, CallToolStreamEvent, ListToolsRequest,
+    call_tool_stream_event,
+};
 use serde_json::{Value, json};
 
 use super::nomad_json;
@@ -136,35 +139,66 @@ impl Nomad {
             .collect())
     }
 
-    /// Calls `tool`; the caller's context is current (the client layer injects it).
-    pub async fn call(&self, tool: &str, arguments: &Value) -> Result<Value, tonic::Status> {
+    /// Calls `tool`; the caller's context is current (the client layer injects it). With
+    /// `progress`, the call streams and each piece of text the tool makes is offered there as it
+    /// comes (dropped when the channel is full: the answer holds it all anyway).
+    pub async fn call(
+        &self,
+        tool: &str,
+        arguments: &Value,
+        progress: Option<&tokio::sync::mpsc::Sender<String>>,
+    ) -> Result<Value, tonic::Status> {
         let input = nomad_json::input_from_value(arguments)
             .map_err(|e| tonic::Status::invalid_argument(format!("{NAME}.{tool}: {e}")))?;
-        let reply = self
-            .scheduler
-            .clone()
-            .call_tool(CallToolRequest {
-                tool: tool.to_owned(),
-                input: Some(input),
-            })
-            .await
-            // A connection that broke under the call reads as CANCELLED or UNKNOWN; the caller
-            // did neither, so it gets UNAVAILABLE (the scheduler's own ones pass as they are).
-            .map_err(|s| {
-                if s.code() != tonic::Code::Unavailable && nomad_rpc::peer_lost(&s) {
-                    tonic::Status::unavailable(format!(
-                        "{NAME}.{tool}: the scheduler is unreachable: {}",
-                        s.message()
-                    ))
-                } else {
-                    s
-                }
-            })?
-            .into_inner();
+        let request = CallToolRequest {
+            tool: tool.to_owned(),
+            input: Some(input),
+        };
+        let mut scheduler = self.scheduler.clone();
+        let reply = match progress {
+            None => scheduler.call_tool(request).await.map(|r| r.into_inner()),
+            Some(progress) => match scheduler.call_tool_stream(request).await {
+                Ok(events) => streamed(events.into_inner(), progress).await,
+                Err(status) => Err(status),
+            },
+        }
+        .map_err(|s| unreachable_scheduler(tool, s))?;
         let output = reply.output.ok_or_else(|| {
             tonic::Status::internal(format!("{NAME}.{tool}: the scheduler returned no output"))
         })?;
         nomad_json::output_to_json(&output)
             .map_err(|e| tonic::Status::internal(format!("{NAME}.{tool}: {e}")))
+    }
+}
+
+/// The answer at the end of a streamed call, its text offered to `progress` on the way.
+async fn streamed(
+    mut events: tonic::Streaming<CallToolStreamEvent>,
+    progress: &tokio::sync::mpsc::Sender<String>,
+) -> Result<CallToolResponse, tonic::Status> {
+    while let Some(event) = events.message().await? {
+        match event.event {
+            Some(call_tool_stream_event::Event::Text(text)) => {
+                let _ = progress.try_send(text);
+            }
+            Some(call_tool_stream_event::Event::Done(answer)) => return Ok(answer),
+            None => {}
+        }
+    }
+    Err(tonic::Status::unavailable(
+        "the scheduler ended the stream without an answer",
+    ))
+}
+
+/// A connection that broke under the call reads as CANCELLED or UNKNOWN; the caller did
+/// neither, so it gets UNAVAILABLE (the scheduler's own statuses pass as they are).
+fn unreachable_scheduler(tool: &str, status: tonic::Status) -> tonic::Status {
+    if status.code() != tonic::Code::Unavailable && nomad_rpc::peer_lost(&status) {
+        tonic::Status::unavailable(format!(
+            "{NAME}.{tool}: the scheduler is unreachable: {}",
+            status.message()
+        ))
+    } else {
+        status
     }
 }
