@@ -67,6 +67,35 @@ fn host_name() -> String {
         .unwrap_or_else(|_| "unknown".to_owned())
 }
 
+/// Slurm's variables and the resource attributes they become, for a process run as a job step.
+const SLURM: [(&str, &str); 4] = [
+    ("SLURM_JOB_ID", "slurm.job.id"),
+    ("SLURM_STEP_ID", "slurm.step.id"),
+    ("SLURMD_NODENAME", "slurm.node.name"),
+    ("SLURM_CLUSTER_NAME", "slurm.cluster.name"),
+];
+
+/// Bytes of a Slurm variable kept as an attribute value.
+const SLURM_VALUE_BYTES: usize = 256;
+
+/// `slurm.*` attributes from the variables `env` finds set (none outside Slurm).
+fn slurm_attributes(env: impl Fn(&str) -> Option<String>) -> Vec<KeyValue> {
+    SLURM
+        .iter()
+        .filter_map(|(variable, attribute)| {
+            let mut value = env(variable).filter(|v| !v.is_empty())?;
+            if value.len() > SLURM_VALUE_BYTES {
+                let mut end = SLURM_VALUE_BYTES;
+                while !value.is_char_boundary(end) {
+                    end -= 1;
+                }
+                value.truncate(end);
+            }
+            Some(KeyValue::new(*attribute, value))
+        })
+        .collect()
+}
+
 pub fn build(settings: &TelemetrySettings, identity: &ServerIdentity) -> Resource {
     let mut attributes = vec![
         KeyValue::new("nomad.service_group", settings.service_name.clone()),
@@ -83,10 +112,43 @@ pub fn build(settings: &TelemetrySettings, identity: &ServerIdentity) -> Resourc
     if let Some(run_id) = &settings.run_id {
         attributes.push(KeyValue::new("nomad.run.id", run_id.clone()));
     }
+    attributes.extend(slurm_attributes(|name| std::env::var(name).ok()));
     // `builder()` keeps OTEL_RESOURCE_ATTRIBUTES; our service name wins over OTEL_SERVICE_NAME,
     // which the settings already folded in with Nomad's precedence.
     Resource::builder()
         .with_service_name(service_name(settings, identity))
         .with_attributes(attributes)
         .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slurm_variables_become_slurm_attributes_and_nothing_outside_slurm() {
+        let job = |name: &str| match name {
+            "SLURM_JOB_ID" => Some("4242".to_owned()),
+            "SLURM_STEP_ID" => Some("3".to_owned()),
+            "SLURMD_NODENAME" => Some("n2".to_owned()),
+            "SLURM_CLUSTER_NAME" => Some("x".repeat(300)),
+            _ => None,
+        };
+        let attributes: Vec<(String, String)> = slurm_attributes(job)
+            .into_iter()
+            .map(|kv| (kv.key.to_string(), kv.value.to_string()))
+            .collect();
+        assert_eq!(
+            attributes[..3],
+            [
+                ("slurm.job.id".to_owned(), "4242".to_owned()),
+                ("slurm.step.id".to_owned(), "3".to_owned()),
+                ("slurm.node.name".to_owned(), "n2".to_owned()),
+            ]
+        );
+        assert_eq!(attributes[3].0, "slurm.cluster.name");
+        assert_eq!(attributes[3].1.len(), SLURM_VALUE_BYTES);
+        assert!(slurm_attributes(|_| None).is_empty());
+        assert!(slurm_attributes(|_| Some(String::new())).is_empty());
+    }
 }
