@@ -302,6 +302,17 @@ async fn a_tool_added_upstream_is_found_without_a_restart_and_calls_are_recorded
         .map(|c| c.start_offset_seconds)
         .collect();
     assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+
+    // A rollout driven by `nomad run` keeps them in its result line, for a replay.
+    let code = "from mcp_tools.echo_stdio import shout\nRESULT = shout('two')";
+    let run = fleet
+        .run_head(&[serde_json::json!({"id": "replay", "code": code})], 1)
+        .await;
+    assert!(run.success, "{}", run.stderr);
+    let recorded = &run.results[0]["tool_calls"];
+    assert_eq!(recorded[0]["tool"], "shout", "{}", run.results[0]);
+    assert_eq!(recorded[0]["arguments"], serde_json::json!({"text": "two"}));
+    assert_eq!(recorded[0]["status"], "ok");
     fleet.terminate().await;
     drop(http);
     let _ = std::fs::remove_dir_all(dir);

@@ -40,7 +40,34 @@ pub struct RolloutResult {
     pub output: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The code's upstream tool calls, in the order they started, when the gateway records
+    /// them (`gateway.record_tool_calls`): what a replay of the rollout needs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Value>>,
     pub durations: Durations,
+}
+
+/// A recorded tool call as a result line holds it (payloads as JSON, when recorded).
+fn call_json(call: &nomad_proto::v1::ToolCallRecord) -> Value {
+    let mut json = serde_json::json!({
+        "server": call.server,
+        "tool": call.tool,
+        "status": call.status,
+        "start_offset_seconds": call.start_offset_seconds,
+        "duration_seconds": call.duration_seconds,
+    });
+    for (key, text) in [
+        ("arguments", &call.arguments_json),
+        ("output", &call.output_json),
+    ] {
+        if !text.is_empty() {
+            json[key] = serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.clone()));
+        }
+    }
+    if !call.error.is_empty() {
+        json["error"] = Value::String(call.error.clone());
+    }
+    json
 }
 
 /// Large numeric outputs (embeddings) are summarised: shape, first values and L2 norm.
@@ -164,8 +191,9 @@ impl Runner {
             },
         );
         let started = Instant::now();
+        let mut tool_calls = None;
         let agent = self
-            .agent_step(&task.step)
+            .agent_step(&task.step, &mut tool_calls)
             .with_context(span.context().clone())
             .await;
         let agent_seconds = started.elapsed().as_secs_f64();
@@ -218,6 +246,7 @@ impl Runner {
             passed,
             output: output.map(summarize),
             error: error.map(|e| clip(&e, 4000)),
+            tool_calls,
             durations: Durations {
                 agent_seconds,
                 verify_seconds,
@@ -226,8 +255,13 @@ impl Runner {
         }
     }
 
-    /// The agent step's output, or why it failed.
-    async fn agent_step(&self, step: &Step) -> Result<Value, String> {
+    /// The agent step's output, or why it failed; the code's recorded tool calls go to
+    /// `tool_calls`.
+    async fn agent_step(
+        &self,
+        step: &Step,
+        tool_calls: &mut Option<Vec<Value>>,
+    ) -> Result<Value, String> {
         match step {
             Step::Code(code) => {
                 let reply = self
@@ -240,6 +274,9 @@ impl Runner {
                     .await
                     .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
                     .into_inner();
+                if !reply.tool_calls.is_empty() {
+                    *tool_calls = Some(reply.tool_calls.iter().map(call_json).collect());
+                }
                 if !reply.error.is_empty() {
                     return Err(reply.error);
                 }

@@ -213,6 +213,7 @@ mod tests {
             passed: None,
             output: None,
             error: None,
+            tool_calls: None,
             durations: crate::rollouts::Durations {
                 agent_seconds: 0.0,
                 verify_seconds: 0.0,
