@@ -29,6 +29,9 @@ pub const MAX_QUERY_BYTES: usize = 1024;
 const LIST_DEADLINE: Duration = Duration::from_secs(10);
 /// Tool texts embedded at once while indexing (the scheduler batches them).
 const EMBED_CONCURRENCY: usize = 32;
+/// How long embedding one tool's text may take while indexing (it may queue behind the fleet's
+/// own embedding work; nothing waits for it but the hybrid index).
+const INDEX_EMBED_DEADLINE: Duration = Duration::from_secs(60);
 /// The first wait before asking again after a failure; it doubles up to the listing TTL.
 const RETRY_FIRST: Duration = Duration::from_secs(2);
 /// How long a search waits for the first index.
@@ -99,6 +102,7 @@ const CACHED_QUERIES: NonZeroUsize = NonZeroUsize::new(4096).expect("not zero");
 struct Embedder {
     server: String,
     tool: String,
+    /// How long a query's embedding may take.
     timeout: Duration,
 }
 
@@ -186,7 +190,7 @@ impl ToolSearch {
                 match (cached, spec) {
                     (Some(v), _) => Some(v),
                     (None, Some(spec)) => {
-                        match embed(&self.upstreams, e, spec, request.query).await {
+                        match embed(&self.upstreams, e, spec, request.query, e.timeout).await {
                             Ok(v) => {
                                 let v = Arc::new(v);
                                 let mut queries = catalog.queries.lock().expect("query cache lock");
@@ -263,23 +267,24 @@ fn entry(server: &str, tool: &ToolSpec, full: bool) -> Value {
     entry
 }
 
-/// The embedding of `text` by the embedding tool `spec`.
+/// The embedding of `text` by the embedding tool `spec`, within `deadline`.
 async fn embed(
     upstreams: &Upstreams,
     embedder: &Embedder,
     spec: &ToolSpec,
     text: &str,
+    deadline: Duration,
 ) -> Result<Vec<f32>, String> {
     let mut arguments = json!({ "text": text });
     if spec.input_schema.pointer("/properties/truncate").is_some() {
         arguments["truncate"] = json!(true);
     }
     let called = tokio::time::timeout(
-        embedder.timeout,
+        deadline,
         upstreams.call_unrecorded(&embedder.server, &embedder.tool, &arguments),
     )
     .await
-    .map_err(|_| format!("no embedding within {} s", embedder.timeout.as_secs_f64()))??;
+    .map_err(|_| format!("no embedding within {} s", deadline.as_secs_f64()))??;
     let output = called
         .get("output")
         .and_then(Value::as_array)
@@ -393,7 +398,7 @@ async fn refresh(
 struct Built {
     docs: Vec<ToolDoc>,
     unavailable: Vec<(String, String)>,
-    /// Every tool embedded, or no embedding tool configured.
+    /// Every tool embedded, or no embedding tool to embed with.
     complete_index: bool,
 }
 
@@ -407,7 +412,8 @@ struct Indexer {
 
 impl Indexer {
     /// Publishes the lexical index, then, when every tool text has an embedding, the hybrid
-    /// one. Says whether the index is complete (embedded, or no embedding tool configured).
+    /// one. Says whether the index is complete: embedded, or no embedding tool to embed with
+    /// (none configured, or not among the listed tools); an incomplete one is built again.
     async fn publish(
         &mut self,
         tools: &[(String, ToolSpec)],
@@ -437,12 +443,14 @@ impl Indexer {
             .iter()
             .find(|(s, t)| *s == embedder.server && t.name == embedder.tool)
         else {
-            tracing::warn!(
+            // A fleet without the tool ranks by words until a listing brings it (which
+            // changes the catalog and so rebuilds the index): nothing to retry meanwhile.
+            tracing::info!(
                 "the embedding tool {}:{} is not among the listed tools; ranking lexically",
                 embedder.server,
                 embedder.tool
             );
-            return false;
+            return true;
         };
         let texts: Vec<String> = docs.iter().map(ToolDoc::embedding_text).collect();
         let wanted: std::collections::HashSet<&String> = texts.iter().collect();
@@ -455,7 +463,7 @@ impl Indexer {
         let upstreams = &self.upstreams;
         let fresh: Vec<(String, Result<Vec<f32>, String>)> = futures::stream::iter(missing)
             .map(|text: String| async move {
-                let embedded = embed(upstreams, embedder, spec, &text).await;
+                let embedded = embed(upstreams, embedder, spec, &text, INDEX_EMBED_DEADLINE).await;
                 (text, embedded)
             })
             .buffer_unordered(EMBED_CONCURRENCY)
