@@ -428,16 +428,20 @@ impl Indexer {
                 queries: Mutex::new(LruCache::new(CACHED_QUERIES)),
             })
         };
-        let lexical = match Index::build(docs.to_vec()) {
-            Ok(index) => index,
-            Err(e) => {
-                tracing::error!("{e}");
-                return false;
-            }
+        let build = || {
+            Index::build(docs.to_vec())
+                .inspect_err(|e| tracing::error!("{e}"))
+                .ok()
         };
-        self.tx.send_replace(Some(catalog(lexical)));
+        let publish_lexical = || match build() {
+            Some(index) => {
+                self.tx.send_replace(Some(catalog(index)));
+                true
+            }
+            None => false,
+        };
         let Some(embedder) = &self.embedder else {
-            return true;
+            return publish_lexical();
         };
         let Some((_, spec)) = tools
             .iter()
@@ -450,7 +454,7 @@ impl Indexer {
                 embedder.server,
                 embedder.tool
             );
-            return true;
+            return publish_lexical();
         };
         let texts: Vec<String> = docs.iter().map(ToolDoc::embedding_text).collect();
         let wanted: std::collections::HashSet<&String> = texts.iter().collect();
@@ -460,6 +464,10 @@ impl Indexer {
             .filter(|t| !self.vectors.contains_key(*t))
             .cloned()
             .collect();
+        // Words first while the new texts are embedded; with none new, one build does.
+        if !missing.is_empty() && !publish_lexical() {
+            return false;
+        }
         let upstreams = &self.upstreams;
         let fresh: Vec<(String, Result<Vec<f32>, String>)> = futures::stream::iter(missing)
             .map(|text: String| async move {
@@ -489,12 +497,8 @@ impl Indexer {
             );
             return false;
         }
-        let mut index = match Index::build(docs.to_vec()) {
-            Ok(index) => index,
-            Err(e) => {
-                tracing::error!("{e}");
-                return false;
-            }
+        let Some(mut index) = build() else {
+            return false;
         };
         let ordered = texts.iter().map(|t| self.vectors[t].clone()).collect();
         if let Err(e) = index.set_embeddings(ordered) {
