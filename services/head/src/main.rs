@@ -1,7 +1,9 @@
 //! `nomad`: the head. `nomad up` starts a fleet, `nomad run` drives rollouts from a tasks JSONL
 //! file through its gateway, `nomad serve` offers runs over gRPC, `nomad traces` shows a run's
-//! rollouts, `nomad health` checks a server.
+//! rollouts, `nomad health` checks a server; `nomad submit` runs all of it as a Slurm job,
+//! `nomad collect` receives a job's telemetry.
 
+mod collect;
 mod health;
 mod memory;
 mod rollouts;
@@ -10,6 +12,7 @@ mod run_id;
 mod runs;
 mod serve;
 mod service;
+mod slurm;
 mod supervisor;
 mod tasks;
 mod traces;
@@ -33,8 +36,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Start the fleet (scheduler, device workers, gateway) as child processes; with --demo or
-    /// --tasks, run a task set through it, then stop.
+    /// Start the fleet as child processes; with --demo or --tasks, run a task set, then stop.
     Up(up::UpArgs),
     /// Run every task of a tasks JSONL file as one rollout and write one result line per task.
     Run(run::RunArgs),
@@ -42,11 +44,17 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Show a run's rollouts as waterfall trees of their spans, slowest first.
     Traces(traces::TracesArgs),
-    /// Check a Nomad server's gRPC health (exit 0 when serving): for container health checks.
-    Health {
-        /// The server's address, e.g. 127.0.0.1:7002.
-        address: String,
-    },
+    /// Submit a run as a Slurm job: the fleet on every node, with a collector beside it.
+    Submit(slurm::SubmitArgs),
+    /// A submitted job's state, steps and progress.
+    Status(slurm::status::StatusArgs),
+    /// Receive OTLP (gRPC and HTTP) and write it as JSON lines: a Slurm job's collector.
+    Collect(collect::CollectArgs),
+    /// The body of a job `nomad submit` wrote (runs inside the job).
+    #[command(hide = true)]
+    SlurmJob(slurm::job::JobArgs),
+    /// Check a Nomad server's gRPC health at ADDRESS (exit 0 when serving).
+    Health { address: String },
 }
 
 /// Exit 0 when everything succeeded, 1 when a rollout or check failed, 2 on an error.
@@ -58,6 +66,10 @@ fn main() -> ExitCode {
             Command::Run(args) => run::run(args).await?,
             Command::Serve(args) => serve::serve(args).await.map(|()| true)?,
             Command::Traces(args) => traces::show(args).await?,
+            Command::Submit(args) => slurm::submit(args).await?,
+            Command::Status(args) => slurm::status::status(args).await?,
+            Command::Collect(args) => collect::collect(args).await?,
+            Command::SlurmJob(args) => slurm::job::job(args).await?,
             Command::Health { address } => health::health(&address).await?,
         };
         Ok(if ok {

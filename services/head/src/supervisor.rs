@@ -219,11 +219,18 @@ impl Supervisor {
     /// calls, the scheduler last): SIGTERM, then SIGKILL if it is still running after `grace`.
     /// Returns each child's exit.
     pub async fn stop(&mut self, grace: Duration) -> Vec<Exit> {
+        self.stop_with(grace, |_, pid| signal(pid, libc::SIGTERM))
+            .await
+    }
+
+    /// [`Self::stop`] with `terminate(name, pid)` asking each child to stop in place of SIGTERM
+    /// (a Slurm step is signalled through Slurm); SIGKILL still follows the grace period.
+    pub async fn stop_with(&mut self, grace: Duration, terminate: impl Fn(&str, u32)) -> Vec<Exit> {
         for index in (0..self.children.len()).rev() {
             if self.children[index].status.is_some() {
                 continue;
             }
-            signal(self.children[index].pid, libc::SIGTERM);
+            terminate(&self.children[index].name, self.children[index].pid);
             let deadline = tokio::time::Instant::now() + grace;
             let mut killed = false;
             while self.children[index].status.is_none() {

@@ -31,12 +31,14 @@ impl Rollout {
     }
 }
 
-/// Span lines of every `*.jsonl` file in `dir` (other lines are skipped).
+/// Span lines of every `*.jsonl` file in `dir` and in its `otel/` (a Slurm job's collector
+/// writes there); other lines are skipped.
 pub fn load_dir(dir: &Path) -> anyhow::Result<Vec<Span>> {
     let mut spans = Vec::new();
     let entries = std::fs::read_dir(dir)
         .map_err(|e| anyhow::anyhow!("reading run directory {}: {e}", dir.display()))?;
-    for entry in entries.flatten() {
+    let collected = std::fs::read_dir(dir.join("otel")).into_iter().flatten();
+    for entry in entries.chain(collected).flatten() {
         let path = entry.path();
         if path.extension().is_none_or(|e| e != "jsonl") {
             continue;

@@ -14,6 +14,7 @@ pub mod groups;
 pub mod grpc;
 pub mod metric_docs;
 pub mod metrics;
+pub mod otlp_lines;
 pub mod process;
 pub mod propagation;
 pub mod records;

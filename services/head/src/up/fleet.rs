@@ -36,7 +36,7 @@ fn binary(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
 }
 
 /// Checks each server's `grpc.health.v1` status and waits for `workers` registrations.
-async fn wait_ready(
+pub(crate) async fn wait_ready(
     sup: &mut Supervisor,
     addresses: &[(usize, String)],
     scheduler: &str,

@@ -23,13 +23,13 @@ use crate::rollouts::{self, Runner};
 use crate::supervisor::Supervisor;
 use crate::{memory, run_id, tasks, traces};
 
-mod env;
-mod fleet;
-mod models;
+pub(crate) mod env;
+pub(crate) mod fleet;
+pub(crate) mod models;
 
 /// The bundled task set of `--demo` and the agent script its tasks run.
-const DEMO_TASKS: &str = include_str!("../../demo/tasks.jsonl");
-const DEMO_AGENT: &str = include_str!("../../demo/agent.py");
+pub(crate) const DEMO_TASKS: &str = include_str!("../../demo/tasks.jsonl");
+pub(crate) const DEMO_AGENT: &str = include_str!("../../demo/agent.py");
 /// The fleet to start and what to do with it.
 #[derive(Debug, Clone)]
 pub struct UpOptions {
@@ -348,7 +348,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
 }
 
 /// Writes `bytes` to a new file only its owner may read (mode 0600).
-fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     let mut file = std::fs::OpenOptions::new()
@@ -361,7 +361,7 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 /// Results by kind of verification: count, passed, mean reward.
-fn summarize(results: &[rollouts::RolloutResult], out: &Path) {
+pub(crate) fn summarize(results: &[rollouts::RolloutResult], out: &Path) {
     let failed = results.iter().filter(|r| r.status != "ok").count();
     let passed = results.iter().filter(|r| r.passed == Some(true)).count();
     let rewards: Vec<f64> = results.iter().filter_map(|r| r.reward).collect();

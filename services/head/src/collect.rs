@@ -1,0 +1,352 @@
+//! `nomad collect`: an OTLP receiver (gRPC and HTTP/protobuf) that writes what every process of
+//! a job exports into `traces.jsonl`, `metrics.jsonl` and `logs.jsonl`, in the console
+//! exporter's line format, so `nomad traces --from` and `jq` read it like a run directory.
+//!
+//! Nothing is dropped: requests wait for room in a bounded queue, and when it stays full the
+//! exporter is told to retry (`UNAVAILABLE` / HTTP 503). On SIGTERM it keeps receiving until its
+//! peers have gone quiet (they flush on the same signal), then writes out the queue and exits.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode, header};
+use nomad_telemetry::otlp_lines;
+use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::{
+    LogsService, LogsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::logs::v1::{
+    ExportLogsServiceRequest, ExportLogsServiceResponse,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use tokio::sync::mpsc;
+
+/// Export requests waiting to be written; beyond this, exporters are asked to retry.
+const QUEUE_BATCHES: usize = 1024;
+/// How long a request waits for room in the queue before being refused.
+const ENQUEUE_WAIT: Duration = Duration::from_secs(5);
+/// Largest export request accepted (the SDK's batches are far smaller).
+const MAX_REQUEST_BYTES: usize = 64 << 20;
+
+#[derive(clap::Args)]
+pub struct CollectArgs {
+    /// Directory for traces.jsonl, metrics.jsonl and logs.jsonl (created; appended to).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// OTLP/gRPC address.
+    #[arg(long, default_value = "0.0.0.0:4317")]
+    pub listen: String,
+    /// OTLP/HTTP (protobuf) address: POST /v1/traces, /v1/metrics, /v1/logs.
+    #[arg(long, default_value = "0.0.0.0:4318")]
+    pub http_listen: String,
+    /// Write the bound gRPC address here once listening.
+    #[arg(long)]
+    pub addr_file: Option<PathBuf>,
+    /// Write the bound HTTP address here once listening.
+    #[arg(long)]
+    pub http_addr_file: Option<PathBuf>,
+    /// After SIGTERM, keep receiving until no request came for this long (peers flushing).
+    #[arg(long, default_value_t = 1.0)]
+    pub quiet_seconds: f64,
+    /// ... but no longer than this.
+    #[arg(long, default_value_t = 10.0)]
+    pub drain_seconds: f64,
+}
+
+#[derive(Clone, Copy)]
+enum Signal {
+    Traces,
+    Metrics,
+    Logs,
+}
+
+/// One export request's lines, bound for one file.
+type Batch = (Signal, String);
+
+#[derive(Clone)]
+struct Intake {
+    queue: mpsc::Sender<Batch>,
+    /// Milliseconds since `started` of the latest request: the drain waits for quiet.
+    last_request_ms: Arc<AtomicU64>,
+    started: Instant,
+}
+
+impl Intake {
+    async fn accept(&self, signal: Signal, lines: Vec<serde_json::Value>) -> Result<(), String> {
+        self.last_request_ms
+            .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        if lines.is_empty() {
+            return Ok(());
+        }
+        let mut text = String::new();
+        for line in lines {
+            text.push_str(&line.to_string());
+            text.push('\n');
+        }
+        match self.queue.send_timeout((signal, text), ENQUEUE_WAIT).await {
+            Ok(()) => Ok(()),
+            Err(_) => Err(format!(
+                "the collector's write queue is full ({QUEUE_BATCHES} requests); retry"
+            )),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl TraceService for Intake {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let lines = otlp_lines::span_lines(&request.get_ref().resource_spans);
+        self.accept(Signal::Traces, lines)
+            .await
+            .map_err(tonic::Status::unavailable)?;
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+#[tonic::async_trait]
+impl MetricsService for Intake {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        let lines = otlp_lines::metric_lines(&request.get_ref().resource_metrics);
+        self.accept(Signal::Metrics, lines)
+            .await
+            .map_err(tonic::Status::unavailable)?;
+        Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
+    }
+}
+
+#[tonic::async_trait]
+impl LogsService for Intake {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportLogsServiceRequest>,
+    ) -> Result<tonic::Response<ExportLogsServiceResponse>, tonic::Status> {
+        let lines = otlp_lines::log_lines(&request.get_ref().resource_logs);
+        self.accept(Signal::Logs, lines)
+            .await
+            .map_err(tonic::Status::unavailable)?;
+        Ok(tonic::Response::new(ExportLogsServiceResponse::default()))
+    }
+}
+
+/// One OTLP/HTTP request: a protobuf body decoded into lines, or a status naming what was wrong.
+async fn http_export<R: prost::Message + Default, P: prost::Message + Default>(
+    intake: &Intake,
+    signal: Signal,
+    headers: &HeaderMap,
+    body: Bytes,
+    lines: impl FnOnce(&R) -> Vec<serde_json::Value>,
+) -> (StatusCode, Vec<u8>) {
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if !content_type.starts_with("application/x-protobuf") {
+        return (
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!(
+                "content type {content_type:?} is not supported: send application/x-protobuf \
+                 (OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf), or use OTLP/gRPC"
+            )
+            .into_bytes(),
+        );
+    }
+    let request = match R::decode(body) {
+        Ok(r) => r,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("the body is not an OTLP export request: {e}").into_bytes(),
+            );
+        }
+    };
+    match intake.accept(signal, lines(&request)).await {
+        Ok(()) => (StatusCode::OK, P::default().encode_to_vec()),
+        Err(message) => (StatusCode::SERVICE_UNAVAILABLE, message.into_bytes()),
+    }
+}
+
+fn http_router(intake: Intake) -> axum::Router {
+    use axum::routing::post;
+    let (t, m, l) = (intake.clone(), intake.clone(), intake);
+    axum::Router::new()
+        .route(
+            "/v1/traces",
+            post(move |headers: HeaderMap, body: Bytes| async move {
+                http_export::<ExportTraceServiceRequest, ExportTraceServiceResponse>(
+                    &t,
+                    Signal::Traces,
+                    &headers,
+                    body,
+                    |r| otlp_lines::span_lines(&r.resource_spans),
+                )
+                .await
+            }),
+        )
+        .route(
+            "/v1/metrics",
+            post(move |headers: HeaderMap, body: Bytes| async move {
+                http_export::<ExportMetricsServiceRequest, ExportMetricsServiceResponse>(
+                    &m,
+                    Signal::Metrics,
+                    &headers,
+                    body,
+                    |r| otlp_lines::metric_lines(&r.resource_metrics),
+                )
+                .await
+            }),
+        )
+        .route(
+            "/v1/logs",
+            post(move |headers: HeaderMap, body: Bytes| async move {
+                http_export::<ExportLogsServiceRequest, ExportLogsServiceResponse>(
+                    &l,
+                    Signal::Logs,
+                    &headers,
+                    body,
+                    |r| otlp_lines::log_lines(&r.resource_logs),
+                )
+                .await
+            }),
+        )
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BYTES))
+}
+
+/// Appends each batch to its file; flushes whenever the queue is empty, syncs at the end.
+fn write_batches(dir: &Path, mut queue: mpsc::Receiver<Batch>) -> anyhow::Result<u64> {
+    let open = |name: &str| -> anyhow::Result<std::io::BufWriter<std::fs::File>> {
+        let path = dir.join(name);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok(std::io::BufWriter::new(file))
+    };
+    let mut files = [
+        open("traces.jsonl")?,
+        open("metrics.jsonl")?,
+        open("logs.jsonl")?,
+    ];
+    let mut written = 0u64;
+    while let Some((signal, text)) = queue.blocking_recv() {
+        let file = &mut files[signal as usize];
+        file.write_all(text.as_bytes()).context("writing")?;
+        written += 1;
+        if queue.is_empty() {
+            for f in &mut files {
+                f.flush().context("flushing")?;
+            }
+        }
+    }
+    for f in &mut files {
+        f.flush().context("flushing")?;
+        f.get_ref().sync_all().context("syncing")?;
+    }
+    Ok(written)
+}
+
+pub async fn collect(args: CollectArgs) -> anyhow::Result<bool> {
+    let quiet =
+        nomad_config::seconds("--quiet-seconds", args.quiet_seconds).map_err(anyhow::Error::msg)?;
+    let drain =
+        nomad_config::seconds("--drain-seconds", args.drain_seconds).map_err(anyhow::Error::msg)?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let (queue, batches) = mpsc::channel(QUEUE_BATCHES);
+    let dir = args.out.clone();
+    let writer = tokio::task::spawn_blocking(move || write_batches(&dir, batches));
+    let intake = Intake {
+        queue,
+        last_request_ms: Arc::new(AtomicU64::new(0)),
+        started: Instant::now(),
+    };
+
+    let bind = |address: String| async move {
+        tokio::net::TcpListener::bind(&address)
+            .await
+            .with_context(|| format!("binding {address}"))
+    };
+    let grpc_listener = bind(args.listen.clone()).await?;
+    let http_listener = bind(args.http_listen.clone()).await?;
+    let grpc_addr = grpc_listener.local_addr()?;
+    let http_addr = http_listener.local_addr()?;
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let grpc = tonic::transport::Server::builder()
+        .add_service(
+            TraceServiceServer::new(intake.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
+        )
+        .add_service(
+            MetricsServiceServer::new(intake.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
+        )
+        .add_service(
+            LogsServiceServer::new(intake.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
+        )
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+            stopped(stop_rx.clone()),
+        );
+    let http = axum::serve(http_listener, http_router(intake.clone()))
+        .with_graceful_shutdown(stopped(stop_rx));
+    let grpc = tokio::spawn(grpc);
+    let http = tokio::spawn(async move { http.await });
+
+    for (file, addr) in [
+        (&args.addr_file, grpc_addr),
+        (&args.http_addr_file, http_addr),
+    ] {
+        if let Some(path) = file {
+            nomad_rpc::write_addr_file(path, addr)?;
+        }
+    }
+    eprintln!(
+        "nomad collect: OTLP/gRPC on {grpc_addr}, OTLP/HTTP on {http_addr}, writing to {}",
+        args.out.display()
+    );
+
+    nomad_rpc::shutdown_signal().await;
+    // Peers got the same signal and are flushing: take what they send until they are quiet.
+    let since_stop = Instant::now();
+    loop {
+        let last = Duration::from_millis(intake.last_request_ms.load(Ordering::Relaxed));
+        let idle = intake.started.elapsed().saturating_sub(last);
+        if idle >= quiet || since_stop.elapsed() >= drain {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = stop_tx.send(true);
+    grpc.await?.context("serving OTLP/gRPC")?;
+    http.await?.context("serving OTLP/HTTP")?;
+    drop(intake);
+    let written = writer.await??;
+    eprintln!(
+        "nomad collect: stopped; {written} export requests written to {}",
+        args.out.display()
+    );
+    Ok(true)
+}

@@ -1,0 +1,275 @@
+//! OTLP export requests as the console exporter's JSON lines: what `nomad collect` writes, so a
+//! collector's files read exactly like a run directory's (`nomad traces --from`, `jq`).
+
+use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
+use opentelemetry_proto::tonic::logs::v1::ResourceLogs;
+use opentelemetry_proto::tonic::metrics::v1::{ResourceMetrics, metric, number_data_point};
+use opentelemetry_proto::tonic::resource::v1::Resource;
+use opentelemetry_proto::tonic::trace::v1::ResourceSpans;
+use serde_json::{Map, Value as Json, json};
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn value_json(value: &Option<AnyValue>) -> Json {
+    use any_value::Value;
+    match value.as_ref().and_then(|v| v.value.as_ref()) {
+        Some(Value::StringValue(s)) => json!(s),
+        Some(Value::BoolValue(b)) => json!(b),
+        Some(Value::IntValue(i)) => json!(i),
+        Some(Value::DoubleValue(f)) => json!(f),
+        Some(Value::BytesValue(b)) => json!(b),
+        Some(Value::ArrayValue(a)) => Json::Array(
+            a.values
+                .iter()
+                .map(|v| value_json(&Some(v.clone())))
+                .collect(),
+        ),
+        Some(Value::KvlistValue(kv)) => attributes(&kv.values),
+        Some(Value::StringValueStrindex(i)) => json!(i),
+        None => Json::Null,
+    }
+}
+
+fn attributes(kvs: &[KeyValue]) -> Json {
+    Json::Object(
+        kvs.iter()
+            .map(|kv| (kv.key.clone(), value_json(&kv.value)))
+            .collect(),
+    )
+}
+
+fn resource_json(resource: &Option<Resource>) -> Json {
+    resource
+        .as_ref()
+        .map(|r| attributes(&r.attributes))
+        .unwrap_or_else(|| Json::Object(Map::new()))
+}
+
+fn kind_name(kind: i32) -> &'static str {
+    match kind {
+        2 => "server",
+        3 => "client",
+        4 => "producer",
+        5 => "consumer",
+        _ => "internal",
+    }
+}
+
+/// One line per span, in the console exporter's span format.
+pub fn span_lines(resource_spans: &[ResourceSpans]) -> Vec<Json> {
+    let mut lines = Vec::new();
+    for rs in resource_spans {
+        let resource = resource_json(&rs.resource);
+        for span in rs.scope_spans.iter().flat_map(|s| &s.spans) {
+            let (status, message) = match &span.status {
+                Some(s) if s.code == 1 => ("ok", None),
+                Some(s) if s.code == 2 => ("error", Some(s.message.clone())),
+                _ => ("unset", None),
+            };
+            let (start, end) = (span.start_time_unix_nano, span.end_time_unix_nano);
+            lines.push(json!({
+                "signal": "span",
+                "name": span.name,
+                "trace_id": hex(&span.trace_id),
+                "span_id": hex(&span.span_id),
+                "parent_span_id": (!span.parent_span_id.is_empty()).then(|| hex(&span.parent_span_id)),
+                "kind": kind_name(span.kind),
+                "start_time_unix_nano": start,
+                "end_time_unix_nano": end,
+                "duration_ms": end.saturating_sub(start) as f64 / 1e6,
+                "status": status,
+                "status_message": message,
+                "attributes": attributes(&span.attributes),
+                "events": span.events.iter().map(|e| json!({
+                    "name": e.name,
+                    "time_unix_nano": e.time_unix_nano,
+                    "attributes": attributes(&e.attributes),
+                })).collect::<Vec<_>>(),
+                "links": span.links.iter().map(|l| json!({
+                    "trace_id": hex(&l.trace_id),
+                    "span_id": hex(&l.span_id),
+                })).collect::<Vec<_>>(),
+                "resource": resource,
+            }));
+        }
+    }
+    lines
+}
+
+fn number(value: &Option<number_data_point::Value>) -> Json {
+    match value {
+        Some(number_data_point::Value::AsDouble(f)) => json!(f),
+        Some(number_data_point::Value::AsInt(i)) => json!(i),
+        None => Json::Null,
+    }
+}
+
+/// One line per data point, in the console exporter's metric format.
+pub fn metric_lines(resource_metrics: &[ResourceMetrics]) -> Vec<Json> {
+    let mut lines = Vec::new();
+    for rm in resource_metrics {
+        let resource = resource_json(&rm.resource);
+        for m in rm.scope_metrics.iter().flat_map(|s| &s.metrics) {
+            let point = |kind: &str, attrs: &[KeyValue], time: u64, fields: Json| {
+                let mut obj = Map::new();
+                obj.insert("signal".into(), json!("metric"));
+                obj.insert("name".into(), json!(m.name));
+                obj.insert("unit".into(), json!(m.unit));
+                obj.insert("resource".into(), resource.clone());
+                obj.insert("type".into(), json!(kind));
+                obj.insert("time_unix_nano".into(), json!(time));
+                obj.insert("attributes".into(), attributes(attrs));
+                if let Json::Object(extra) = fields {
+                    obj.extend(extra);
+                }
+                Json::Object(obj)
+            };
+            match &m.data {
+                Some(metric::Data::Gauge(g)) => lines.extend(g.data_points.iter().map(|p| {
+                    point(
+                        "gauge",
+                        &p.attributes,
+                        p.time_unix_nano,
+                        json!({"value": number(&p.value)}),
+                    )
+                })),
+                Some(metric::Data::Sum(s)) => {
+                    let kind = if s.is_monotonic {
+                        "counter"
+                    } else {
+                        "updowncounter"
+                    };
+                    lines.extend(s.data_points.iter().map(|p| {
+                        point(
+                            kind,
+                            &p.attributes,
+                            p.time_unix_nano,
+                            json!({"value": number(&p.value)}),
+                        )
+                    }))
+                }
+                Some(metric::Data::Histogram(h)) => lines.extend(h.data_points.iter().map(|p| {
+                    point(
+                        "histogram",
+                        &p.attributes,
+                        p.time_unix_nano,
+                        json!({
+                            "count": p.count,
+                            "sum": p.sum,
+                            "min": p.min,
+                            "max": p.max,
+                            "bounds": p.explicit_bounds,
+                            "bucket_counts": p.bucket_counts,
+                        }),
+                    )
+                })),
+                Some(metric::Data::ExponentialHistogram(h)) => {
+                    lines.extend(h.data_points.iter().map(|p| {
+                        point(
+                            "exponential_histogram",
+                            &p.attributes,
+                            p.time_unix_nano,
+                            json!({"count": p.count, "sum": p.sum}),
+                        )
+                    }))
+                }
+                Some(metric::Data::Summary(s)) => lines.extend(s.data_points.iter().map(|p| {
+                    point(
+                        "summary",
+                        &p.attributes,
+                        p.time_unix_nano,
+                        json!({"count": p.count, "sum": p.sum}),
+                    )
+                })),
+                None => {}
+            }
+        }
+    }
+    lines
+}
+
+/// One line per log record, in the console exporter's log format.
+pub fn log_lines(resource_logs: &[ResourceLogs]) -> Vec<Json> {
+    let mut lines = Vec::new();
+    for rl in resource_logs {
+        let resource = resource_json(&rl.resource);
+        for scope in &rl.scope_logs {
+            let target = scope.scope.as_ref().map(|s| s.name.clone());
+            for record in &scope.log_records {
+                let time = match record.time_unix_nano {
+                    0 => record.observed_time_unix_nano,
+                    t => t,
+                };
+                lines.push(json!({
+                    "signal": "log",
+                    "time_unix_nano": time,
+                    "severity": (!record.severity_text.is_empty()).then_some(&record.severity_text),
+                    "target": target,
+                    "body": value_json(&record.body),
+                    "trace_id": (!record.trace_id.is_empty()).then(|| hex(&record.trace_id)),
+                    "span_id": (!record.span_id.is_empty()).then(|| hex(&record.span_id)),
+                    "attributes": attributes(&record.attributes),
+                    "resource": resource,
+                }));
+            }
+        }
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry_proto::tonic::trace::v1::{ScopeSpans, Span, Status};
+
+    fn kv(key: &str, value: &str) -> KeyValue {
+        KeyValue {
+            key: key.into(),
+            value: Some(AnyValue {
+                value: Some(any_value::Value::StringValue(value.into())),
+            }),
+        }
+    }
+
+    #[test]
+    fn a_span_reads_back_as_the_console_exporter_wrote_it() {
+        let request = [ResourceSpans {
+            resource: Some(Resource {
+                attributes: vec![kv("service.name", "nomad/gateway")],
+                ..Default::default()
+            }),
+            scope_spans: vec![ScopeSpans {
+                spans: vec![Span {
+                    trace_id: vec![0xab; 16],
+                    span_id: vec![1; 8],
+                    parent_span_id: vec![2; 8],
+                    name: "nomad.rollout".into(),
+                    kind: 2,
+                    start_time_unix_nano: 1_000,
+                    end_time_unix_nano: 3_001_000,
+                    attributes: vec![kv("nomad.run.id", "42")],
+                    status: Some(Status {
+                        code: 2,
+                        message: "boom".into(),
+                    }),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }];
+        let lines = span_lines(&request);
+        assert_eq!(lines.len(), 1);
+        assert_eq!(lines[0]["kind"], "server");
+        assert_eq!(lines[0]["status_message"], "boom");
+        let span = crate::records::from_console_record(&lines[0]).unwrap();
+        assert_eq!(span.service_name, "nomad/gateway");
+        assert_eq!(span.trace_id, "ab".repeat(16));
+        assert_eq!(span.parent_span_id.as_deref(), Some("0202020202020202"));
+        assert_eq!(span.run_id(), Some("42"));
+        assert_eq!(span.status, "error");
+        assert_eq!(span.duration_ms(), 3.0);
+    }
+}
