@@ -1,7 +1,5 @@
-//! `nomad`: the head. `nomad up` starts a fleet, `nomad run` drives rollouts from a tasks JSONL
-//! file through its gateway, `nomad serve` offers runs over gRPC, `nomad traces` shows a run's
-//! rollouts, `nomad health` checks a server; `nomad submit` runs all of it as a Slurm job,
-//! `nomad collect` receives a job's telemetry.
+//! `nomad`: the head. It starts fleets (`up`, or `submit` as a Slurm job), drives rollouts
+//! through them (`run`, `serve`) and reads their traces (`traces`); see each command's help.
 
 mod collect;
 mod health;
