@@ -38,7 +38,7 @@ use tokio::sync::mpsc;
 
 /// Export requests waiting to be written; beyond this, exporters are asked to retry.
 const QUEUE_BATCHES: usize = 1024;
-/// How long a request waits for room in the queue before being refused.
+/// How long a request waits for room in the queue before being refused (exporters retry).
 const ENQUEUE_WAIT: Duration = Duration::from_secs(5);
 /// Largest export request accepted (the SDK's batches are far smaller).
 const MAX_REQUEST_BYTES: usize = 64 << 20;
@@ -84,6 +84,8 @@ struct Intake {
     /// Milliseconds since `started` of the latest request: the drain waits for quiet.
     last_request_ms: Arc<AtomicU64>,
     started: Instant,
+    /// How long a request waits for room in the queue before being refused.
+    enqueue_wait: Duration,
 }
 
 impl Intake {
@@ -98,7 +100,11 @@ impl Intake {
             text.push_str(&line.to_string());
             text.push('\n');
         }
-        match self.queue.send_timeout((signal, text), ENQUEUE_WAIT).await {
+        match self
+            .queue
+            .send_timeout((signal, text), self.enqueue_wait)
+            .await
+        {
             Ok(()) => Ok(()),
             Err(_) => Err(format!(
                 "the collector's write queue is full ({QUEUE_BATCHES} requests); retry"
@@ -280,6 +286,7 @@ pub async fn collect(args: CollectArgs) -> anyhow::Result<bool> {
         queue,
         last_request_ms: Arc::new(AtomicU64::new(0)),
         started: Instant::now(),
+        enqueue_wait: ENQUEUE_WAIT,
     };
 
     let bind = |address: String| async move {
@@ -349,4 +356,112 @@ pub async fn collect(args: CollectArgs) -> anyhow::Result<bool> {
         args.out.display()
     );
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
+    use prost::Message as _;
+
+    fn intake(capacity: usize) -> (Intake, mpsc::Receiver<Batch>) {
+        let (queue, batches) = mpsc::channel(capacity);
+        let intake = Intake {
+            queue,
+            last_request_ms: Arc::new(AtomicU64::new(0)),
+            started: Instant::now(),
+            enqueue_wait: Duration::from_millis(20),
+        };
+        (intake, batches)
+    }
+
+    fn request() -> Bytes {
+        ExportTraceServiceRequest {
+            resource_spans: vec![ResourceSpans {
+                scope_spans: vec![ScopeSpans {
+                    spans: vec![Span {
+                        trace_id: vec![1; 16],
+                        span_id: vec![2; 8],
+                        name: "nomad.rollout".into(),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+        }
+        .encode_to_vec()
+        .into()
+    }
+
+    fn headers(content_type: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, content_type.parse().unwrap());
+        h
+    }
+
+    async fn post(intake: &Intake, content_type: &str, body: Bytes) -> (StatusCode, String) {
+        let (status, body) = http_export::<ExportTraceServiceRequest, ExportTraceServiceResponse>(
+            intake,
+            Signal::Traces,
+            &headers(content_type),
+            body,
+            |r| otlp_lines::span_lines(&r.resource_spans),
+        )
+        .await;
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn http_protobuf_becomes_a_span_line_and_other_bodies_are_named() {
+        let (intake, mut batches) = intake(4);
+        let (status, _) = post(&intake, "application/x-protobuf", request()).await;
+        assert_eq!(status, StatusCode::OK);
+        let (_, text) = batches.try_recv().unwrap();
+        let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+        assert_eq!(line["name"], "nomad.rollout");
+        assert_eq!(line["span_id"], "0202020202020202");
+
+        let (status, message) = post(&intake, "application/json", request()).await;
+        assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        assert!(message.contains("application/x-protobuf"), "{message}");
+        let (status, message) = post(
+            &intake,
+            "application/x-protobuf",
+            Bytes::from_static(b"\xff\xff"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(message.contains("not an OTLP export request"), "{message}");
+        assert!(batches.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_asks_the_exporter_to_retry_instead_of_dropping() {
+        let (intake, _batches) = intake(1);
+        assert_eq!(
+            post(&intake, "application/x-protobuf", request()).await.0,
+            StatusCode::OK
+        );
+        let (status, message) = post(&intake, "application/x-protobuf", request()).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(message.contains("retry"), "{message}");
+    }
+
+    #[test]
+    fn the_writer_appends_each_signal_to_its_file() {
+        let dir = std::env::temp_dir().join(format!("nomad-collect-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (tx, rx) = mpsc::channel(4);
+        tx.try_send((Signal::Metrics, "{\"m\":1}\n".into()))
+            .unwrap();
+        tx.try_send((Signal::Traces, "{\"t\":1}\n".into())).unwrap();
+        drop(tx);
+        assert_eq!(write_batches(&dir, rx).unwrap(), 2);
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+        assert_eq!(read("traces.jsonl"), "{\"t\":1}\n");
+        assert_eq!(read("metrics.jsonl"), "{\"m\":1}\n");
+        assert_eq!(read("logs.jsonl"), "");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -255,6 +255,8 @@ pub fn init(
     // Human-readable logs always go to stderr; stdout is reserved for console telemetry.
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal: a log file (a run directory's) stays plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .with_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
         .with_filter(export_log::ExportErrorsOnce);
