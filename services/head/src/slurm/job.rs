@@ -427,7 +427,7 @@ async fn start(
             sup,
             Step {
                 name: &format!("worker-{node}"),
-                node: node,
+                node,
                 server_type: "device-worker",
                 tasks: per_node,
                 gpus: gpus_per_node > 0,
