@@ -123,6 +123,8 @@ pub struct TelemetrySettings {
     pub runtime_task_count: bool,
     /// `None` leaves the SDK default (60 s).
     pub metric_export_interval: Option<Duration>,
+    /// Serve the metrics for Prometheus to scrape here (besides any export).
+    pub prometheus_listen: Option<std::net::SocketAddr>,
 }
 
 impl TelemetrySettings {
@@ -477,6 +479,29 @@ pub fn resolve(
         )?
         .unwrap_or(false),
         metric_export_interval,
+        prometheus_listen: prometheus_listen(env, block)?,
+    })
+}
+
+fn prometheus_listen(
+    env: &(impl Env + ?Sized),
+    block: &TelemetryBlock,
+) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+    let variable = field::PROMETHEUS_LISTEN.variable;
+    let (source, value) = match env.non_empty(variable) {
+        Some(v) => (variable, v),
+        None => match &block.prometheus_listen {
+            Some(v) => ("telemetry.prometheus_listen", v.clone()),
+            None => return Ok(None),
+        },
+    };
+    if value.eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    value.parse().map(Some).map_err(|_| ConfigError::Invalid {
+        variable: source.to_owned(),
+        value: value.clone(),
+        reason: "not an IP:port to serve /metrics on (e.g. 127.0.0.1:9464), or off".into(),
     })
 }
 

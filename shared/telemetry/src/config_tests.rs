@@ -218,6 +218,17 @@ fn rows() -> Vec<Row> {
             from_standard: "Some(2s)",
             from_nomad: "Some(500ms)",
         },
+        Row {
+            field: "prometheus_listen",
+            file: "prometheus_listen: '127.0.0.1:9464'",
+            standard: None,
+            nomad: ("NOMAD_OTEL_PROMETHEUS_LISTEN", "0.0.0.0:9000"),
+            read: |s| format!("{:?}", s.prometheus_listen),
+            default: "None",
+            from_file: "Some(127.0.0.1:9464)",
+            from_standard: "",
+            from_nomad: "Some(0.0.0.0:9000)",
+        },
     ]
 }
 
@@ -365,6 +376,16 @@ fn bad_values_are_errors_naming_their_source() {
             "",
             &[("OTEL_METRIC_EXPORT_INTERVAL", "soon")],
             "OTEL_METRIC_EXPORT_INTERVAL",
+        ),
+        (
+            "telemetry: {prometheus_listen: 'localhost'}",
+            &[],
+            "telemetry.prometheus_listen=\"localhost\": not an IP:port",
+        ),
+        (
+            "",
+            &[("NOMAD_OTEL_PROMETHEUS_LISTEN", ":9464")],
+            "NOMAD_OTEL_PROMETHEUS_LISTEN",
         ),
     ];
     for (yaml, env, expected) in cases {

@@ -28,6 +28,7 @@ pub struct TelemetryBlock {
     pub runtime_sample_interval_seconds: Option<f64>,
     pub runtime_task_count: Option<bool>,
     pub metric_export_interval_seconds: Option<f64>,
+    pub prometheus_listen: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
@@ -233,6 +234,16 @@ pub const METRIC_EXPORT_INTERVAL_SECONDS: Field = Field {
     value: |b| number(b.metric_export_interval_seconds),
 };
 
+pub const PROMETHEUS_LISTEN: Field = Field {
+    key: "prometheus_listen",
+    note: " (`IP:port`; serves `/metrics`)",
+    variable: "NOMAD_OTEL_PROMETHEUS_LISTEN",
+    standard: &[],
+    standard_doc: "",
+    default: "off",
+    value: |b| b.prometheus_listen.clone(),
+};
+
 /// Every field, in README's order.
 pub const FIELDS: &[Field] = &[
     ENABLED,
@@ -252,6 +263,7 @@ pub const FIELDS: &[Field] = &[
     RUNTIME_SAMPLE_INTERVAL_SECONDS,
     RUNTIME_TASK_COUNT,
     METRIC_EXPORT_INTERVAL_SECONDS,
+    PROMETHEUS_LISTEN,
 ];
 
 /// README's table of the fields.
@@ -295,6 +307,7 @@ mod tests {
             runtime_sample_interval_seconds: Some(1.0),
             runtime_task_count: Some(true),
             metric_export_interval_seconds: Some(5.0),
+            prometheus_listen: Some("127.0.0.1:9464".into()),
         };
         let json = serde_json::to_value(&block).unwrap();
         let mut keys: Vec<String> = Vec::new();

@@ -19,6 +19,7 @@ pub mod process;
 pub mod propagation;
 pub mod records;
 pub mod resource;
+pub mod scrape;
 pub mod spans;
 
 use std::time::Duration;
@@ -69,6 +70,7 @@ pub struct Telemetry {
     meter: Option<SdkMeterProvider>,
     logger: Option<SdkLoggerProvider>,
     _process: Option<process::ProcessMetrics>,
+    scrape: Option<scrape::Endpoint>,
 }
 
 /// How a process wants telemetry set up beyond its settings.
@@ -150,10 +152,13 @@ fn tracer_provider(
     Ok(builder.build())
 }
 
+/// The meter provider: the configured push exporter when metrics export is on, and the
+/// Prometheus reader when a scrape endpoint is asked for.
 fn meter_provider(
     settings: &TelemetrySettings,
     resource: Resource,
     options: &InitOptions,
+    scrape: Option<opentelemetry_prometheus::PrometheusExporter>,
 ) -> Result<SdkMeterProvider, TelemetryError> {
     fn reader<E: opentelemetry_sdk::metrics::exporter::PushMetricExporter>(
         exporter: E,
@@ -165,7 +170,13 @@ fn meter_provider(
             None => builder.build(),
         }
     }
-    let builder = SdkMeterProvider::builder().with_resource(resource);
+    let mut builder = SdkMeterProvider::builder().with_resource(resource);
+    if let Some(scrape) = scrape {
+        builder = builder.with_reader(scrape);
+    }
+    if !settings.metrics_on() {
+        return Ok(builder.build());
+    }
     let interval = settings.metric_export_interval;
     let builder = match settings.metrics.exporter {
         ExporterKind::Console => builder.with_reader(reader(
@@ -233,8 +244,15 @@ pub fn init(
     } else {
         None
     };
-    let meter = if settings.metrics_on() {
-        let provider = meter_provider(&settings, resource.clone(), &options)?;
+    let (scrape_reader, scrape) = match settings.prometheus_listen {
+        Some(listen) => {
+            let (reader, endpoint) = scrape::start(listen)?;
+            (Some(reader), Some(endpoint))
+        }
+        None => (None, None),
+    };
+    let meter = if settings.metrics_on() || scrape_reader.is_some() {
+        let provider = meter_provider(&settings, resource.clone(), &options, scrape_reader)?;
         global::set_meter_provider(provider.clone());
         Some(provider)
     } else {
@@ -291,6 +309,7 @@ pub fn init(
         meter,
         logger,
         _process: process,
+        scrape,
     })
 }
 
@@ -313,9 +332,11 @@ impl Telemetry {
             meter,
             logger,
             _process: process,
+            scrape,
             ..
         } = self;
         drop(process);
+        drop(scrape);
         if tracer.is_none() && meter.is_none() && logger.is_none() {
             return;
         }

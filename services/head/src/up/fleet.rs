@@ -89,6 +89,13 @@ pub(crate) async fn wait_ready(
     }
 }
 
+/// A free loopback port for a child's Prometheus endpoint. Another process could take it
+/// before the child binds it; the child then fails at start-up, naming the address.
+pub fn free_loopback_address() -> anyhow::Result<String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?.to_string())
+}
+
 /// What to start, and where.
 #[derive(Clone, Copy)]
 pub struct FleetPlan<'a> {
@@ -100,6 +107,8 @@ pub struct FleetPlan<'a> {
     /// Workers get `--device cuda:<i>` when there are GPUs.
     pub gpus: usize,
     pub timeout: Duration,
+    /// Give each child a Prometheus endpoint on a free loopback port.
+    pub prometheus: bool,
 }
 
 /// The started fleet's addresses, as written to `fleet.json`.
@@ -107,6 +116,8 @@ pub struct Addresses {
     pub scheduler: String,
     pub gateway: String,
     pub mcp_url: String,
+    /// Each child's Prometheus endpoint (`name`, `IP:port`).
+    pub prometheus: Vec<(String, String)>,
 }
 
 pub async fn start_fleet(sup: &mut Supervisor, plan: &FleetPlan<'_>) -> anyhow::Result<Addresses> {
@@ -118,9 +129,17 @@ pub async fn start_fleet(sup: &mut Supervisor, plan: &FleetPlan<'_>) -> anyhow::
         workers,
         gpus,
         timeout,
+        prometheus,
     } = *plan;
     let addr_file = |name: &str| run_dir.join(format!("{name}.addr"));
-    let spec = |name: &str, server_type: &'static str, program: &str, args: Vec<String>| {
+    let mut scrape = Vec::new();
+    let mut spec = |name: &str, server_type: &'static str, program: &str, args: Vec<String>| {
+        let mut env = env.to_vec();
+        if prometheus {
+            let address = free_loopback_address()?;
+            env.push(("NOMAD_OTEL_PROMETHEUS_LISTEN".into(), address.clone()));
+            scrape.push((name.to_owned(), address));
+        }
         let mut args = args;
         args.extend([
             "--config".into(),
@@ -135,7 +154,7 @@ pub async fn start_fleet(sup: &mut Supervisor, plan: &FleetPlan<'_>) -> anyhow::
             server_type,
             program: binary(bin_dir, program)?,
             args,
-            env: env.to_vec(),
+            env,
         })
     };
     let scheduler_index = sup.spawn(spec("scheduler", "scheduler", "nomad-scheduler", vec![])?)?;
@@ -184,5 +203,6 @@ pub async fn start_fleet(sup: &mut Supervisor, plan: &FleetPlan<'_>) -> anyhow::
         scheduler,
         gateway,
         mcp_url: format!("http://{mcp}/mcp"),
+        prometheus: scrape,
     })
 }

@@ -158,6 +158,14 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         }
     };
 
+    // Every server of the fleet serves /metrics on a port of its own, unless it was turned off.
+    let prometheus = user_env
+        .non_empty("NOMAD_OTEL_PROMETHEUS_LISTEN")
+        .or_else(|| block.prometheus_listen.clone())
+        .is_none_or(|v| !v.eq_ignore_ascii_case("off"));
+    if prometheus && settings.prometheus_listen.is_none() {
+        settings.prometheus_listen = Some(fleet::free_loopback_address()?.parse()?);
+    }
     let console = settings.enabled && settings.exporter == ExporterKind::Console;
     let options_for_head = StartOptions {
         serves: false,
@@ -206,6 +214,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         workers,
         gpus,
         timeout: options.ready_timeout,
+        prometheus,
     };
     let started = fleet::start_fleet(&mut sup, &plan).await;
     let addresses = match started {
@@ -230,6 +239,10 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         "gateway_mcp": addresses.mcp_url,
         "head_pid": std::process::id(),
         "token": token.as_deref(),
+        "prometheus": addresses.prometheus.iter()
+            .map(|(name, address)| (name.clone(), json!(address)))
+            .chain(settings.prometheus_listen.map(|a| ("head".to_owned(), json!(a.to_string()))))
+            .collect::<serde_json::Map<_, _>>(),
         "servers": servers.iter().map(|(name, pid)| json!({"name": name, "pid": pid})).collect::<Vec<_>>(),
     });
     // Written whole, then renamed: whoever waits for the file never reads half of it.

@@ -1,0 +1,217 @@
+//! Every server of a `nomad up` fleet serves `/metrics`, and a real Prometheus server (Debian's
+//! `prometheus`, started here on loopback with a generated config) scrapes them: PromQL over its
+//! HTTP API finds the seed's serving metrics with the Prometheus types and suffixes, and the
+//! gateway's and the head's after a run.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use nomad_integration_tests::fleet::{clean, models_dir};
+use serde_json::Value;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn get(url: &str) -> Value {
+    let response = reqwest::get(url).await.unwrap();
+    let text = response.text().await.unwrap();
+    serde_json::from_str(&text).unwrap_or_else(|_| panic!("{url} answered {text}"))
+}
+
+/// The series of a PromQL query, by their labels.
+async fn query(prometheus: &str, promql: &str) -> Vec<Value> {
+    let url = format!(
+        "{prometheus}/api/v1/query?query={}",
+        promql
+            .bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'_' => (b as char).to_string(),
+                _ => format!("%{b:02X}"),
+            })
+            .collect::<String>()
+    );
+    let answer = get(&url).await;
+    assert_eq!(answer["status"], "success", "{promql}: {answer}");
+    answer["data"]["result"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+fn value(series: &Value) -> f64 {
+    series["value"][1].as_str().unwrap().parse().unwrap()
+}
+
+async fn wait_for(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(Instant::now() < deadline, "{what}: not within {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
+    let dir = std::env::temp_dir().join(format!(
+        "nomad-prom-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run_id = format!(
+        "it-prom-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let mut up = clean("nomad")
+        .args(["up", "--ready-timeout", "120", "--runs-dir"])
+        .arg(dir.join("runs"))
+        .arg("--models-dir")
+        .arg(models_dir())
+        .env("NOMAD_OTEL_RUN_ID", &run_id)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("up.stderr")).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let fleet_path = dir.join("runs").join(&run_id).join("fleet.json");
+    wait_for("the fleet", Duration::from_secs(150), async || {
+        assert!(up.try_wait().unwrap().is_none(), "nomad up exited");
+        fleet_path.is_file()
+    })
+    .await;
+    let fleet: Value =
+        serde_json::from_str(&std::fs::read_to_string(&fleet_path).unwrap()).unwrap();
+    let targets = fleet["prometheus"].as_object().unwrap().clone();
+    let names: Vec<&str> = targets.keys().map(String::as_str).collect();
+    assert_eq!(names, ["device-worker-0", "gateway", "head", "scheduler"]);
+
+    // A real Prometheus, scraping each server every second.
+    let mut config =
+        String::from("global: {scrape_interval: 1s, scrape_timeout: 1s}\nscrape_configs:\n");
+    for (name, address) in &targets {
+        config.push_str(&format!(
+            "  - job_name: {name}\n    static_configs: [{{targets: ['{}']}}]\n",
+            address.as_str().unwrap()
+        ));
+    }
+    let config_path = dir.join("prometheus.yml");
+    std::fs::write(&config_path, config).unwrap();
+    let port = free_port();
+    let prometheus = format!("http://127.0.0.1:{port}");
+    let _server = tokio::process::Command::new("prometheus")
+        .arg(format!("--config.file={}", config_path.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("tsdb").display()
+        ))
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("prometheus.log")).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("Debian's prometheus package (apt-get install prometheus)");
+
+    // Load: the demo's tasks through the fleet's gateway.
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../services/head/demo");
+    let run = clean("nomad")
+        .args(["run", "--fleet"])
+        .arg(&fleet_path)
+        .arg("--tasks")
+        .arg(demo.join("tasks.jsonl"))
+        .arg("--template")
+        .arg(demo.join("agent.py"))
+        .arg("--out")
+        .arg(dir.join("results.jsonl"))
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+
+    wait_for("every target up", Duration::from_secs(60), async || {
+        let up = query(&prometheus, "up == 1").await;
+        up.len() == 4
+    })
+    .await;
+    // The scheduler's request counter reaches what the run sent (scraped after it ended).
+    wait_for(
+        "the run's requests in Prometheus",
+        Duration::from_secs(60),
+        async || {
+            let series = query(
+                &prometheus,
+                "sum(nomad_tool_requests_total{job=\"scheduler\"})",
+            )
+            .await;
+            series.first().is_some_and(|s| value(s) >= 20.0)
+        },
+    )
+    .await;
+    for promql in [
+        "nomad_tool_request_duration_seconds_bucket{job=\"scheduler\"}",
+        "nomad_tool_request_duration_seconds_sum{job=\"scheduler\"}",
+        "nomad_tool_request_duration_seconds_count{job=\"scheduler\"}",
+        "nomad_tool_batch_size_bucket{job=\"scheduler\"}",
+        "nomad_tool_queue_length{job=\"scheduler\"}",
+        "nomad_gateway_requests_total{job=\"gateway\"}",
+        "nomad_gateway_sandbox_duration_seconds_count{job=\"gateway\"}",
+        // The head of `nomad up` supervises (the rollouts ran in `nomad run`).
+        "nomad_servers_active{job=\"head\",server_type=\"gateway\"}",
+        "nomad_server_memory_usage_bytes{job=\"head\",server=\"scheduler\"}",
+        "nomad_device_memory_allocated_bytes{job=\"scheduler\",nomad_worker_id=\"worker-0\"}",
+        "process_memory_usage_bytes{job=\"device-worker-0\"}",
+        "target_info{job=\"scheduler\",service_name=\"nomad/scheduler\"}",
+    ] {
+        let series = query(&prometheus, promql).await;
+        assert!(!series.is_empty(), "no series for {promql}");
+    }
+
+    // Types as Prometheus understood them from each endpoint.
+    let metadata = get(&format!("{prometheus}/api/v1/metadata")).await;
+    let kind = |name: &str| {
+        metadata["data"][name][0]["type"]
+            .as_str()
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        kind("nomad_tool_requests_total").as_deref(),
+        Some("counter"),
+        "{metadata}"
+    );
+    assert_eq!(
+        kind("nomad_tool_request_duration_seconds").as_deref(),
+        Some("histogram")
+    );
+    assert_eq!(kind("nomad_tool_queue_length").as_deref(), Some("gauge"));
+    assert_eq!(
+        kind("nomad_gateway_requests_total").as_deref(),
+        Some("counter")
+    );
+
+    // SIGTERM stops the fleet (and with it every endpoint).
+    unsafe {
+        libc::kill(up.id().unwrap() as i32, libc::SIGTERM);
+    }
+    let status = tokio::time::timeout(Duration::from_secs(60), up.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+    for address in targets.values() {
+        assert!(
+            reqwest::get(format!("http://{}/metrics", address.as_str().unwrap()))
+                .await
+                .is_err(),
+            "{address} still serves after the fleet stopped"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
