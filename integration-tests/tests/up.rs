@@ -262,6 +262,61 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     }
     check_rollout_traces(&from_console(&console), &results, &run_id);
 
+    // The start-up is one trace: the head's phases, and each server's own start-up under the
+    // head's span that spawned it.
+    console.push_str(&std::fs::read_to_string(run_dir.join("head.jsonl")).unwrap());
+    let spans = from_console(&console);
+    let startup: Vec<_> = spans
+        .iter()
+        .filter(|s| {
+            s.name.starts_with("nomad.startup") || s.name.starts_with("nomad.server.startup")
+        })
+        .collect();
+    let roots: Vec<_> = startup
+        .iter()
+        .filter(|s| s.name == "nomad.startup")
+        .collect();
+    assert_eq!(roots.len(), 1, "{startup:#?}");
+    let root = roots[0];
+    assert_eq!(root.attr("nomad.run.id"), Some(run_id.as_str()));
+    assert!(
+        startup.iter().all(|s| s.trace_id == root.trace_id),
+        "{startup:#?}"
+    );
+    for phase in ["config", "telemetry"] {
+        assert!(
+            startup
+                .iter()
+                .any(|s| s.name == format!("nomad.startup.{phase}"))
+        );
+    }
+    for (server, service) in [
+        ("scheduler", "nomad/scheduler"),
+        ("device-worker-0", "nomad/device-worker"),
+        ("gateway", "nomad/gateway"),
+    ] {
+        let named = |name: &str| {
+            startup
+                .iter()
+                .find(|s| s.name == name && s.attr("nomad.server.name") == Some(server))
+                .unwrap_or_else(|| panic!("no {name} for {server}: {startup:#?}"))
+        };
+        let spawn = named("nomad.startup.spawn");
+        named("nomad.startup.ready");
+        let own = startup
+            .iter()
+            .find(|s| s.name == "nomad.server.startup" && s.service_name == service)
+            .unwrap_or_else(|| panic!("{server} traced no start-up"));
+        assert_eq!(own.parent_span_id.as_deref(), Some(spawn.span_id.as_str()));
+        assert!(
+            startup
+                .iter()
+                .any(|s| s.name == "nomad.server.startup.listen"
+                    && s.parent_span_id.as_deref() == Some(own.span_id.as_str())),
+            "{server} traced no listen phase"
+        );
+    }
+
     // Env precedence: the children exported metrics although the block turned them off.
     for server in ["scheduler", "device-worker-0", "gateway"] {
         let metrics = records(&run_dir, &format!("{server}.jsonl"), "metric");

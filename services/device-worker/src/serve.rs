@@ -67,7 +67,15 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ))),
     };
     tracing::info!("{}", device::capabilities());
+    let opening = service.startup.phase(
+        "device",
+        vec![nomad_telemetry::KeyValue::new(
+            "nomad.device",
+            args.device.to_string(),
+        )],
+    );
     let device = args.device.open()?;
+    opening.end();
     let mut device_info = args.device.info();
     device_info.memory_total_bytes = device::memory_info(&device).map(|(_, total)| total);
     tracing::info!(device = %args.device, backend = ?args.backend, memory_total_bytes = ?device_info.memory_total_bytes, "device ready");

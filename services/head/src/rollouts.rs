@@ -188,6 +188,7 @@ impl Runner {
                 ],
                 links: job.into_iter().map(Link::with_context).collect(),
                 new_root: true,
+                ..Default::default()
             },
         );
         let started = Instant::now();

@@ -9,7 +9,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use nomad_config::ConfigFile;
-use nomad_telemetry::{InitOptions, ServerIdentity, ServerType, Telemetry, TelemetrySettings};
+use nomad_telemetry::startup::{Phases, Startup};
+use nomad_telemetry::{
+    InitOptions, KeyValue, ServerIdentity, ServerType, Telemetry, TelemetrySettings,
+};
 use tokio::net::TcpListener;
 
 /// The arguments every service takes (`#[command(flatten)]`).
@@ -37,6 +40,9 @@ pub struct StartOptions {
     /// The fleet's token when neither `NOMAD_AUTH_TOKEN` nor the config gives one (a client
     /// that read it from `fleet.json`).
     pub token: Option<String>,
+    /// Start-up phases timed so far. A serving process traces its start-up anyway (until it
+    /// listens); one that does not serve only when it gives these (`nomad up`).
+    pub startup: Option<Phases>,
 }
 
 impl Default for StartOptions {
@@ -46,6 +52,7 @@ impl Default for StartOptions {
             init: InitOptions::default(),
             gpu_count: None,
             token: None,
+            startup: None,
         }
     }
 }
@@ -54,6 +61,8 @@ impl Default for StartOptions {
 pub struct Service {
     pub config: ConfigFile,
     pub identity: ServerIdentity,
+    /// Open until the service listens (or its owner finishes it).
+    pub startup: Startup,
     telemetry: Telemetry,
 }
 
@@ -68,9 +77,10 @@ impl Service {
     pub fn start_with(
         kind: ServerType,
         args: &ServiceArgs,
-        options: StartOptions,
+        mut options: StartOptions,
         adjust: impl FnOnce(&mut TelemetrySettings) -> anyhow::Result<()>,
     ) -> anyhow::Result<Self> {
+        let mut phases = options.startup.take().unwrap_or_default();
         let config = ConfigFile::load(args.config.as_deref())?;
         crate::tls::configure_from(&config, options.serves)?;
         let mut auth = crate::auth::Auth::resolve(&config, &nomad_config::ProcessEnv)?;
@@ -80,6 +90,10 @@ impl Service {
         crate::auth::install(auth)?;
         let mut settings = nomad_telemetry::load_settings(&config)?;
         adjust(&mut settings)?;
+        phases.mark("config");
+        if options.serves {
+            options.startup = Some(phases);
+        }
         Self::with_settings(kind, args.server_name.clone(), config, settings, options)
     }
 
@@ -94,10 +108,28 @@ impl Service {
     ) -> anyhow::Result<Self> {
         let mut identity = ServerIdentity::new(kind).named(server_name);
         identity.gpu_count = options.gpu_count;
+        let run_id = settings.run_id.clone();
         let telemetry = nomad_telemetry::init(settings, &identity, options.init)?;
+        let startup = match options.startup {
+            Some(mut phases) => {
+                phases.mark("telemetry");
+                let name = if kind == ServerType::Head {
+                    "nomad.startup"
+                } else {
+                    "nomad.server.startup"
+                };
+                let mut attributes = vec![KeyValue::new("nomad.server.type", kind.as_str())];
+                attributes.extend(run_id.map(|id| KeyValue::new("nomad.run.id", id)));
+                // A server started by `nomad up` continues the head's start-up trace.
+                let parent = nomad_telemetry::propagation::extract_env(&nomad_config::ProcessEnv);
+                Startup::open(name, phases, &parent, attributes)
+            }
+            None => Startup::disabled(),
+        };
         Ok(Self {
             config,
             identity,
+            startup,
             telemetry,
         })
     }
@@ -110,12 +142,15 @@ impl Service {
         listen: &str,
         addr_file: Option<&std::path::Path>,
     ) -> anyhow::Result<(TcpListener, SocketAddr)> {
+        let phase = self.startup.phase("listen", vec![]);
         let (listener, local) = crate::bind(listen).await?;
         crate::auth::installed().check_listen(what, local)?;
         if let Some(path) = addr_file {
             crate::write_addr_file(path, local)?;
         }
         tracing::info!("{what} listening on {local}");
+        phase.end();
+        self.startup.finish();
         Ok((listener, local))
     }
 

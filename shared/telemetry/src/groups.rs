@@ -30,10 +30,12 @@ pub enum SpanGroup {
     Batch,
     /// Device operations: load, offload, evict, unload, cache clear.
     Device,
+    /// Start-up: `nomad.startup` in the head, `nomad.server.startup` in each server.
+    Startup,
 }
 
 impl SpanGroup {
-    pub const ALL: [SpanGroup; 11] = [
+    pub const ALL: [SpanGroup; 12] = [
         SpanGroup::Job,
         SpanGroup::Rollout,
         SpanGroup::Verify,
@@ -45,6 +47,7 @@ impl SpanGroup {
         SpanGroup::Tool,
         SpanGroup::Batch,
         SpanGroup::Device,
+        SpanGroup::Startup,
     ];
 
     pub fn name(self) -> &'static str {
@@ -60,6 +63,7 @@ impl SpanGroup {
             SpanGroup::Tool => "tool",
             SpanGroup::Batch => "batch",
             SpanGroup::Device => "device",
+            SpanGroup::Startup => "startup",
         }
     }
 
@@ -88,6 +92,7 @@ pub const PRESETS: [(&str, &[SpanGroup]); 4] = [
             SpanGroup::Tool,
             SpanGroup::Batch,
             SpanGroup::Device,
+            SpanGroup::Startup,
         ],
     ),
     // One span per rollout step and no per-request fan-out: for very large runs.

@@ -21,6 +21,7 @@ pub mod records;
 pub mod resource;
 pub mod scrape;
 pub mod spans;
+pub mod startup;
 
 use std::time::Duration;
 

@@ -42,6 +42,27 @@ pub fn extract_map(map: &HashMap<String, String>) -> Context {
     global::get_text_map_propagator(|p| p.extract_with_context(&Context::new(), map))
 }
 
+/// Environment variables that hand `cx` to a child process (`TRACEPARENT`, `TRACESTATE`,
+/// `BAGGAGE`), as the OpenTelemetry environment carrier spells them.
+pub fn inject_env(cx: &Context) -> Vec<(String, String)> {
+    inject_map(cx)
+        .into_iter()
+        .map(|(k, v)| (k.to_ascii_uppercase(), v))
+        .collect()
+}
+
+/// The context a parent process handed down with [`inject_env`] (empty when there is none).
+pub fn extract_env(env: &(impl nomad_config::Env + ?Sized)) -> Context {
+    let map: HashMap<String, String> = ["traceparent", "tracestate", "baggage"]
+        .into_iter()
+        .filter_map(|k| {
+            env.non_empty(&k.to_ascii_uppercase())
+                .map(|v| (k.to_owned(), v))
+        })
+        .collect();
+    extract_map(&map)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,6 +111,26 @@ mod tests {
         let back = extract_map(&map);
         assert_eq!(baggage::run_id(&back).as_deref(), Some("run-1"));
         assert!(back.span().span_context().is_remote());
+    }
+
+    #[test]
+    fn a_child_process_continues_the_trace_from_its_environment() {
+        install();
+        let env = inject_env(&remote());
+        assert!(env.iter().any(|(k, _)| k == "TRACEPARENT"), "{env:?}");
+        let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let back = extract_env(pairs.as_slice());
+        assert_eq!(
+            back.span().span_context().trace_id().to_string(),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
+        assert_eq!(baggage::run_id(&back).as_deref(), Some("run-1"));
+        assert!(
+            !extract_env(&[] as &[(&str, &str)])
+                .span()
+                .span_context()
+                .is_valid()
+        );
     }
 
     #[test]

@@ -43,6 +43,8 @@ pub struct SpanOptions {
     pub links: Vec<Link>,
     /// Start a new trace instead of a child of the parent's span (the parent's baggage is kept).
     pub new_root: bool,
+    /// When the work began, if before now (phases timed before telemetry was up).
+    pub start_time: Option<std::time::SystemTime>,
 }
 
 impl GroupSpan {
@@ -66,6 +68,10 @@ impl GroupSpan {
             .with_kind(options.kind.unwrap_or(SpanKind::Internal))
             .with_attributes(options.attributes)
             .with_links(options.links);
+        let builder = match options.start_time {
+            Some(t) => builder.with_start_time(t),
+            None => builder,
+        };
         let span = if options.new_root {
             // A root keeps the parent's baggage (run and rollout ids) but no span at all: an
             // empty span context would read as an unsampled parent and drop the whole trace.
@@ -143,6 +149,14 @@ impl GroupSpan {
 
     pub fn end(self) {
         // Drop ends it.
+    }
+
+    /// Ends the span at `time` (work timed before the span could be made).
+    pub fn end_at(self, time: std::time::SystemTime) {
+        if self.recording {
+            self.cx.span().end_with_timestamp(time);
+        }
+        // Drop's end() is then a no-op: the span has ended.
     }
 }
 

@@ -446,6 +446,7 @@ async fn start(
         &scheduler,
         workers,
         timeout,
+        &nomad_telemetry::startup::Startup::disabled(),
     )
     .await?;
     println!(

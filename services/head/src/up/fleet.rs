@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use nomad_proto::v1::ListWorkersRequest;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
+use nomad_telemetry::KeyValue;
+use nomad_telemetry::startup::Startup;
 
 use crate::supervisor::{ChildSpec, Supervisor};
 
@@ -35,19 +37,28 @@ fn binary(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// Checks each server's `grpc.health.v1` status and waits for `workers` registrations.
+/// Checks each server's `grpc.health.v1` status and waits for `workers` registrations; each
+/// wait is a `ready` phase of `startup`.
 pub(crate) async fn wait_ready(
     sup: &mut Supervisor,
     addresses: &[(usize, String)],
     scheduler: &str,
     workers: usize,
     timeout: Duration,
+    startup: &Startup,
 ) -> anyhow::Result<()> {
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     let deadline = tokio::time::Instant::now() + timeout;
     for (index, address) in addresses {
+        let phase = startup.phase(
+            "ready",
+            vec![KeyValue::new(
+                "nomad.server.name",
+                sup.name(*index).to_owned(),
+            )],
+        );
         let mut client = HealthClient::new(nomad_rpc::channel(address)?);
         loop {
             let status = client
@@ -67,7 +78,12 @@ pub(crate) async fn wait_ready(
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        phase.end();
     }
+    let _registered = startup.phase(
+        "ready",
+        vec![KeyValue::new("nomad.startup.workers", workers as i64)],
+    );
     let mut client = SchedulerClient::new(nomad_rpc::channel(scheduler)?);
     loop {
         let registered = client
@@ -120,7 +136,13 @@ pub struct Addresses {
     pub prometheus: Vec<(String, String)>,
 }
 
-pub async fn start_fleet(sup: &mut Supervisor, plan: &FleetPlan<'_>) -> anyhow::Result<Addresses> {
+/// Starts every server, each spawn a `spawn` phase of `startup` whose context the server
+/// continues (its own `nomad.server.startup` joins the head's start-up trace).
+pub async fn start_fleet(
+    sup: &mut Supervisor,
+    plan: &FleetPlan<'_>,
+    startup: &Startup,
+) -> anyhow::Result<Addresses> {
     let FleetPlan {
         bin_dir,
         run_dir,
@@ -133,8 +155,14 @@ pub async fn start_fleet(sup: &mut Supervisor, plan: &FleetPlan<'_>) -> anyhow::
     } = *plan;
     let addr_file = |name: &str| run_dir.join(format!("{name}.addr"));
     let mut scrape = Vec::new();
+    // Each spawn's span, open until the server listens: the server's start-up continues it.
     let mut spec = |name: &str, server_type: &'static str, program: &str, args: Vec<String>| {
         let mut env = env.to_vec();
+        let phase = startup.phase(
+            "spawn",
+            vec![KeyValue::new("nomad.server.name", name.to_owned())],
+        );
+        env.extend(nomad_telemetry::propagation::inject_env(phase.context()));
         if prometheus {
             let address = free_loopback_address()?;
             env.push(("NOMAD_OTEL_PROMETHEUS_LISTEN".into(), address.clone()));
@@ -149,18 +177,21 @@ pub async fn start_fleet(sup: &mut Supervisor, plan: &FleetPlan<'_>) -> anyhow::
             "--addr-file".into(),
             addr_file(name).display().to_string(),
         ]);
-        Ok::<_, anyhow::Error>(ChildSpec {
+        let child = ChildSpec {
             name: name.into(),
             server_type,
             program: binary(bin_dir, program)?,
             args,
             env,
-        })
+        };
+        Ok::<_, anyhow::Error>((child, phase))
     };
-    let scheduler_index = sup.spawn(spec("scheduler", "scheduler", "nomad-scheduler", vec![])?)?;
+    let (child, spawning) = spec("scheduler", "scheduler", "nomad-scheduler", vec![])?;
+    let scheduler_index = sup.spawn(child)?;
     let scheduler = sup
         .wait_for_file(scheduler_index, &addr_file("scheduler"), timeout)
         .await?;
+    spawning.end();
     let mut addresses = vec![(scheduler_index, scheduler.clone())];
     for i in 0..workers {
         let name = format!("device-worker-{i}");
@@ -173,12 +204,14 @@ pub async fn start_fleet(sup: &mut Supervisor, plan: &FleetPlan<'_>) -> anyhow::
         if gpus > 0 {
             args.extend(["--device".into(), format!("cuda:{i}")]);
         }
-        let index = sup.spawn(spec(&name, "device-worker", "nomad-device-worker", args)?)?;
+        let (child, spawning) = spec(&name, "device-worker", "nomad-device-worker", args)?;
+        let index = sup.spawn(child)?;
         let address = sup.wait_for_file(index, &addr_file(&name), timeout).await?;
+        spawning.end();
         addresses.push((index, address));
     }
     let mcp_addr_file = run_dir.join("gateway-mcp.addr");
-    let gateway_index = sup.spawn(spec(
+    let (child, spawning) = spec(
         "gateway",
         "gateway",
         "nomad-gateway",
@@ -190,15 +223,17 @@ pub async fn start_fleet(sup: &mut Supervisor, plan: &FleetPlan<'_>) -> anyhow::
             "--mcp-addr-file".into(),
             mcp_addr_file.display().to_string(),
         ],
-    )?)?;
+    )?;
+    let gateway_index = sup.spawn(child)?;
     let gateway = sup
         .wait_for_file(gateway_index, &addr_file("gateway"), timeout)
         .await?;
+    spawning.end();
     let mcp = sup
         .wait_for_file(gateway_index, &mcp_addr_file, timeout)
         .await?;
     addresses.push((gateway_index, gateway.clone()));
-    wait_ready(sup, &addresses, &scheduler, workers, timeout).await?;
+    wait_ready(sup, &addresses, &scheduler, workers, timeout, startup).await?;
     Ok(Addresses {
         scheduler,
         gateway,

@@ -79,6 +79,7 @@ fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
 
 /// Runs the fleet. Returns whether everything it ran succeeded.
 pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
+    let mut phases = nomad_telemetry::startup::Phases::begin();
     let user_env = ProcessEnv;
     let bin_dir = match &options.bin_dir {
         Some(dir) => dir.clone(),
@@ -102,6 +103,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     }
     let token = auth.token.clone();
     nomad_rpc::auth::install(auth)?;
+    phases.mark("config");
     let block: TelemetryBlock = file.section("telemetry")?;
     // Children get the block as NOMAD_OTEL_* variables (and read the same file), plus the
     // defaults; none of it replaces a variable of the user's.
@@ -150,6 +152,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
             let models = absolute(&options.models_dir)?;
             if !models::models_present(&models) {
                 models::fetch_models(&models)?;
+                phases.mark("models");
             }
             let path = run_dir.join("nomad.yaml");
             std::fs::write(&path, models::default_config(&models))
@@ -174,6 +177,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         },
         gpu_count: None,
         token: None,
+        startup: Some(phases),
     };
     let telemetry = Service::with_settings(
         ServerType::Head,
@@ -216,7 +220,8 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         timeout: options.ready_timeout,
         prometheus,
     };
-    let started = fleet::start_fleet(&mut sup, &plan).await;
+    let started = fleet::start_fleet(&mut sup, &plan, &telemetry.startup).await;
+    telemetry.startup.finish();
     let addresses = match started {
         Ok(a) => a,
         Err(e) => {

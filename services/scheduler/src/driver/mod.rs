@@ -611,6 +611,7 @@ impl Driver {
                     .collect(),
                 links,
                 new_root: true,
+                ..Default::default()
             },
         )
     }
