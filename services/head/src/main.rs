@@ -4,6 +4,7 @@
 mod collect;
 mod health;
 mod memory;
+mod report;
 mod rollouts;
 mod run;
 mod run_id;
@@ -21,12 +22,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// Nomad head: start a fleet, run rollouts against it, and read their traces.
 #[derive(Parser)]
-#[command(
-    name = "nomad",
-    version,
-    about = "Nomad head: start a fleet, run rollouts against it, and read their traces"
-)]
+#[command(name = "nomad", version)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -42,6 +40,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Show a run's rollouts as waterfall trees of their spans, slowest first.
     Traces(traces::TracesArgs),
+    /// Write a run's report: one HTML file of plots and its slowest rollouts' waterfalls.
+    Report(report::ReportArgs),
     /// Submit a run as a Slurm job: the fleet on every node, with a collector beside it.
     Submit(slurm::SubmitArgs),
     /// A submitted job's state, steps and progress.
@@ -64,6 +64,7 @@ fn main() -> ExitCode {
             Command::Run(args) => run::run(args).await?,
             Command::Serve(args) => serve::serve(args).await.map(|()| true)?,
             Command::Traces(args) => traces::show(args).await?,
+            Command::Report(args) => report::report(args).await?,
             Command::Submit(args) => slurm::submit(args).await?,
             Command::Status(args) => slurm::status::status(args).await?,
             Command::Collect(args) => collect::collect(args).await?,

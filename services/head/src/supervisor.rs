@@ -293,8 +293,15 @@ mod tests {
         let mut sup = Supervisor::new(&dir);
         sup.spawn(sh("steady", "exec sleep 30")).unwrap();
         // Ignores SIGTERM: must be killed when the grace period ends.
-        sup.spawn(sh("stubborn", "trap '' TERM; while :; do sleep 0.05; done"))
-            .unwrap();
+        let trapped = dir.join("trapped");
+        sup.spawn(sh(
+            "stubborn",
+            &format!(
+                "trap '' TERM; touch {}; while :; do sleep 0.05; done",
+                trapped.display()
+            ),
+        ))
+        .unwrap();
         sup.spawn(sh("crasher", "echo 'bad weights' >&2; exit 3"))
             .unwrap();
         let exit = sup.next_exit().await;
@@ -305,6 +312,10 @@ mod tests {
         let pids: Vec<u32> = sup.running().iter().map(|(_, pid)| *pid).collect();
         assert_eq!(pids.len(), 2);
 
+        // Stopping before the shell has set its trap would test nothing.
+        while !trapped.exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let exits = sup.stop(Duration::from_millis(300)).await;
         assert_eq!(exits.len(), 3);
         assert!(sup.running().is_empty());

@@ -70,7 +70,7 @@ fn rows() -> Vec<Row> {
             standard: None,
             nomad: ("NOMAD_OTEL_SPAN_GROUPS", "client"),
             read: |s| format!("{:?}", s.span_groups),
-            default: "SpanGroups(job,rollout,verify,server,gateway,sandbox,upstream,tool,batch,device)",
+            default: "SpanGroups(job,rollout,verify,server,gateway,sandbox,upstream,tool,batch,device,startup)",
             from_file: "SpanGroups(job,rollout,verify,gateway)",
             from_standard: "",
             from_nomad: "SpanGroups(client)",

@@ -44,14 +44,27 @@ pub fn telemetry_defaults(block: &TelemetryBlock, env: &dyn Env) -> Vec<(String,
     if configured {
         return Vec::new();
     }
+    // A field the block or the environment already sets is left to it.
+    let interval_set = block.metric_export_interval_seconds.is_some()
+        || env.non_empty("OTEL_METRIC_EXPORT_INTERVAL").is_some();
+    let profiling_set = block
+        .memory_profiling
+        .as_ref()
+        .is_some_and(|m| m.enabled.is_some());
     [
-        ("NOMAD_OTEL_ENABLED", "true"),
-        ("NOMAD_OTEL_EXPORTER", "console"),
-        ("NOMAD_OTEL_MEMORY_PROFILING_ENABLED", "true"),
+        ("NOMAD_OTEL_ENABLED", "true", false),
+        ("NOMAD_OTEL_EXPORTER", "console", false),
+        ("NOMAD_OTEL_MEMORY_PROFILING_ENABLED", "true", profiling_set),
+        // Points every 2 s, so a short run's report still plots memory over time.
+        (
+            "NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS",
+            "2",
+            interval_set,
+        ),
     ]
     .into_iter()
-    .filter(|(k, _)| env.non_empty(k).is_none())
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .filter(|(k, _, set)| !set && env.non_empty(k).is_none())
+    .map(|(k, v, _)| (k.to_owned(), v.to_owned()))
     .collect()
 }
 
@@ -71,7 +84,13 @@ mod tests {
     fn defaults_apply_only_where_nothing_configures_telemetry() {
         let none = TelemetryBlock::default();
         let defaults = telemetry_defaults(&none, &env(&[]));
-        assert_eq!(defaults.len(), 3);
+        assert_eq!(defaults.len(), 4);
+        let d = telemetry_defaults(&none, &env(&[("OTEL_METRIC_EXPORT_INTERVAL", "10000")]));
+        assert!(
+            !d.iter()
+                .any(|(k, _)| k == "NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS"),
+            "the standard variable is the user's choice: {d:?}"
+        );
         // The user's own choice of a field is left alone; the others still default.
         let d = telemetry_defaults(
             &none,
@@ -81,7 +100,7 @@ mod tests {
             !d.iter()
                 .any(|(k, _)| k == "NOMAD_OTEL_MEMORY_PROFILING_ENABLED")
         );
-        assert_eq!(d.len(), 2);
+        assert_eq!(d.len(), 3);
         for configured in [
             ("NOMAD_OTEL_ENABLED", "false"),
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),

@@ -338,6 +338,13 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
 
     if let Some((results, out)) = results {
         summarize(&results, &out);
+        if console {
+            let report = run_dir.join("report.html");
+            match crate::report::write(&run_dir, &run_id, &report, 3) {
+                Ok(()) => println!("Report: {}", report.display()),
+                Err(e) => eprintln!("nomad up: writing the run's report: {e:#}"),
+            }
+        }
         if options.tasks.as_ref().is_some_and(|t| t.show_traces) {
             if console {
                 let spans = traces::load_dir(&run_dir)?;

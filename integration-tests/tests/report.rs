@@ -1,0 +1,177 @@
+//! `nomad up --demo` writes the run's report, and it opens in a real browser (Debian's headless
+//! `chromium`): every plot is drawn, nothing is fetched, and what is plotted adds up to the
+//! run's results and spans.
+
+use std::path::{Path, PathBuf};
+
+use nomad_integration_tests::fleet::{clean, models_dir};
+use nomad_integration_tests::spans::from_console;
+use serde_json::Value;
+
+fn read_jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Headless Chromium on `page` with `args`; returns (stdout, stderr).
+async fn chromium(page: &Path, args: &[String]) -> (String, String) {
+    let out = tokio::process::Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+        ])
+        .args(["--enable-logging=stderr", "--v=0"])
+        .args(args)
+        .arg(format!("file://{}", page.display()))
+        .output()
+        .await
+        .expect("Debian's chromium package (apt-get install chromium)");
+    assert!(
+        out.status.success(),
+        "chromium: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
+    let dir = std::env::temp_dir().join(format!(
+        "nomad-report-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run_id = format!(
+        "it-report-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let up = clean("nomad")
+        .args(["up", "--demo", "--runs-dir"])
+        .arg(dir.join("runs"))
+        .arg("--models-dir")
+        .arg(models_dir())
+        .env("NOMAD_OTEL_RUN_ID", &run_id)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&up.stdout);
+    assert!(
+        up.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    let run_dir = dir.join("runs").join(&run_id);
+    let report: PathBuf = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("Report: "))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("nomad up printed no report path:\n{stdout}"));
+    assert_eq!(report, run_dir.join("report.html"));
+    let html = std::fs::read_to_string(&report).unwrap();
+
+    // Self-contained: nothing to fetch (the SVG namespace is a name, not a request).
+    for needle in ["src=", "href=", "@import", "url("] {
+        assert!(
+            !html.contains(needle),
+            "the report refers out with {needle}"
+        );
+    }
+
+    // The browser parses it into six figures, each drawn as SVG, and logs no error.
+    let (dom, log) = chromium(&report, &["--dump-dom".into()]).await;
+    for id in [
+        "rollout-durations",
+        "rewards",
+        "request-latency",
+        "batch-size",
+        "queue-length",
+        "memory",
+    ] {
+        let at = dom
+            .find(&format!("<figure id=\"{id}\">"))
+            .unwrap_or_else(|| panic!("no figure {id}"));
+        let end = dom[at..].find("</figure>").unwrap() + at;
+        assert!(dom[at..end].contains("<svg"), "figure {id} has no plot");
+    }
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("CONSOLE") || l.contains("Uncaught")),
+        "the page logged:\n{log}"
+    );
+    let shot = dir.join("report.png");
+    chromium(
+        &report,
+        &[
+            format!("--screenshot={}", shot.display()),
+            "--window-size=1000,2600".into(),
+        ],
+    )
+    .await;
+    assert!(
+        std::fs::metadata(&shot).unwrap().len() > 20_000,
+        "an empty screenshot"
+    );
+
+    // What is plotted is what happened.
+    let start = html
+        .find("<script type=\"application/json\" id=\"figures\">")
+        .unwrap();
+    let json = &html[start..];
+    let json = &json[json.find('>').unwrap() + 1..json.find("</script>").unwrap()];
+    let figures: Value = serde_json::from_str(json).unwrap();
+    let results = read_jsonl(&run_dir.join("results.jsonl"));
+    assert_eq!(results.len(), 20);
+    let bin_total = |h: &Value| -> u64 {
+        h["bins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["count"].as_u64().unwrap())
+            .sum()
+    };
+    assert_eq!(figures["rollouts"], 20);
+    assert_eq!(figures["rollout_seconds"]["count"], 20);
+    assert_eq!(bin_total(&figures["rollout_seconds"]), 20);
+    let rewarded = results.iter().filter(|r| r["reward"].is_number()).count() as u64;
+    assert_eq!(bin_total(&figures["rewards"]), rewarded);
+    let spans = from_console(&std::fs::read_to_string(run_dir.join("scheduler.jsonl")).unwrap());
+    let points = |series: &Value| -> usize {
+        series
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|p| p.as_array().unwrap().len())
+            .sum()
+    };
+    let requests = spans
+        .iter()
+        .filter(|s| s.name == "nomad.tool.request")
+        .count();
+    let batches = spans
+        .iter()
+        .filter(|s| s.name == "nomad.tool.batch")
+        .count();
+    assert!(requests > 0 && batches > 0);
+    assert_eq!(points(&figures["request_latency_ms"]), requests);
+    assert_eq!(points(&figures["batch_size"]), batches);
+    // Every queue empties by the end of the run.
+    for (tool, steps) in figures["queue_length"].as_object().unwrap() {
+        let last = steps.as_array().unwrap().last().unwrap();
+        assert_eq!(last[1], 0.0, "{tool}'s queue ends at {last}");
+    }
+    // The memory profiler sampled every server more than once (points every 2 s).
+    let memory = figures["memory_mib"].as_object().unwrap();
+    assert_eq!(memory.len(), 3, "{memory:?}");
+    for (server, points) in memory {
+        assert!(points.as_array().unwrap().len() >= 2, "{server}: {points}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

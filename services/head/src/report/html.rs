@@ -1,0 +1,217 @@
+//! The report as one self-contained HTML file: inline SVG plots (plotters' SVG backend), the
+//! figures they plot as JSON, and the slowest rollouts' waterfalls. Nothing is fetched when it
+//! is opened.
+
+use plotters::prelude::*;
+
+use super::data::{Figures, Histogram, Series};
+
+const WIDTH: u32 = 900;
+const HEIGHT: u32 = 320;
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+fn plot_error(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::anyhow!("drawing a plot: {e}")
+}
+
+/// A histogram as SVG bars.
+fn histogram_svg(h: &Histogram, x_desc: &str) -> anyhow::Result<String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let lo = h.bins.first().map_or(0.0, |b| b.lo);
+        let hi = h.bins.last().map_or(1.0, |b| b.hi);
+        let top = h.bins.iter().map(|b| b.count).max().unwrap_or(1).max(1) as f64 * 1.1;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d(lo..hi, 0.0..top)
+            .map_err(plot_error)?;
+        chart
+            .configure_mesh()
+            .x_desc(x_desc)
+            .y_desc("rollouts")
+            .draw()
+            .map_err(plot_error)?;
+        chart
+            .draw_series(h.bins.iter().map(|b| {
+                Rectangle::new(
+                    [(b.lo, 0.0), (b.hi, b.count as f64)],
+                    BLUE.mix(0.6).filled(),
+                )
+            }))
+            .map_err(plot_error)?;
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
+
+/// Series as lines (or points), one colour per name, with a legend.
+fn series_svg(
+    series: &Series,
+    y_desc: &str,
+    points_only: bool,
+    steps: bool,
+) -> anyhow::Result<String> {
+    let all = series.values().flatten();
+    let x_max = all.clone().map(|p| p.0).fold(0.0, f64::max).max(1e-3) * 1.02;
+    let y_max = all.map(|p| p.1).fold(0.0, f64::max).max(1e-3) * 1.1;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+            .map_err(plot_error)?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds since the run began")
+            .y_desc(y_desc)
+            .draw()
+            .map_err(plot_error)?;
+        for (i, (name, points)) in series.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            if !points_only && points.len() < 2 {
+                // A line needs two points: show a lone sample as a point.
+                chart
+                    .draw_series(
+                        points
+                            .iter()
+                            .map(|&(x, y)| Circle::new((x, y), 3, color.filled())),
+                    )
+                    .map_err(plot_error)?;
+            }
+            let drawn = if points_only {
+                chart
+                    .draw_series(
+                        points
+                            .iter()
+                            .map(|&(x, y)| Circle::new((x, y), 2, color.filled())),
+                    )
+                    .map_err(plot_error)?
+            } else {
+                let mut line = Vec::with_capacity(points.len() * 2);
+                for (i, &(x, y)) in points.iter().enumerate() {
+                    if steps && i > 0 {
+                        line.push((x, points[i - 1].1));
+                    }
+                    line.push((x, y));
+                }
+                chart
+                    .draw_series(LineSeries::new(line, color.stroke_width(2)))
+                    .map_err(plot_error)?
+            };
+            drawn.label(name.clone()).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(3))
+            });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(plot_error)?;
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
+
+fn figure(out: &mut String, id: &str, title: &str, note: &str, svg: Option<String>) {
+    out.push_str(&format!(
+        "<figure id=\"{id}\"><figcaption><b>{}</b> {}</figcaption>\n",
+        escape(title),
+        escape(note)
+    ));
+    match svg {
+        Some(svg) => out.push_str(&svg),
+        None => out.push_str("<p class=\"empty\">No data for this plot in the run's files.</p>"),
+    }
+    out.push_str("</figure>\n");
+}
+
+/// The whole page.
+pub fn render(run_id: &str, figures: &Figures, waterfalls: &[String]) -> anyhow::Result<String> {
+    let mut body = String::new();
+    let hist = |h: &Histogram, x: &str| -> anyhow::Result<Option<String>> {
+        (h.count > 0).then(|| histogram_svg(h, x)).transpose()
+    };
+    let lines =
+        |s: &Series, y: &str, points: bool, steps: bool| -> anyhow::Result<Option<String>> {
+            (!s.is_empty())
+                .then(|| series_svg(s, y, points, steps))
+                .transpose()
+        };
+    figure(
+        &mut body,
+        "rollout-durations",
+        "Rollout duration",
+        &format!("{} rollouts, {} failed", figures.rollouts, figures.failed),
+        hist(&figures.rollout_seconds, "seconds")?,
+    );
+    figure(
+        &mut body,
+        "rewards",
+        "Reward",
+        &format!("{} rollouts with a reward", figures.rewards.count),
+        hist(&figures.rewards, "reward")?,
+    );
+    figure(
+        &mut body,
+        "request-latency",
+        "Tool request latency",
+        "each request at its arrival, from the scheduler's spans",
+        lines(&figures.request_latency_ms, "milliseconds", true, false)?,
+    );
+    figure(
+        &mut body,
+        "batch-size",
+        "Batch size",
+        "each batch at its start",
+        lines(&figures.batch_size, "requests", true, false)?,
+    );
+    figure(
+        &mut body,
+        "queue-length",
+        "Queue length",
+        "requests waiting per tool",
+        lines(&figures.queue_length, "requests", false, true)?,
+    );
+    figure(
+        &mut body,
+        "memory",
+        "Memory",
+        "resident set per server, sampled by the head's memory profiler",
+        lines(&figures.memory_mib, "MiB", false, false)?,
+    );
+    body.push_str("<h2>Slowest rollouts</h2>\n");
+    if waterfalls.is_empty() {
+        body.push_str("<p class=\"empty\">No rollout traces in the run's files.</p>\n");
+    }
+    for w in waterfalls {
+        body.push_str(&format!("<pre class=\"waterfall\">{}</pre>\n", escape(w)));
+    }
+    // The plotted figures, for anyone who wants the numbers (and the report's tests).
+    let data = serde_json::to_string(figures)?.replace("</", "<\\/");
+    Ok(format!(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <title>Nomad run {id}</title>\n<style>\
+         body{{font-family:sans-serif;margin:24px;max-width:960px}}\
+         figure{{margin:24px 0}}figcaption{{margin-bottom:6px}}\
+         pre{{font-size:11px;overflow-x:auto;background:#f6f6f6;padding:8px}}\
+         .empty{{color:#777}}</style></head>\n<body>\n<h1>Nomad run {id}</h1>\n{body}\
+         <script type=\"application/json\" id=\"figures\">{data}</script>\n</body></html>\n",
+        id = escape(run_id),
+    ))
+}
