@@ -1,6 +1,7 @@
 //! `nomad`: the head. It starts fleets (`up`, or `submit` as a Slurm job), drives rollouts
 //! through them (`run`, `serve`) and reads their traces (`traces`); see each command's help.
 
+mod cli;
 mod collect;
 mod health;
 mod memory;
@@ -14,64 +15,20 @@ mod service;
 mod slurm;
 mod supervisor;
 mod tasks;
+mod top;
 mod traces;
 mod up;
 mod verify;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-
-/// Nomad head: start a fleet, run rollouts against it, and read their traces.
-#[derive(Parser)]
-#[command(name = "nomad", version)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Start the fleet as child processes; with --demo or --tasks, run a task set, then stop.
-    Up(up::UpArgs),
-    /// Run every task of a tasks JSONL file as one rollout and write one result line per task.
-    Run(run::RunArgs),
-    /// Serve the Head gRPC API: start runs of rollouts and report on them.
-    Serve(serve::ServeArgs),
-    /// Show a run's rollouts as waterfall trees of their spans, slowest first.
-    Traces(traces::TracesArgs),
-    /// Write a run's report: one HTML file of plots and its slowest rollouts' waterfalls.
-    Report(report::ReportArgs),
-    /// Submit a run as a Slurm job: the fleet on every node, with a collector beside it.
-    Submit(slurm::SubmitArgs),
-    /// A submitted job's state, steps and progress.
-    Status(slurm::status::StatusArgs),
-    /// Receive OTLP (gRPC and HTTP) and write it as JSON lines: a Slurm job's collector.
-    Collect(collect::CollectArgs),
-    /// The body of a job `nomad submit` wrote (runs inside the job).
-    #[command(hide = true)]
-    SlurmJob(slurm::job::JobArgs),
-    /// Check a Nomad server's gRPC health at ADDRESS (exit 0 when serving).
-    Health { address: String },
-}
+use clap::Parser as _;
 
 /// Exit 0 when everything succeeded, 1 when a rollout or check failed, 2 on an error.
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = cli::Cli::parse();
     nomad_rpc::bootstrap::main("nomad", 2, || async {
-        let ok = match cli.command {
-            Command::Up(args) => up::command(args).await?,
-            Command::Run(args) => run::run(args).await?,
-            Command::Serve(args) => serve::serve(args).await.map(|()| true)?,
-            Command::Traces(args) => traces::show(args).await?,
-            Command::Report(args) => report::report(args).await?,
-            Command::Submit(args) => slurm::submit(args).await?,
-            Command::Status(args) => slurm::status::status(args).await?,
-            Command::Collect(args) => collect::collect(args).await?,
-            Command::SlurmJob(args) => slurm::job::job(args).await?,
-            Command::Health { address } => health::health(&address).await?,
-        };
-        Ok(if ok {
+        Ok(if cli.command.run().await? {
             ExitCode::SUCCESS
         } else {
             ExitCode::from(1)

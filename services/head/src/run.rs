@@ -9,6 +9,7 @@ use nomad_rpc::{Service, ServiceArgs, StartOptions};
 use nomad_telemetry::ServerType;
 
 use crate::rollouts::{self, Runner};
+use crate::up::fleet_file::FleetFile;
 use crate::{run_id, tasks};
 
 #[derive(clap::Args)]
@@ -58,7 +59,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         template.as_deref(),
     )
     .map_err(anyhow::Error::msg)?;
-    let fleet = args.fleet.as_deref().map(Fleet::read).transpose()?;
+    let fleet = args.fleet.as_deref().map(FleetFile::read).transpose()?;
     let gateway = args
         .gateway
         .clone()
@@ -99,21 +100,4 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         args.out.display()
     );
     Ok(failed == 0)
-}
-
-/// What `nomad run` takes from `fleet.json`.
-#[derive(serde::Deserialize)]
-struct Fleet {
-    run_id: String,
-    gateway: String,
-    token: Option<String>,
-}
-
-impl Fleet {
-    fn read(path: &std::path::Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading the fleet file {}", path.display()))?;
-        serde_json::from_str(&text)
-            .with_context(|| format!("{} is not a fleet.json of nomad up", path.display()))
-    }
 }

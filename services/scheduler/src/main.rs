@@ -3,6 +3,7 @@
 mod config;
 mod driver;
 mod metrics;
+mod recent;
 mod service;
 mod workers;
 
@@ -64,6 +65,8 @@ async fn serve(args: Args) -> anyhow::Result<ExitCode> {
             driver: handle.clone(),
             workers: registry,
             heartbeat_interval_ms: manager.heartbeat_interval_ms.max(50),
+            published: driver.published.clone(),
+            recent: driver.recent.clone(),
         }));
     // On SIGINT/SIGTERM: refuse new requests, let accepted ones finish, then stop serving.
     let closing = handle.clone();

@@ -33,6 +33,8 @@ pub struct Metrics {
     pub disk_unloads: Counter<u64>,
     pub cache_clears: Counter<u64>,
     pub cache_clear_duration: Histogram<f64>,
+    /// The last seconds of requests and batches, for `Snapshot`.
+    pub recent: Arc<crate::recent::Recent>,
 }
 
 impl Metrics {
@@ -58,6 +60,7 @@ impl Metrics {
             disk_unloads: defs::TOOL_DISK_UNLOADS.u64_counter(),
             cache_clears: defs::DEVICE_CACHE_CLEARS.u64_counter(),
             cache_clear_duration: defs::DEVICE_CACHE_CLEAR_DURATION.f64_histogram(),
+            recent: Default::default(),
         }
     }
 }

@@ -6,7 +6,8 @@ use nomad_proto::v1::scheduler_server::Scheduler;
 use nomad_proto::v1::{
     CallToolRequest, CallToolResponse, CallToolStreamEvent, HeartbeatRequest, HeartbeatResponse,
     ListToolsRequest, ListToolsResponse, ListWorkersRequest, ListWorkersResponse,
-    RegisterWorkerRequest, RegisterWorkerResponse, ToolInfo, ToolInput, call_tool_stream_event,
+    RegisterWorkerRequest, RegisterWorkerResponse, SchedulerSnapshot, SchedulerSnapshotRequest,
+    ToolActivity, ToolInfo, ToolInput, call_tool_stream_event,
 };
 use tonic::{Request, Response, Status};
 
@@ -41,6 +42,8 @@ pub struct SchedulerService {
     pub driver: Handle,
     pub workers: Arc<WorkerRegistry>,
     pub heartbeat_interval_ms: u32,
+    pub published: Arc<std::sync::Mutex<crate::metrics::Published>>,
+    pub recent: Arc<crate::recent::Recent>,
 }
 
 #[tonic::async_trait]
@@ -183,6 +186,41 @@ impl Scheduler for SchedulerService {
     ) -> Result<Response<ListWorkersResponse>, Status> {
         Ok(Response::new(ListWorkersResponse {
             workers: self.workers.infos(),
+        }))
+    }
+
+    async fn snapshot(
+        &self,
+        _request: Request<SchedulerSnapshotRequest>,
+    ) -> Result<Response<SchedulerSnapshot>, Status> {
+        let now = std::time::Instant::now();
+        let core = self
+            .published
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .core
+            .clone();
+        let tools = core
+            .tools
+            .iter()
+            .map(|t| {
+                let recent = self.recent.activity(&t.name, now);
+                ToolActivity {
+                    name: t.name.clone(),
+                    queue_length: t.queue_length as u32,
+                    in_flight: t.inflight,
+                    configured_batch_size: t.batch_size,
+                    recent_batch_size: recent.mean_batch_size,
+                    requests_per_second: recent.requests_per_second,
+                    latency_p50_seconds: recent.latency_p50_seconds,
+                    latency_p99_seconds: recent.latency_p99_seconds,
+                }
+            })
+            .collect();
+        Ok(Response::new(SchedulerSnapshot {
+            tools,
+            workers: self.workers.infos(),
+            window_seconds: crate::recent::WINDOW.as_secs_f64(),
         }))
     }
 }

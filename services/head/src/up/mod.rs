@@ -25,6 +25,7 @@ use crate::{memory, run_id, tasks, traces};
 
 pub(crate) mod env;
 pub(crate) mod fleet;
+pub(crate) mod fleet_file;
 pub(crate) mod models;
 
 /// The bundled task set of `--demo` and the agent script its tasks run.

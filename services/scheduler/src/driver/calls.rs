@@ -177,6 +177,9 @@ async fn report(
         .batch_duration
         .record(started.elapsed().as_secs_f64(), &attributes);
     metrics.batch_size.record(size as u64, &attributes);
+    if let Some(tool) = attributes.iter().find(|kv| kv.key.as_str() == "tool") {
+        metrics.recent.batch(&tool.value.as_str(), size, started);
+    }
     drop(batch_span);
     let _ = tx
         .send(Command::BatchDone {

@@ -67,6 +67,9 @@ struct Execution {
 /// The running driver: its handle, its task, and the gauges that read what it publishes.
 pub struct Running {
     pub handle: Handle,
+    /// What the driver last published, and its recent requests and batches (`Snapshot`).
+    pub published: Arc<Mutex<Published>>,
+    pub recent: Arc<crate::recent::Recent>,
     task: tokio::task::JoinHandle<()>,
     _gauges: crate::metrics::Gauges,
 }
@@ -80,16 +83,20 @@ pub fn start(
 ) -> Running {
     let published = Arc::new(Mutex::new(Published::default()));
     let gauges = crate::metrics::gauges(published.clone(), registry.clone());
+    let metrics = Arc::new(Metrics::new());
+    let recent = metrics.recent.clone();
     let (driver, handle) = Driver::new(
         tools,
         timing,
         deadlines,
         registry,
-        Arc::new(Metrics::new()),
-        published,
+        metrics,
+        published.clone(),
     );
     Running {
         handle,
+        published,
+        recent,
         task: tokio::spawn(driver.run()),
         _gauges: gauges,
     }
@@ -431,6 +438,7 @@ impl Driver {
             "cancelled" => self.metrics.request_cancellations.add(1, &tool_attr),
             _ => {}
         }
+        self.metrics.recent.request(tool, duration, Instant::now());
         self.metrics.request_duration.record(
             duration.as_secs_f64(),
             &[tool_attr[0].clone(), KeyValue::new("status", status)],

@@ -1,0 +1,144 @@
+//! `nomad top` in a real terminal (tmux) against a live `nomad up` fleet under load: its screen
+//! shows the tools, a non-zero request rate and the run's rollouts, and `q` quits it.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use nomad_integration_tests::fleet::{binary, clean, models_dir};
+
+fn tmux(args: &[&str]) -> std::process::Output {
+    std::process::Command::new("tmux")
+        .args(args)
+        .output()
+        .expect("tmux (apt-get install tmux)")
+}
+
+/// The embed row's requests per second on a `nomad top` screen.
+fn embed_rate(screen: &str) -> Option<f64> {
+    let row = screen
+        .lines()
+        .find(|l| l.trim_start_matches('│').starts_with("embed "))?;
+    let cells: Vec<&str> = row.trim_matches('│').split_whitespace().collect();
+    cells.get(5)?.parse().ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_shows_a_live_fleet_under_load_and_quits_on_q() {
+    let dir = std::env::temp_dir().join(format!(
+        "nomad-top-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run_id = format!("it-top-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let mut up = clean("nomad")
+        .args(["up", "--ready-timeout", "120", "--runs-dir"])
+        .arg(dir.join("runs"))
+        .arg("--models-dir")
+        .arg(models_dir())
+        .env("NOMAD_OTEL_RUN_ID", &run_id)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let run_dir = dir.join("runs").join(&run_id);
+    let fleet = run_dir.join("fleet.json");
+    let deadline = Instant::now() + Duration::from_secs(150);
+    while !fleet.is_file() {
+        assert!(up.try_wait().unwrap().is_none(), "nomad up exited");
+        assert!(Instant::now() < deadline, "the fleet did not start");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Without a fleet or a scheduler, it says what it needs.
+    let bare = clean("nomad").arg("top").output().await.unwrap();
+    assert!(!bare.status.success());
+    assert!(String::from_utf8_lossy(&bare.stderr).contains("--fleet"));
+
+    let session = format!("nomad-top-{}", std::process::id());
+    let command = format!(
+        "{} top --fleet {} --interval 0.5",
+        binary("nomad").display(),
+        fleet.display()
+    );
+    let started = tmux(&[
+        "new-session",
+        "-d",
+        "-s",
+        &session,
+        "-x",
+        "130",
+        "-y",
+        "45",
+        &command,
+    ]);
+    assert!(
+        started.status.success(),
+        "{}",
+        String::from_utf8_lossy(&started.stderr)
+    );
+
+    // Load: the demo's tasks, twice over, through the fleet.
+    let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../services/head/demo");
+    let tasks = std::fs::read_to_string(demo.join("tasks.jsonl")).unwrap();
+    let doubled = dir.join("tasks.jsonl");
+    std::fs::write(
+        &doubled,
+        tasks.clone()
+            + &tasks
+                .replace("\"id\": \"", "\"id\": \"again-")
+                .replace("\"id\":\"", "\"id\":\"again-"),
+    )
+    .unwrap();
+    let mut run = clean("nomad")
+        .args(["run", "--fleet"])
+        .arg(&fleet)
+        .arg("--tasks")
+        .arg(&doubled)
+        .arg("--template")
+        .arg(demo.join("agent.py"))
+        .arg("--out")
+        .arg(run_dir.join("results.jsonl"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+
+    let mut best_rate = 0.0f64;
+    let mut screen = String::new();
+    let mut saw_rollouts = false;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline && !(best_rate > 0.0 && saw_rollouts) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let captured = tmux(&["capture-pane", "-p", "-t", &session]);
+        screen = String::from_utf8_lossy(&captured.stdout).into_owned();
+        best_rate = best_rate.max(embed_rate(&screen).unwrap_or(0.0));
+        saw_rollouts |= screen
+            .lines()
+            .any(|l| l.contains("rollouts: ") && !l.contains("rollouts: 0 done"));
+    }
+    assert!(screen.contains(&format!("run {run_id}")), "{screen}");
+    assert!(screen.contains("generate"), "{screen}");
+    assert!(screen.contains("worker-0"), "{screen}");
+    assert!(screen.contains("sandbox: "), "{screen}");
+    assert!(
+        best_rate > 0.0,
+        "no request rate shown under load:\n{screen}"
+    );
+    assert!(saw_rollouts, "no rollouts shown:\n{screen}");
+    assert!(run.wait().await.unwrap().success());
+
+    // `q` quits: the session's only window closes with it.
+    tmux(&["send-keys", "-t", &session, "q"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tmux(&["has-session", "-t", &session]).status.success() {
+        assert!(Instant::now() < deadline, "nomad top did not quit on q");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    unsafe {
+        libc::kill(up.id().unwrap() as i32, libc::SIGTERM);
+    }
+    assert!(up.wait().await.unwrap().success());
+    std::fs::remove_dir_all(&dir).ok();
+}

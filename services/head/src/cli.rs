@@ -1,0 +1,59 @@
+//! The `nomad` command line: one subcommand per job, each handed to its module.
+
+use clap::{Parser, Subcommand};
+
+use crate::{collect, health, report, run, serve, slurm, top, traces, up};
+
+/// Nomad head: start a fleet, run rollouts against it, and read their traces.
+#[derive(Parser)]
+#[command(name = "nomad", version)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Start the fleet as child processes; with --demo or --tasks, run a task set, then stop.
+    Up(up::UpArgs),
+    /// Run every task of a tasks JSONL file as one rollout and write one result line per task.
+    Run(run::RunArgs),
+    /// Serve the Head gRPC API: start runs of rollouts and report on them.
+    Serve(serve::ServeArgs),
+    /// Show a run's rollouts as waterfall trees of their spans, slowest first.
+    Traces(traces::TracesArgs),
+    /// Write a run's report: one HTML file of plots and its slowest rollouts' waterfalls.
+    Report(report::ReportArgs),
+    /// Submit a run as a Slurm job: the fleet on every node, with a collector beside it.
+    Submit(slurm::SubmitArgs),
+    /// A submitted job's state, steps and progress.
+    Status(slurm::status::StatusArgs),
+    /// Receive OTLP (gRPC and HTTP) and write it as JSON lines: a Slurm job's collector.
+    Collect(collect::CollectArgs),
+    /// The body of a job `nomad submit` wrote (runs inside the job).
+    #[command(hide = true)]
+    SlurmJob(slurm::job::JobArgs),
+    /// A live view of a fleet: tools, workers, the sandbox and the run's progress.
+    Top(top::TopArgs),
+    /// Check a Nomad server's gRPC health at ADDRESS (exit 0 when serving).
+    Health { address: String },
+}
+
+impl Command {
+    /// Runs the command; whether everything it did succeeded.
+    pub async fn run(self) -> anyhow::Result<bool> {
+        match self {
+            Command::Up(args) => up::command(args).await,
+            Command::Run(args) => run::run(args).await,
+            Command::Serve(args) => serve::serve(args).await.map(|()| true),
+            Command::Traces(args) => traces::show(args).await,
+            Command::Report(args) => report::report(args).await,
+            Command::Submit(args) => slurm::submit(args).await,
+            Command::Status(args) => slurm::status::status(args).await,
+            Command::Collect(args) => collect::collect(args).await,
+            Command::SlurmJob(args) => slurm::job::job(args).await,
+            Command::Top(args) => top::top(args).await,
+            Command::Health { address } => health::health(&address).await,
+        }
+    }
+}
