@@ -60,14 +60,9 @@ async fn serve(args: Args) -> anyhow::Result<ExitCode> {
     let mut server = nomad_rpc::RpcServer::new();
     server
         .routes()
-        .add_service(SchedulerServer::new(service::SchedulerService {
-            tools,
-            driver: handle.clone(),
-            workers: registry,
-            heartbeat_interval_ms: manager.heartbeat_interval_ms.max(50),
-            published: driver.published.clone(),
-            recent: driver.recent.clone(),
-        }));
+        .add_service(SchedulerServer::new(service::SchedulerService::new(
+            tools, &driver, registry, &manager,
+        )));
     // On SIGINT/SIGTERM: refuse new requests, let accepted ones finish, then stop serving.
     let closing = handle.clone();
     let stop = async move {

@@ -46,6 +46,24 @@ pub struct SchedulerService {
     pub recent: Arc<crate::recent::Recent>,
 }
 
+impl SchedulerService {
+    pub fn new(
+        tools: Vec<ToolConfig>,
+        driver: &crate::driver::Running,
+        workers: Arc<WorkerRegistry>,
+        manager: &crate::config::ToolManagerConfig,
+    ) -> Self {
+        Self {
+            tools,
+            driver: driver.handle.clone(),
+            workers,
+            heartbeat_interval_ms: manager.heartbeat_interval_ms.max(50),
+            published: driver.published.clone(),
+            recent: driver.recent.clone(),
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl Scheduler for SchedulerService {
     async fn list_tools(
