@@ -3,8 +3,9 @@
 //! at 1, 4, 8 and 16 callers, each request 64 greedy tokens after the same prompt.
 //!
 //! Run: `cargo build --release --workspace --bins && target/release/nomad-generate-bench
-//! [--llama-server PATH [--llama-model GGUF]] [--concurrency 1,4,8,16]` (without
-//! `--llama-server`, Nomad alone); the worker runs on `NOMAD_TEST_DEVICE` when it is set.
+//! [--llama-server PATH [--llama-model GGUF]] [--concurrency 1,4,8,16] [--dense-prefill]`
+//! (without `--llama-server`, Nomad alone); the worker runs on `NOMAD_TEST_DEVICE` when it is
+//! set.
 
 use std::time::{Duration, Instant};
 
@@ -243,9 +244,12 @@ async fn bench(llama: Option<String>, levels: Vec<usize>) {
     // `llama-quantize --allow-requantize <Q4_1> <out> Q8_0` and `--llama-model <out>`.
     let llama_model = std::path::PathBuf::from(arg("--llama-model", gguf.to_str().unwrap()));
     let most = *levels.iter().max().unwrap();
+    // `--dense-prefill`: the tool's f32 prompt path (README, "Generation").
+    let dense = std::env::args().any(|a| a == "--dense-prefill");
     let mut options = FleetOptions {
         tools_yaml: Some(format!(
-            "tools:\n  - {{name: generate, kind: generate, source: {}, max_running: {most}}}\n",
+            "tools:\n  - {{name: generate, kind: generate, source: {}, max_running: {most}, \
+             dense_prefill: {dense}}}\n",
             gguf.parent().unwrap().display()
         )),
         ..Default::default()

@@ -39,6 +39,10 @@ pub struct ToolConfig {
     /// memory budget less the weights, else unbounded).
     #[serde(default)]
     pub kv_budget_bytes: u64,
+    /// Generation: prompt rows through f32 copies of the weights (faster prefill on CPU, four
+    /// bytes a weight more host memory).
+    #[serde(default)]
+    pub dense_prefill: bool,
     /// `execute_timeout_seconds` resolved (filled in by [`validate`]).
     #[serde(skip)]
     pub execute_timeout: std::time::Duration,
@@ -197,9 +201,10 @@ pub fn validate(
         };
         tool.continuous = kind.continuous;
         if !kind.continuous {
-            let field = match (tool.max_running, tool.kv_budget_bytes) {
-                (Some(_), _) => Some("max_running"),
-                (None, b) if b > 0 => Some("kv_budget_bytes"),
+            let field = match (tool.max_running, tool.kv_budget_bytes, tool.dense_prefill) {
+                (Some(_), _, _) => Some("max_running"),
+                (None, b, _) if b > 0 => Some("kv_budget_bytes"),
+                (None, _, true) => Some("dense_prefill"),
                 _ => None,
             };
             if let Some(field) = field {
@@ -264,6 +269,7 @@ mod tests {
             max_batch_tokens: 0,
             max_running: None,
             kv_budget_bytes: 0,
+            dense_prefill: false,
             execute_timeout: std::time::Duration::ZERO,
             continuous: false,
             oom_regrow_after: 0,
@@ -308,6 +314,14 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("`kv_budget_bytes` applies to continuous kinds")
+        );
+        let mut dense = tool("e", "embed");
+        dense.dense_prefill = true;
+        assert!(
+            validate(vec![dense], &manager)
+                .unwrap_err()
+                .to_string()
+                .contains("`dense_prefill` applies to continuous kinds")
         );
         let mut zero = tool("g", "generate");
         zero.max_running = Some(0);

@@ -398,6 +398,10 @@ mod tests {
     use nomad_proto::v1::{ToolInput, item_result, tool_input, tool_output};
 
     fn model(max_running: usize) -> Generator {
+        model_with(max_running, false)
+    }
+
+    fn model_with(max_running: usize, dense_prefill: bool) -> Generator {
         Generator::load_configured(
             &super::super::test_models_dir().join("smollm2-135m-instruct"),
             &super::super::test_device(),
@@ -405,6 +409,7 @@ mod tests {
             DecodeConfig {
                 max_running,
                 kv_budget_bytes: None,
+                dense_prefill,
             },
         )
         .unwrap()
@@ -466,7 +471,21 @@ mod tests {
 
     #[test]
     fn greedy_answers_are_the_same_alone_and_beside_seven_others() {
-        let m = model(8);
+        same_alone_and_together(&model(8));
+    }
+
+    /// Dense prefill too: a prompt row takes the f32 path whatever shares its step.
+    #[test]
+    fn greedy_answers_are_the_same_alone_and_together_with_dense_prefill() {
+        let dense = model_with(8, true);
+        same_alone_and_together(&dense);
+        assert!(
+            dense.bytes() > model(8).bytes() * 2,
+            "the f32 copies are not counted"
+        );
+    }
+
+    fn same_alone_and_together(m: &Generator) {
         let options = r#"{"max_tokens": 12}"#;
         let limits = ExecLimits::default();
         let alone: Vec<String> = PROMPTS
@@ -582,6 +601,7 @@ mod tests {
             DecodeConfig {
                 max_running: 8,
                 kv_budget_bytes: Some(1 << 20),
+                dense_prefill: false,
             },
         )
         .unwrap();

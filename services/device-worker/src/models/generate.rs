@@ -31,6 +31,8 @@ pub struct DecodeConfig {
     pub max_running: usize,
     /// KV cache budget; `None`: the slot's memory budget less the weights, else unbounded.
     pub kv_budget_bytes: Option<u64>,
+    /// Prompt rows through f32 copies of the weights (faster prefill, more memory).
+    pub dense_prefill: bool,
 }
 
 impl Default for DecodeConfig {
@@ -38,6 +40,7 @@ impl Default for DecodeConfig {
         Self {
             max_running: DEFAULT_MAX_RUNNING,
             kv_budget_bytes: None,
+            dense_prefill: false,
         }
     }
 }
@@ -124,8 +127,16 @@ impl Generator {
                 stop.push(id);
             }
         }
-        let model = Llama::from_gguf(&ct, file, loading.device, context_length)
-            .map_err(|e| load_error(&path, format!("loading the weights: {e}")))?;
+        let model = Llama::from_gguf(
+            &ct,
+            file,
+            loading.device,
+            context_length,
+            loading.config.dense_prefill,
+        )
+        .map_err(|e| load_error(&path, format!("loading the weights: {e}")))?;
+        // The f32 copies count toward the model's host memory.
+        let bytes = bytes + model.dense_bytes();
         Ok(Self {
             q4_1_to_q8_0: loading.q4_1_to_q8_0,
             path,

@@ -5,6 +5,11 @@
 //!
 //! Every row is computed as it would be alone: the quantized matmuls, norms and activations are
 //! row by row, and attention never mixes sequences, so batching does not change any result.
+//!
+//! With dense prefill, each linear weight is also kept as f32 and the rows of prompt chunks
+//! (several tokens of one sequence) go through an f32 matmul, which is faster for many rows
+//! than the quantized kernel; decode rows (one token) stay quantized. Which path a row takes
+//! depends on its own sequence only, never on what else is in the step.
 
 use candle_core::quantized::{QMatMul, gguf_file};
 use candle_core::{D, DType, Device, Module, Result, Tensor};
@@ -12,16 +17,74 @@ use candle_nn::Embedding;
 use candle_nn::kv_cache::KvCache;
 use candle_transformers::quantized_nn::RmsNorm;
 
+/// A linear weight: quantized, and with dense prefill also f32 (`[in, out]`).
+struct Linear {
+    quantized: QMatMul,
+    dense: Option<Tensor>,
+}
+
+/// Which rows of a step take the dense path.
+enum Rows {
+    Quantized,
+    Dense,
+    /// Decode rows, prompt rows, and the order that puts `[decode; prompt]` back.
+    Mixed {
+        decode: Tensor,
+        prompt: Tensor,
+        back: Tensor,
+    },
+}
+
+impl Linear {
+    fn new(quantized: QMatMul, dense: bool) -> Result<Self> {
+        let dense = if dense {
+            let w = match &quantized {
+                QMatMul::QTensor(q) => q.dequantize(&q.device())?,
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.to_dtype(DType::F32)?,
+            };
+            Some(w.t()?.contiguous()?)
+        } else {
+            None
+        };
+        Ok(Self { quantized, dense })
+    }
+
+    fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Tensor> {
+        match (&self.dense, rows) {
+            (Some(w), Rows::Dense) => x.matmul(w),
+            (
+                Some(w),
+                Rows::Mixed {
+                    decode,
+                    prompt,
+                    back,
+                },
+            ) => {
+                let a = self.quantized.forward(&x.index_select(decode, 0)?)?;
+                let b = x.index_select(prompt, 0)?.matmul(w)?;
+                Tensor::cat(&[a, b], 0)?.index_select(back, 0)
+            }
+            _ => self.quantized.forward(x),
+        }
+    }
+
+    fn dense_bytes(&self) -> u64 {
+        self.dense
+            .as_ref()
+            .map_or(0, |t| (t.elem_count() * 4) as u64)
+    }
+}
+
 struct Layer {
     attention_norm: RmsNorm,
-    q: QMatMul,
-    k: QMatMul,
-    v: QMatMul,
-    o: QMatMul,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
     ffn_norm: RmsNorm,
-    gate: QMatMul,
-    up: QMatMul,
-    down: QMatMul,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
 }
 
 pub struct Llama {
@@ -58,12 +121,14 @@ fn md<'a>(ct: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value>
 }
 
 impl Llama {
-    /// The weights of a `general.architecture = llama` GGUF.
+    /// The weights of a `general.architecture = llama` GGUF; with `dense_prefill`, the linear
+    /// weights also as f32 for prompt rows.
     pub fn from_gguf<R: std::io::Read + std::io::Seek>(
         ct: &gguf_file::Content,
         reader: &mut R,
         device: &Device,
         context_length: usize,
+        dense_prefill: bool,
     ) -> Result<Self> {
         let arch = md(ct, "general.architecture")?.to_string()?;
         if arch != "llama" {
@@ -95,8 +160,9 @@ impl Llama {
         };
         let mut blocks = Vec::with_capacity(layers);
         for i in 0..layers {
-            let mut q = |name: &str| -> Result<QMatMul> {
-                QMatMul::from_qtensor(tensor(&format!("blk.{i}.{name}.weight"), reader)?)
+            let mut q = |name: &str| -> Result<Linear> {
+                let w = QMatMul::from_qtensor(tensor(&format!("blk.{i}.{name}.weight"), reader)?)?;
+                Linear::new(w, dense_prefill)
             };
             let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
             let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
@@ -131,6 +197,46 @@ impl Llama {
         })
     }
 
+    /// Bytes the f32 copies of dense prefill take (0 without it).
+    pub fn dense_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+            .map(Linear::dense_bytes)
+            .sum()
+    }
+
+    /// How the rows of `steps` split between the quantized and the dense path.
+    fn rows(&self, steps: &[Step<'_>]) -> Result<Rows> {
+        let dense = self.layers.first().is_some_and(|l| l.q.dense.is_some());
+        if !dense {
+            return Ok(Rows::Quantized);
+        }
+        let (mut decode, mut prompt) = (Vec::new(), Vec::new());
+        let mut row = 0u32;
+        for step in steps {
+            let n = step.tokens.len() as u32;
+            let to = if n > 1 { &mut prompt } else { &mut decode };
+            to.extend(row..row + n);
+            row += n;
+        }
+        Ok(match (decode.is_empty(), prompt.is_empty()) {
+            (_, true) => Rows::Quantized,
+            (true, false) => Rows::Dense,
+            (false, false) => {
+                let mut back = vec![0u32; row as usize];
+                for (at, &r) in decode.iter().chain(&prompt).enumerate() {
+                    back[r as usize] = at as u32;
+                }
+                Rows::Mixed {
+                    decode: Tensor::new(decode.as_slice(), &self.device)?,
+                    prompt: Tensor::new(prompt.as_slice(), &self.device)?,
+                    back: Tensor::new(back.as_slice(), &self.device)?,
+                }
+            }
+        })
+    }
+
     /// An empty cache for a sequence of at most `capacity` tokens.
     pub fn cache(&self, capacity: usize) -> Cache {
         Cache {
@@ -151,15 +257,16 @@ impl Llama {
         if ids.is_empty() || steps.iter().any(|s| s.tokens.is_empty()) {
             candle_core::bail!("every sequence of a step needs a token");
         }
+        let rows = self.rows(steps)?;
         let mut x = self
             .embeddings
             .forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let h = layer.attention_norm.forward(&x)?;
             let (q, k, v) = (
-                layer.q.forward(&h)?,
-                layer.k.forward(&h)?,
-                layer.v.forward(&h)?,
+                layer.q.forward(&h, &rows)?,
+                layer.k.forward(&h, &rows)?,
+                layer.v.forward(&h, &rows)?,
             );
             let mut outputs = Vec::with_capacity(steps.len());
             let mut row = 0;
@@ -184,11 +291,11 @@ impl Llama {
                 row += n;
             }
             let y = Tensor::cat(&outputs, 0)?;
-            let x1 = (layer.o.forward(&y)? + &x)?;
+            let x1 = (layer.o.forward(&y, &rows)? + &x)?;
             let h = layer.ffn_norm.forward(&x1)?;
-            let gated =
-                (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
-            x = (layer.down.forward(&gated)? + x1)?;
+            let gated = (candle_nn::ops::silu(&layer.gate.forward(&h, &rows)?)?
+                * layer.up.forward(&h, &rows)?)?;
+            x = (layer.down.forward(&gated, &rows)? + x1)?;
         }
         let mut last = Vec::with_capacity(steps.len());
         let mut end = 0u32;

@@ -141,6 +141,7 @@ pub fn load(spec: &ModelSpec, backend: &Backend) -> Result<Arc<dyn Model>, LoadE
                     n => n as usize,
                 },
                 kv_budget_bytes: (spec.kv_budget_bytes > 0).then_some(spec.kv_budget_bytes),
+                dense_prefill: spec.dense_prefill,
             };
             Ok(Arc::new(generate::Generator::load_configured(
                 path,

@@ -315,6 +315,7 @@ async fn prepare_on_worker(
                     source: config.source.clone(),
                     max_running: config.max_running.unwrap_or(0),
                     kv_budget_bytes: config.kv_budget_bytes,
+                    dense_prefill: config.dense_prefill,
                 }),
             })
             .await?;
