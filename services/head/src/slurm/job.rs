@@ -142,10 +142,22 @@ impl Steps {
     }
 }
 
+/// The name other nodes dial this one by: its host name, when that resolves; else loopback
+/// (only right when every node is this machine, as on a test cluster), said in the output.
 fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
+    use std::net::ToSocketAddrs as _;
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "localhost".into())
+        .unwrap_or_default();
+    if !name.is_empty()
+        && (name.as_str(), 0)
+            .to_socket_addrs()
+            .is_ok_and(|mut a| a.next().is_some())
+    {
+        return name;
+    }
+    println!("nomad: host name {name:?} does not resolve; the steps dial 127.0.0.1");
+    "127.0.0.1".into()
 }
 
 pub async fn job(args: JobArgs) -> anyhow::Result<bool> {
