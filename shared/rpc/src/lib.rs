@@ -169,12 +169,13 @@ impl Default for RpcServer {
 /// Whether a call's error means the peer or the connection to it is gone, rather than an answer
 /// the peer gave: `UNAVAILABLE`; `CANCELLED` that the caller did not ask for (a connection
 /// closed under the request: whoever cancels a call drops its future and never sees this); or
-/// an `UNKNOWN` the client made from a transport error (it carries that error as its source;
-/// one the peer sent has none).
+/// an `UNKNOWN` or `INTERNAL` the client made from a transport error (an HTTP/2 error when the
+/// peer shuts down mid-call is `INTERNAL`; either carries that error as its source, one the
+/// peer sent has none).
 pub fn peer_lost(status: &tonic::Status) -> bool {
     match status.code() {
         tonic::Code::Unavailable | tonic::Code::Cancelled => true,
-        tonic::Code::Unknown => std::error::Error::source(status).is_some(),
+        tonic::Code::Unknown | tonic::Code::Internal => std::error::Error::source(status).is_some(),
         _ => false,
     }
 }
@@ -327,5 +328,9 @@ mod peer_tests {
         assert!(peer_lost(&Status::unavailable("connection refused")));
         assert!(peer_lost(&Status::cancelled("operation was canceled")));
         assert!(!peer_lost(&Status::internal("model error")));
+        // What the client makes of an HTTP/2 error as the worker shuts down mid-call.
+        let mut h2 = Status::internal("h2 protocol error: http2 error");
+        h2.set_source(std::sync::Arc::new(std::io::Error::other("http2 error")));
+        assert!(peer_lost(&h2));
     }
 }

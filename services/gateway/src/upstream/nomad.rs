@@ -190,7 +190,7 @@ async fn streamed(
     ))
 }
 
-/// A connection that broke under the call reads as CANCELLED or UNKNOWN; the caller did
+/// A connection that broke under the call reads as CANCELLED, UNKNOWN or INTERNAL; the caller did
 /// neither, so it gets UNAVAILABLE (the scheduler's own statuses pass as they are).
 fn unreachable_scheduler(tool: &str, status: tonic::Status) -> tonic::Status {
     if status.code() != tonic::Code::Unavailable && nomad_rpc::peer_lost(&status) {
