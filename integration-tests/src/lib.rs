@@ -22,3 +22,13 @@ pub fn arg(name: &str, default: &str) -> String {
         .and_then(|i| args.get(i + 1).cloned())
         .unwrap_or_else(|| default.to_owned())
 }
+
+/// The JSON objects of a JSONL file (results, console telemetry); none when it is missing, and
+/// a line that is not JSON is skipped.
+pub fn read_jsonl(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use nomad_integration_tests::Fleet;
 use nomad_integration_tests::fleet::{clean, models_dir};
 use serde_json::Value;
 
@@ -58,11 +59,7 @@ async fn wait_for(what: &str, timeout: Duration, mut check: impl AsyncFnMut() ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
-    let dir = std::env::temp_dir().join(format!(
-        "nomad-prom-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Fleet::new_dir();
     let run_id = format!(
         "it-prom-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]

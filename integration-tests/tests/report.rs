@@ -6,15 +6,8 @@ use std::path::{Path, PathBuf};
 
 use nomad_integration_tests::fleet::{clean, models_dir};
 use nomad_integration_tests::spans::from_console;
+use nomad_integration_tests::{Fleet, read_jsonl};
 use serde_json::Value;
-
-fn read_jsonl(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
 
 /// Headless Chromium on `page` with `args`; returns (stdout, stderr).
 async fn chromium(page: &Path, args: &[String]) -> (String, String) {
@@ -44,11 +37,7 @@ async fn chromium(page: &Path, args: &[String]) -> (String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
-    let dir = std::env::temp_dir().join(format!(
-        "nomad-report-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Fleet::new_dir();
     let run_id = format!(
         "it-report-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]

@@ -4,12 +4,13 @@
 //! a user would: the exit status, results.jsonl, the collector's otel/*.jsonl, job.out.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::fleet::{clean, models_dir};
 use nomad_integration_tests::spans::{SpanRecord, check_rollout_traces, from_console};
+use nomad_integration_tests::{Fleet, read_jsonl};
 use serde_json::Value;
 
 /// One job at a time: the two nodes have two cores between them.
@@ -45,23 +46,6 @@ async fn submit(dir: &Path, args: &[&str]) -> Output {
         .output()
         .await
         .unwrap()
-}
-
-fn new_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "nomad-slurm-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn read_jsonl(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 fn spans(run_dir: &Path) -> Vec<SpanRecord> {
@@ -131,7 +115,7 @@ fn processes_naming(needle: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_demo_job_on_two_nodes_is_one_trace_per_rollout_from_all_four_services() {
     let _cluster = CLUSTER.lock().await;
-    let dir = new_dir();
+    let dir = Fleet::new_dir();
     let out = submit(&dir, &["--nodes", "2", "--demo", "--wait"]).await;
     assert!(out.status.success(), "{}", text(&out));
     let job = job_id(&out);
@@ -212,7 +196,7 @@ async fn a_demo_job_on_two_nodes_is_one_trace_per_rollout_from_all_four_services
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_step_killed_mid_run_loses_no_request() {
     let _cluster = CLUSTER.lock().await;
-    let dir = new_dir();
+    let dir = Fleet::new_dir();
     let submitted = submit(&dir, &["--nodes", "2", "--demo", "--concurrency", "4"]).await;
     assert!(submitted.status.success(), "{}", text(&submitted));
     let job = job_id(&submitted);
@@ -254,7 +238,7 @@ async fn a_worker_step_killed_mid_run_loses_no_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scancel_stops_every_step_and_the_collector_keeps_what_was_flushed() {
     let _cluster = CLUSTER.lock().await;
-    let dir = new_dir();
+    let dir = Fleet::new_dir();
     let submitted = submit(&dir, &["--nodes", "2", "--demo", "--concurrency", "2"]).await;
     assert!(submitted.status.success(), "{}", text(&submitted));
     let job = job_id(&submitted);
@@ -301,7 +285,7 @@ async fn scancel_stops_every_step_and_the_collector_keeps_what_was_flushed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_submissions_are_refused_before_anything_is_submitted() {
-    let dir = new_dir();
+    let dir = Fleet::new_dir();
     for (args, expected) in [
         (
             vec!["--nodes", "0", "--demo"],

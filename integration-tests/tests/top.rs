@@ -4,6 +4,7 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use nomad_integration_tests::Fleet;
 use nomad_integration_tests::fleet::{binary, clean, models_dir};
 
 fn tmux(args: &[&str]) -> std::process::Output {
@@ -24,11 +25,7 @@ fn embed_rate(screen: &str) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn top_shows_a_live_fleet_under_load_and_quits_on_q() {
-    let dir = std::env::temp_dir().join(format!(
-        "nomad-top-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Fleet::new_dir();
     let run_id = format!("it-top-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let mut up = clean("nomad")
         .args(["up", "--ready-timeout", "120", "--runs-dir"])

@@ -11,20 +11,12 @@ use std::time::{Duration, Instant};
 use nomad_integration_tests::fleet::{binary, clean, mlp_tasks, models_dir};
 use nomad_integration_tests::jaeger::JaegerQuery;
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
-use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
+use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, read_jsonl};
 use serde_json::Value;
 
 fn write_tasks(path: &Path, tasks: &[Value]) {
     let text: String = tasks.iter().map(|t| format!("{t}\n")).collect();
     std::fs::write(path, text).unwrap();
-}
-
-fn read_jsonl(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 /// Console records of `signal` in every `*.jsonl` file of `dir`.
