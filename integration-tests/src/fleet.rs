@@ -105,6 +105,38 @@ pub fn clean(name: &str) -> Command {
     cmd
 }
 
+/// `nomad up` with the default models, running in the background under `run_id` with its runs
+/// in `dir/runs`; returns it and its `fleet.json` once that is written (at most 150 s).
+pub async fn nomad_up(dir: &Path, run_id: &str) -> (tokio::process::Child, PathBuf) {
+    let mut up = clean("nomad")
+        .args(["up", "--ready-timeout", "120", "--runs-dir"])
+        .arg(dir.join("runs"))
+        .arg("--models-dir")
+        .arg(models_dir())
+        .env("NOMAD_OTEL_RUN_ID", run_id)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.join("up.stderr")).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let fleet = dir.join("runs").join(run_id).join("fleet.json");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(150);
+    while !fleet.is_file() {
+        if let Some(status) = up.try_wait().unwrap() {
+            panic!(
+                "nomad up exited ({status}):\n{}",
+                std::fs::read_to_string(dir.join("up.stderr")).unwrap_or_default()
+            );
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the fleet did not start in 150 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    (up, fleet)
+}
+
 /// A clean command for `service` with `env` on top.
 fn command(service: Service, env: &[(String, String)]) -> Command {
     let mut cmd = clean(service.binary());

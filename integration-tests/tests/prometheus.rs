@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{clean, models_dir};
+use nomad_integration_tests::fleet::{clean, nomad_up};
 use serde_json::Value;
 
 fn free_port() -> u16 {
@@ -64,23 +64,7 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
         "it-prom-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     );
-    let mut up = clean("nomad")
-        .args(["up", "--ready-timeout", "120", "--runs-dir"])
-        .arg(dir.join("runs"))
-        .arg("--models-dir")
-        .arg(models_dir())
-        .env("NOMAD_OTEL_RUN_ID", &run_id)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join("up.stderr")).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let fleet_path = dir.join("runs").join(&run_id).join("fleet.json");
-    wait_for("the fleet", Duration::from_secs(150), async || {
-        assert!(up.try_wait().unwrap().is_none(), "nomad up exited");
-        fleet_path.is_file()
-    })
-    .await;
+    let (mut up, fleet_path) = nomad_up(&dir, &run_id).await;
     let fleet: Value =
         serde_json::from_str(&std::fs::read_to_string(&fleet_path).unwrap()).unwrap();
     let targets = fleet["prometheus"].as_object().unwrap().clone();

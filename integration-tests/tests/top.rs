@@ -5,7 +5,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{binary, clean, models_dir};
+use nomad_integration_tests::fleet::{binary, clean, nomad_up};
 
 fn tmux(args: &[&str]) -> std::process::Output {
     std::process::Command::new("tmux")
@@ -27,25 +27,8 @@ fn embed_rate(screen: &str) -> Option<f64> {
 async fn top_shows_a_live_fleet_under_load_and_quits_on_q() {
     let dir = Fleet::new_dir();
     let run_id = format!("it-top-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-    let mut up = clean("nomad")
-        .args(["up", "--ready-timeout", "120", "--runs-dir"])
-        .arg(dir.join("runs"))
-        .arg("--models-dir")
-        .arg(models_dir())
-        .env("NOMAD_OTEL_RUN_ID", &run_id)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let (mut up, fleet) = nomad_up(&dir, &run_id).await;
     let run_dir = dir.join("runs").join(&run_id);
-    let fleet = run_dir.join("fleet.json");
-    let deadline = Instant::now() + Duration::from_secs(150);
-    while !fleet.is_file() {
-        assert!(up.try_wait().unwrap().is_none(), "nomad up exited");
-        assert!(Instant::now() < deadline, "the fleet did not start");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 
     // Without a fleet or a scheduler, it says what it needs.
     let bare = clean("nomad").arg("top").output().await.unwrap();

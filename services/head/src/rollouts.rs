@@ -454,6 +454,16 @@ impl Progress {
     }
 }
 
+/// The objects of a JSONL file (results, tasks); none when it is missing, and a line that is
+/// not JSON (one being written) is skipped.
+pub fn read_jsonl(path: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
 /// Runs `tasks` with a progress bar, writing each result to `out` (`-`: stdout) as it comes.
 pub async fn run_to_file(
     runner: &Runner,

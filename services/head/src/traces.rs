@@ -31,18 +31,24 @@ impl Rollout {
     }
 }
 
-/// Span lines of every `*.jsonl` file in `dir` and in its `otel/` (a Slurm job's collector
-/// writes there); other lines are skipped.
-pub fn load_dir(dir: &Path) -> anyhow::Result<Vec<Span>> {
-    let mut spans = Vec::new();
+/// The telemetry files of a run directory: every `*.jsonl` in it and in its `otel/` (a Slurm
+/// job's collector writes there).
+pub fn telemetry_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let entries = std::fs::read_dir(dir)
         .map_err(|e| anyhow::anyhow!("reading run directory {}: {e}", dir.display()))?;
     let collected = std::fs::read_dir(dir.join("otel")).into_iter().flatten();
-    for entry in entries.chain(collected).flatten() {
-        let path = entry.path();
-        if path.extension().is_none_or(|e| e != "jsonl") {
-            continue;
-        }
+    Ok(entries
+        .chain(collected)
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
+        .collect())
+}
+
+/// Span lines of every telemetry file in `dir` (other lines are skipped).
+pub fn load_dir(dir: &Path) -> anyhow::Result<Vec<Span>> {
+    let mut spans = Vec::new();
+    for path in telemetry_files(dir)? {
         let text = std::fs::read_to_string(&path)?;
         // A line a killed process left half-written is skipped.
         spans.extend(nomad_telemetry::records::from_console(&text).0);

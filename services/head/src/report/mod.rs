@@ -27,26 +27,13 @@ pub struct ReportArgs {
     pub waterfalls: usize,
 }
 
-fn jsonl(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-/// The metric points the report plots, from every `*.jsonl` of the run (and its `otel/`).
-fn metric_points(dir: &Path) -> Vec<Value> {
-    let files = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .chain(std::fs::read_dir(dir.join("otel")).into_iter().flatten())
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "jsonl"));
-    let mut points = Vec::new();
-    for file in files {
-        let text = std::fs::read_to_string(&file).unwrap_or_default();
+/// The run's spans, and the metric points the report plots, reading each telemetry file once.
+fn telemetry(dir: &Path) -> anyhow::Result<(Vec<traces::Span>, Vec<Value>)> {
+    let (mut spans, mut points) = (Vec::new(), Vec::new());
+    for file in traces::telemetry_files(dir)? {
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("reading {}", file.display()))?;
+        spans.extend(nomad_telemetry::records::from_console(&text).0);
         // Only memory points are plotted from metrics: skip the rest without parsing it.
         points.extend(
             text.lines()
@@ -55,7 +42,7 @@ fn metric_points(dir: &Path) -> Vec<Value> {
                 .filter(|v| v["signal"] == "metric"),
         );
     }
-    points
+    Ok((spans, points))
 }
 
 /// Writes the report of run `run_id` from `dir` to `out`.
@@ -65,9 +52,9 @@ pub fn write(dir: &Path, run_id: &str, out: &Path, waterfalls: usize) -> anyhow:
         "run directory {} does not exist",
         dir.display()
     );
-    let results = jsonl(&dir.join("results.jsonl"));
-    let spans = traces::load_dir(dir)?;
-    let figures = data::figures(&results, &spans, &metric_points(dir));
+    let results = crate::rollouts::read_jsonl(&dir.join("results.jsonl"));
+    let (spans, points) = telemetry(dir)?;
+    let figures = data::figures(&results, &spans, &points);
     let rollouts = traces::rollouts(spans, run_id);
     let slowest: Vec<String> = rollouts
         .iter()

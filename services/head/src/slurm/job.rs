@@ -197,7 +197,7 @@ pub async fn job(args: JobArgs) -> anyhow::Result<bool> {
     let mut steps = Steps {
         job: job_id.clone(),
         bin_dir: args.bin_dir.clone(),
-        env: step_env.clone(),
+        env: step_env,
         nodes: HashMap::new(),
     };
     let mut sup = Supervisor::new(&run_dir);

@@ -29,14 +29,6 @@ fn run_dir(job: &str, runs_dir: &Path) -> PathBuf {
         .unwrap_or_else(|| runs_dir.join(job))
 }
 
-fn lines(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
 fn driver_outcome(run_dir: &Path) -> Option<serde_json::Value> {
     let text = std::fs::read_to_string(run_dir.join("driver.json")).ok()?;
     serde_json::from_str(&text).ok()
@@ -69,8 +61,8 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<bool> {
         println!("run directory {} is not here", dir.display());
         return Ok(true);
     }
-    let total = lines(&dir.join("tasks.jsonl")).len();
-    let results = lines(&dir.join("results.jsonl"));
+    let total = crate::rollouts::read_jsonl(&dir.join("tasks.jsonl")).len();
+    let results = crate::rollouts::read_jsonl(&dir.join("results.jsonl"));
     let failed = results.iter().filter(|r| r["status"] != "ok").count();
     println!(
         "rollouts: {} of {total} done, {failed} failed (run directory {})",

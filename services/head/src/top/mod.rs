@@ -86,12 +86,12 @@ impl Sources {
     }
 
     fn rollouts(&mut self) -> Option<Rollouts> {
-        let text = std::fs::read_to_string(self.results.as_ref()?).ok()?;
-        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-        let failed = lines
-            .iter()
-            .filter(|l| !l.contains("\"status\":\"ok\""))
-            .count();
+        let results = self.results.as_ref()?;
+        if !results.is_file() {
+            return None;
+        }
+        let lines = crate::rollouts::read_jsonl(results);
+        let failed = lines.iter().filter(|r| r["status"] != "ok").count();
         let now = Instant::now();
         let rate = match self.last {
             Some((then, done)) => {
