@@ -28,6 +28,9 @@ pub struct BenchArgs {
     /// Tokens to decode per run (generate).
     #[arg(long, default_value_t = 64)]
     tokens: usize,
+    /// Sequences decoded together, one step for all (generate).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    rows: Vec<usize>,
     /// Seconds per measurement.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
@@ -35,6 +38,9 @@ pub struct BenchArgs {
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     nomad_config::seconds("--seconds", args.seconds).map_err(anyhow::Error::msg)?;
+    if args.rows.contains(&0) || args.batches.contains(&0) {
+        anyhow::bail!("--rows and --batches must be at least 1");
+    }
     match args.what.as_str() {
         "embed" => embed(&args),
         "generate" => generate(&args),
@@ -101,27 +107,30 @@ fn generate(args: &BenchArgs) -> anyhow::Result<()> {
                 true,
             ))
             .map_err(anyhow::Error::msg)?;
-        model.time_decode(&prompt, 4)?; // warm-up
-        let (mut prompt_time, mut decode_time, mut runs) = (Duration::ZERO, Duration::ZERO, 0);
-        let started = Instant::now();
-        while started.elapsed() < Duration::from_secs_f64(args.seconds) || runs == 0 {
-            let (p, d) = model.time_decode(&prompt, args.tokens)?;
-            prompt_time += p;
-            decode_time += d;
-            runs += 1;
+        model.time_decode(&prompt, 1, 4)?; // warm-up
+        for &rows in &args.rows {
+            let (mut prompt_time, mut decode_time, mut runs) = (Duration::ZERO, Duration::ZERO, 0);
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs_f64(args.seconds) || runs == 0 {
+                let (p, d) = model.time_decode(&prompt, rows, args.tokens)?;
+                prompt_time += p;
+                decode_time += d;
+                runs += rows;
+            }
+            println!(
+                "{}",
+                serde_json::json!({
+                    "runtime": "candle",
+                    "weights": if q8 { "Q8_0 (re-quantized from Q4_1 at load)" } else { "Q4_1 (as shipped)" },
+                    "load_seconds": load.as_secs_f64(),
+                    "weights_bytes": model.bytes(),
+                    "prompt_tokens": prompt.len(),
+                    "rows": rows,
+                    "prompt_tokens_per_second": (prompt.len() * runs) as f64 / prompt_time.as_secs_f64(),
+                    "decode_tokens_per_second": (args.tokens * runs) as f64 / decode_time.as_secs_f64(),
+                })
+            );
         }
-        println!(
-            "{}",
-            serde_json::json!({
-                "runtime": "candle",
-                "weights": if q8 { "Q8_0 (re-quantized from Q4_1 at load)" } else { "Q4_1 (as shipped)" },
-                "load_seconds": load.as_secs_f64(),
-                "weights_bytes": model.bytes(),
-                "prompt_tokens": prompt.len(),
-                "prompt_tokens_per_second": (prompt.len() * runs) as f64 / prompt_time.as_secs_f64(),
-                "decode_tokens_per_second": (args.tokens * runs) as f64 / decode_time.as_secs_f64(),
-            })
-        );
     }
     Ok(())
 }

@@ -187,28 +187,42 @@ impl Generator {
             .map_err(|e| format!("tokenizing: {e}"))
     }
 
-    /// Times the prompt pass and `tokens` greedy decode steps of one sequence (ignoring end of
-    /// turn), for benchmarks.
+    /// Times the prompt passes of `rows` sequences (each alone) and then `tokens` greedy decode
+    /// steps of all of them at once (ignoring end of turn), for benchmarks.
     pub fn time_decode(
         &self,
         prompt: &[u32],
+        rows: usize,
         tokens: usize,
     ) -> candle_core::Result<(std::time::Duration, std::time::Duration)> {
         use super::llama::Step;
-        let mut cache = self.model.cache(prompt.len() + tokens);
+        let mut caches: Vec<_> = (0..rows.max(1))
+            .map(|_| self.model.cache(prompt.len() + tokens))
+            .collect();
         let started = std::time::Instant::now();
-        let mut logits = self.model.forward(&mut [Step {
-            tokens: prompt,
-            cache: &mut cache,
-        }])?;
+        let mut next = Vec::with_capacity(caches.len());
+        for cache in &mut caches {
+            let logits = self.model.forward(&mut [Step {
+                tokens: prompt,
+                cache,
+            }])?;
+            next.push([super::llama::argmax_rows(&logits)?[0]]);
+        }
         let prompt_time = started.elapsed();
         let started = std::time::Instant::now();
         for _ in 0..tokens {
-            let next = super::llama::argmax_rows(&logits)?[0];
-            logits = self.model.forward(&mut [Step {
-                tokens: &[next],
-                cache: &mut cache,
-            }])?;
+            let mut steps: Vec<Step<'_>> = caches
+                .iter_mut()
+                .zip(&next)
+                .map(|(cache, token)| Step {
+                    tokens: token,
+                    cache,
+                })
+                .collect();
+            let logits = self.model.forward(&mut steps)?;
+            for (slot, token) in next.iter_mut().zip(super::llama::argmax_rows(&logits)?) {
+                *slot = [token];
+            }
         }
         Ok((prompt_time, started.elapsed()))
     }

@@ -11,15 +11,40 @@
 //! than the quantized kernel; decode rows (one token) stay quantized. Which path a row takes
 //! depends on its own sequence only, never on what else is in the step.
 
-use candle_core::quantized::{QMatMul, gguf_file};
+use candle_core::quantized::{QMatMul, QTensor, gguf_file};
 use candle_core::{D, DType, Device, Module, Result, Tensor};
 use candle_nn::Embedding;
 use candle_nn::kv_cache::KvCache;
 use candle_transformers::quantized_nn::RmsNorm;
 
+use nomad_q8::Q8Matrix;
+
+/// A quantized weight: Q8_0 on an AVX2 CPU through `q8` (several rows per pass), anything else
+/// through candle.
+enum Quantized {
+    Q8(Q8Matrix),
+    Candle(QMatMul),
+}
+
+impl Quantized {
+    fn new(q: QTensor) -> Result<Self> {
+        Ok(match Q8Matrix::from_qtensor(&q)? {
+            Some(m) => Self::Q8(m),
+            None => Self::Candle(QMatMul::from_qtensor(q)?),
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Q8(m) => m.forward(x),
+            Self::Candle(m) => m.forward(x),
+        }
+    }
+}
+
 /// A linear weight: quantized, and with dense prefill also f32 (`[in, out]`).
 struct Linear {
-    quantized: QMatMul,
+    quantized: Quantized,
     dense: Option<Tensor>,
 }
 
@@ -36,17 +61,17 @@ enum Rows {
 }
 
 impl Linear {
-    fn new(quantized: QMatMul, dense: bool) -> Result<Self> {
+    fn new(weight: QTensor, dense: bool) -> Result<Self> {
         let dense = if dense {
-            let w = match &quantized {
-                QMatMul::QTensor(q) => q.dequantize(&q.device())?,
-                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.to_dtype(DType::F32)?,
-            };
+            let w = weight.dequantize(&weight.device())?;
             Some(w.t()?.contiguous()?)
         } else {
             None
         };
-        Ok(Self { quantized, dense })
+        Ok(Self {
+            quantized: Quantized::new(weight)?,
+            dense,
+        })
     }
 
     fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Tensor> {
@@ -91,7 +116,7 @@ pub struct Llama {
     embeddings: Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
-    output: QMatMul,
+    output: Quantized,
     /// Rotary tables, one row per position up to the context length.
     cos: Tensor,
     sin: Tensor,
@@ -161,8 +186,10 @@ impl Llama {
         let mut blocks = Vec::with_capacity(layers);
         for i in 0..layers {
             let mut q = |name: &str| -> Result<Linear> {
-                let w = QMatMul::from_qtensor(tensor(&format!("blk.{i}.{name}.weight"), reader)?)?;
-                Linear::new(w, dense_prefill)
+                Linear::new(
+                    tensor(&format!("blk.{i}.{name}.weight"), reader)?,
+                    dense_prefill,
+                )
             };
             let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
             let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
@@ -187,7 +214,7 @@ impl Llama {
             embeddings,
             layers: blocks,
             norm,
-            output: QMatMul::from_qtensor(output)?,
+            output: Quantized::new(output)?,
             cos,
             sin,
             heads,
