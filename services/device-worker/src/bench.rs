@@ -109,13 +109,14 @@ fn generate(args: &BenchArgs) -> anyhow::Result<()> {
             .map_err(anyhow::Error::msg)?;
         model.time_decode(&prompt, 1, 4)?; // warm-up
         for &rows in &args.rows {
-            let (mut prompt_time, mut decode_time, mut runs) = (Duration::ZERO, Duration::ZERO, 0);
+            let (mut prompt_time, mut decode_time, mut sequences) =
+                (Duration::ZERO, Duration::ZERO, 0);
             let started = Instant::now();
-            while started.elapsed() < Duration::from_secs_f64(args.seconds) || runs == 0 {
+            while started.elapsed() < Duration::from_secs_f64(args.seconds) || sequences == 0 {
                 let (p, d) = model.time_decode(&prompt, rows, args.tokens)?;
                 prompt_time += p;
                 decode_time += d;
-                runs += rows;
+                sequences += rows;
             }
             println!(
                 "{}",
@@ -126,8 +127,8 @@ fn generate(args: &BenchArgs) -> anyhow::Result<()> {
                     "weights_bytes": model.bytes(),
                     "prompt_tokens": prompt.len(),
                     "rows": rows,
-                    "prompt_tokens_per_second": (prompt.len() * runs) as f64 / prompt_time.as_secs_f64(),
-                    "decode_tokens_per_second": (args.tokens * runs) as f64 / decode_time.as_secs_f64(),
+                    "prompt_tokens_per_second": (prompt.len() * sequences) as f64 / prompt_time.as_secs_f64(),
+                    "decode_tokens_per_second": (args.tokens * sequences) as f64 / decode_time.as_secs_f64(),
                 })
             );
         }
