@@ -31,6 +31,9 @@ pub struct BenchArgs {
     /// Sequences decoded together, one step for all (generate).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     rows: Vec<usize>,
+    /// Which weights to time (generate): `q4_1` (as shipped), `q8_0` (re-quantized at load).
+    #[arg(long, value_delimiter = ',', default_value = "q4_1,q8_0")]
+    weights: Vec<String>,
     /// Seconds per measurement.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
@@ -96,7 +99,15 @@ fn embed(args: &BenchArgs) -> anyhow::Result<()> {
 }
 
 fn generate(args: &BenchArgs) -> anyhow::Result<()> {
-    for q8 in [false, true] {
+    let mut kinds = Vec::new();
+    for w in &args.weights {
+        kinds.push(match w.as_str() {
+            "q4_1" => false,
+            "q8_0" => true,
+            other => anyhow::bail!("unknown --weights {other:?}: use q4_1, q8_0 or both"),
+        });
+    }
+    for q8 in kinds {
         let loading = Instant::now();
         let model =
             Generator::load_with(&args.models.join("smollm2-135m-instruct"), &Device::Cpu, q8)?;

@@ -277,6 +277,13 @@ impl Llama {
     /// Runs every sequence's new tokens in one pass, appending them to its cache; returns each
     /// sequence's logits after its last new token (`[sequences, vocab]`).
     pub fn forward(&self, steps: &mut [Step<'_>]) -> Result<Tensor> {
+        // On the CPU, inside candle's thread pool: its parallel operations (softmax, the
+        // element-wise ones) then run on the pool's threads directly instead of each one
+        // handing its work to the pool and sleeping until it is done.
+        self.device.with_context(|| self.forward_in_context(steps))
+    }
+
+    fn forward_in_context(&self, steps: &mut [Step<'_>]) -> Result<Tensor> {
         let ids: Vec<u32> = steps
             .iter()
             .flat_map(|s| s.tokens.iter().copied())
