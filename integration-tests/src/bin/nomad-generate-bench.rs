@@ -269,7 +269,12 @@ async fn bench(llama: Option<String>, levels: Vec<usize>) {
     for &c in &levels {
         if let Some(binary) = &llama {
             let server = LlamaServer::start(binary, &llama_model, c).await;
-            let http = reqwest::Client::new();
+            // A new connection per request: llama-server closes a streamed response's
+            // connection, and reusing it from the pool fails the next request at random.
+            let http = reqwest::Client::builder()
+                .pool_max_idle_per_host(0)
+                .build()
+                .expect("an HTTP client");
             llama_request(http.clone(), server.url.clone(), 0).await; // warm-up
             let l = run(c, |i| llama_request(http.clone(), server.url.clone(), i)).await;
             row("llama-server", c, &l);
