@@ -31,12 +31,22 @@ pub struct BenchArgs {
     /// Sequences decoded together, one step for all (generate).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     rows: Vec<usize>,
-    /// Which weights to time (generate): `q4_1` (as shipped), `q8_0` (re-quantized at load).
-    #[arg(long, value_delimiter = ',', default_value = "q4_1,q8_0")]
-    weights: Vec<String>,
+    /// Which weights to time (generate).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "q4_1,q8_0")]
+    weights: Vec<Weights>,
     /// Seconds per measurement.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
+}
+
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
+enum Weights {
+    /// Q4_1, as shipped.
+    #[value(name = "q4_1")]
+    Q4_1,
+    /// Q8_0, re-quantized from Q4_1 at load.
+    #[value(name = "q8_0")]
+    Q8_0,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -99,15 +109,7 @@ fn embed(args: &BenchArgs) -> anyhow::Result<()> {
 }
 
 fn generate(args: &BenchArgs) -> anyhow::Result<()> {
-    let mut kinds = Vec::new();
-    for w in &args.weights {
-        kinds.push(match w.as_str() {
-            "q4_1" => false,
-            "q8_0" => true,
-            other => anyhow::bail!("unknown --weights {other:?}: use q4_1, q8_0 or both"),
-        });
-    }
-    for q8 in kinds {
+    for q8 in args.weights.iter().map(|&w| w == Weights::Q8_0) {
         let loading = Instant::now();
         let model =
             Generator::load_with(&args.models.join("smollm2-135m-instruct"), &Device::Cpu, q8)?;

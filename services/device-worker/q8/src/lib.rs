@@ -162,8 +162,8 @@ impl Activations {
 
 /// `v.round() as i8` for |v| <= 127.5 without a call into libm per value (the hot part of
 /// quantizing activations): adding the float just below one half and truncating rounds
-/// halves away from zero as `round` does, and nothing else up (the sum of a value just below
-/// n + 0.5 and it stays below n + 1 in single precision for these magnitudes).
+/// halves away from zero as `round` does, and nothing else up (a value just below n + 0.5 plus
+/// that float stays below n + 1 in single precision at these magnitudes).
 fn round_half_away(v: f32) -> i8 {
     const JUST_BELOW_HALF: f32 = 0.5f32.next_down();
     (v + JUST_BELOW_HALF.copysign(v)) as i8
