@@ -1,9 +1,12 @@
 //! `generate` through the scheduler beside llama.cpp's `llama-server` on the same GGUF, one
 //! run, interleaved per concurrency: output tokens/s, time to first token and request latency
-//! at 1, 4, 8 and 16 callers, each request 64 greedy tokens after the same prompt.
+//! at 1, 4, 8 and 16 callers, each request 64 greedy tokens after the same prompt. Both keep
+//! prompt caches as they do by default (llama-server per slot, Nomad across sequences); the
+//! prompt tokens each actually computed are reported beside.
 //!
 //! Run: `cargo build --release --workspace --bins && target/release/nomad-generate-bench
-//! [--llama-server PATH [--llama-model GGUF]] [--concurrency 1,4,8,16] [--dense-prefill]`
+//! [--llama-server PATH [--llama-model GGUF]] [--concurrency 1,4,8,16] [--dense-prefill]
+//! [--unique-prefix]`
 //! (without `--llama-server`, Nomad alone); the worker runs on `NOMAD_TEST_DEVICE` when it is
 //! set.
 
@@ -35,11 +38,20 @@ const TOPICS: [&str; 16] = [
     "a secret tunnel",
 ];
 
-/// The same text both servers get: SmolLM2's chat template around a user turn.
+/// The same text both servers get: SmolLM2's chat template around a user turn. With
+/// `--unique-prefix`, the system line starts with a number no other request of the run has, so
+/// no two prompts share more than their first few tokens and no prompt cache helps.
 fn prompt(i: usize) -> String {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let unique = if std::env::args().any(|a| a == "--unique-prefix") {
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("Request {n}. ")
+    } else {
+        String::new()
+    };
     format!(
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
-         Face<|im_end|>\n<|im_start|>user\nTell me a long story about {}.<|im_end|>\n\
+        "<|im_start|>system\n{unique}You are a helpful AI assistant named SmolLM, trained by \
+         Hugging Face<|im_end|>\n<|im_start|>user\nTell me a long story about {}.<|im_end|>\n\
          <|im_start|>assistant\n",
         TOPICS[i % TOPICS.len()]
     )
@@ -50,10 +62,13 @@ struct Sample {
     first_token: Duration,
     total: Duration,
     tokens: u64,
+    /// Prompt tokens computed (not taken from a cache).
+    prefilled: u64,
 }
 
 struct Level {
     tokens_per_second: f64,
+    prefilled_mean: f64,
     ttft: (Duration, Duration),
     latency: (Duration, Duration),
 }
@@ -66,8 +81,10 @@ fn p50_p99(mut v: Vec<Duration>) -> (Duration, Duration) {
 
 fn level(samples: Vec<Sample>, wall: Duration) -> Level {
     let tokens: u64 = samples.iter().map(|s| s.tokens).sum();
+    let prefilled: u64 = samples.iter().map(|s| s.prefilled).sum();
     Level {
         tokens_per_second: tokens as f64 / wall.as_secs_f64(),
+        prefilled_mean: prefilled as f64 / samples.len() as f64,
         ttft: p50_p99(samples.iter().map(|s| s.first_token).collect()),
         latency: p50_p99(samples.iter().map(|s| s.total).collect()),
     }
@@ -88,16 +105,17 @@ async fn nomad_request(client: SchedulerClient<Channel>, i: usize) -> Sample {
         .expect("CallToolStream")
         .into_inner();
     let mut first = None;
-    let mut tokens = 0;
+    let (mut tokens, mut prefilled) = (0, 0);
     while let Some(event) = stream.next().await {
         match event.expect("stream event").event {
             Some(call_tool_stream_event::Event::Text(_)) => {
                 first.get_or_insert_with(|| started.elapsed());
             }
             Some(call_tool_stream_event::Event::Done(done)) => {
-                tokens = done
-                    .generation
-                    .map_or(0, |g| u64::from(g.completion_tokens));
+                if let Some(g) = done.generation {
+                    tokens = u64::from(g.completion_tokens);
+                    prefilled = u64::from(g.prompt_tokens - g.cached_prompt_tokens);
+                }
             }
             None => {}
         }
@@ -106,13 +124,14 @@ async fn nomad_request(client: SchedulerClient<Channel>, i: usize) -> Sample {
         first_token: first.unwrap_or_else(|| started.elapsed()),
         total: started.elapsed(),
         tokens,
+        prefilled,
     }
 }
 
 async fn llama_request(http: reqwest::Client, url: String, i: usize) -> Sample {
     let body = serde_json::json!({
         "prompt": prompt(i), "n_predict": TOKENS, "temperature": 0.0, "stream": true,
-        "cache_prompt": false,
+        "cache_prompt": true,
     });
     let started = Instant::now();
     let reply = http
@@ -123,7 +142,7 @@ async fn llama_request(http: reqwest::Client, url: String, i: usize) -> Sample {
         .await
         .expect("llama-server request");
     let mut stream = reply.bytes_stream();
-    let (mut first, mut tokens, mut buffer) = (None, 0, String::new());
+    let (mut first, mut tokens, mut prefilled, mut buffer) = (None, 0, 0, String::new());
     while let Some(chunk) = stream.next().await {
         buffer.push_str(&String::from_utf8_lossy(
             &chunk.expect("llama-server stream"),
@@ -141,6 +160,7 @@ async fn llama_request(http: reqwest::Client, url: String, i: usize) -> Sample {
             }
             if v["stop"].as_bool() == Some(true) {
                 tokens = v["tokens_predicted"].as_u64().unwrap_or(0);
+                prefilled = v["timings"]["prompt_n"].as_u64().unwrap_or(0);
             }
         }
     }
@@ -148,6 +168,7 @@ async fn llama_request(http: reqwest::Client, url: String, i: usize) -> Sample {
         first_token: first.unwrap_or_else(|| started.elapsed()),
         total: started.elapsed(),
         tokens,
+        prefilled,
     }
 }
 
@@ -228,12 +249,13 @@ impl Drop for LlamaServer {
 fn row(system: &str, c: usize, l: &Level) {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
-        "| {c} | {system} | {:.1} | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms |",
+        "| {c} | {system} | {:.1} | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} |",
         l.tokens_per_second,
         ms(l.ttft.0),
         ms(l.ttft.1),
         ms(l.latency.0),
-        ms(l.latency.1)
+        ms(l.latency.1),
+        l.prefilled_mean
     );
 }
 
@@ -262,9 +284,10 @@ async fn bench(llama: Option<String>, levels: Vec<usize>) {
     let client = SchedulerClient::new(fleet::rpc_channel(&fleet.scheduler_addr));
     nomad_request(client.clone(), 0).await; // loads and places the model
     println!(
-        "| callers | server | output tokens/s | TTFT p50 | TTFT p99 | latency p50 | latency p99 |"
+        "| callers | server | output tokens/s | TTFT p50 | TTFT p99 | latency p50 | latency p99 \
+         | prompt tokens computed (mean) |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     let mut nomad1 = None;
     for &c in &levels {
         if let Some(binary) = &llama {

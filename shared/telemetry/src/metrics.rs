@@ -412,7 +412,7 @@ pub const TOOL_GENERATE_TOKENS: MetricDef = def(
     "nomad.tool.generate.tokens",
     C,
     "{token}",
-    "Tokens of finished generations, by `tool` and `phase` (`prefill`: prompt tokens, `decode`: generated tokens).",
+    "Tokens of finished generations, by `tool` and `phase` (`prefill`: prompt tokens computed, not those copied from a kept prefix cache; `decode`: generated tokens).",
 );
 
 pub const GATEWAY_SANDBOX_ISOLATION: MetricDef = def(

@@ -5,6 +5,10 @@
 //! leaves at its end (end of turn, a stop string or `max_tokens`) and is answered at once; one
 //! whose caller went away is dropped at the next step, freeing its place and KV cache.
 //!
+//! A newcomer whose prompt starts like a finished sequence's tokens (a shared system prompt,
+//! the earlier turns of a chat) copies those tokens' keys and values from the
+//! [`PrefixCache`] and feeds only the rest.
+//!
 //! A sequence is chunked the same way whatever runs beside it, and every row of a step is
 //! computed as it would be alone (see `llama.rs`), so batching never changes an answer.
 
@@ -19,6 +23,7 @@ use tokenizers::Tokenizer;
 
 use super::ExecError;
 use super::llama::{Cache, Llama, Step};
+use super::prefix_cache::PrefixCache;
 
 /// Prompt tokens one sequence feeds per step.
 pub const PREFILL_CHUNK: usize = 64;
@@ -26,6 +31,8 @@ pub const PREFILL_CHUNK: usize = 64;
 pub const PREFILL_PER_STEP: usize = 128;
 /// Tokens back the repeat penalty looks.
 const REPEAT_LAST_N: usize = 64;
+/// Finished sequences' caches kept per running place (within the KV budget).
+const KEPT_PER_PLACE: usize = 4;
 
 /// How one request samples and when it stops.
 #[derive(Debug, Clone)]
@@ -46,10 +53,31 @@ pub enum Event {
     Done(Result<Finished, ExecError>),
 }
 
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Finished {
     pub text: String,
+    pub finish_reason: FinishReason,
     pub prompt_tokens: usize,
+    /// Prompt tokens copied from a kept cache rather than computed.
+    pub cached_prompt_tokens: usize,
     pub completion_tokens: usize,
     /// From submission to the first generated token (queueing and prefill).
     pub time_to_first_token: Duration,
@@ -134,8 +162,10 @@ impl Decoder {
 struct Sequence {
     job: Job,
     cache: Cache,
-    /// Prompt tokens fed so far.
+    /// Prompt tokens fed so far (or copied from a kept cache).
     fed: usize,
+    /// Prompt tokens copied from a kept cache.
+    cached: usize,
     generated: Vec<u32>,
     sampler: LogitsProcessor,
     /// Bytes of the text already sent.
@@ -176,6 +206,13 @@ fn sampling(p: &Params) -> Sampling {
 fn run(engine: Engine, bounds: Bounds, intake: Receiver<Job>) {
     let mut waiting: VecDeque<Job> = VecDeque::new();
     let mut running: Vec<Sequence> = Vec::new();
+    // Only where a copied prefix gives the same bits as a computed one (see `llama.rs`).
+    let kept_entries = if engine.model.split_exact() {
+        KEPT_PER_PLACE * bounds.max_running
+    } else {
+        0
+    };
+    let mut kept = PrefixCache::new(kept_entries);
     let mut open = true;
     loop {
         if running.is_empty() && waiting.is_empty() {
@@ -197,11 +234,11 @@ fn run(engine: Engine, bounds: Bounds, intake: Receiver<Job>) {
         // Callers that went away: their place and cache are freed now.
         running.retain(|s| !s.job.events.is_closed());
         waiting.retain(|j| !j.events.is_closed());
-        admit(&engine, bounds, &mut waiting, &mut running);
+        admit(&engine, bounds, &mut waiting, &mut running, &mut kept);
         if running.is_empty() {
             continue;
         }
-        if let Err(e) = step(&engine, &mut running) {
+        if let Err(e) = step(&engine, bounds, &mut running, &mut kept) {
             // The pass failed for every sequence in it.
             let message = ExecError::from(e);
             for s in running.drain(..) {
@@ -211,13 +248,14 @@ fn run(engine: Engine, bounds: Bounds, intake: Receiver<Job>) {
     }
 }
 
-/// Starts waiting requests while places and KV budget allow; one that could never fit is
-/// answered out of memory.
+/// Starts waiting requests while places and KV budget allow (kept caches give way to them);
+/// one that could never fit is answered out of memory.
 fn admit(
     engine: &Engine,
     bounds: Bounds,
     waiting: &mut VecDeque<Job>,
     running: &mut Vec<Sequence>,
+    kept: &mut PrefixCache<Cache>,
 ) {
     let mut reserved: u64 = running.iter().map(|s| s.kv_bytes).sum();
     while running.len() < bounds.max_running {
@@ -238,11 +276,14 @@ fn admit(
         if reserved + need > bounds.kv_budget_bytes {
             break;
         }
+        while reserved + kept.bytes() + need > bounds.kv_budget_bytes && kept.evict() {}
         let job = waiting.pop_front().expect("front exists");
         reserved += need;
+        let (cache, cached) = start_cache(engine, kept, &job.prompt, tokens);
         running.push(Sequence {
-            cache: engine.model.cache(tokens),
-            fed: 0,
+            cache,
+            fed: cached,
+            cached,
             generated: Vec::with_capacity(job.params.max_tokens),
             sampler: LogitsProcessor::from_sampling(job.params.seed, sampling(&job.params)),
             sent: 0,
@@ -253,8 +294,52 @@ fn admit(
     }
 }
 
+/// A cache of `capacity` tokens for `prompt`, holding what a kept cache shares with it (all but
+/// the prompt's last token at most: its logits give the first new token), and how many
+/// tokens that is.
+fn start_cache(
+    engine: &Engine,
+    kept: &mut PrefixCache<Cache>,
+    prompt: &[u32],
+    capacity: usize,
+) -> (Cache, usize) {
+    if let Some((cache, shared)) = kept.longest(prompt) {
+        let len = shared.min(prompt.len().saturating_sub(1));
+        if len > 0
+            && let Ok(copy) = cache.prefix(len, capacity)
+        {
+            return (copy, len);
+        }
+    }
+    (engine.model.cache(capacity), 0)
+}
+
+/// Keeps the cache of a finished sequence for prompts that start the same way.
+fn keep(s: &Sequence, kept: &mut PrefixCache<Cache>, kv_bytes_per_token: u64) {
+    let len = s.cache.len();
+    let tokens: Vec<u32> = s
+        .job
+        .prompt
+        .iter()
+        .chain(&s.generated)
+        .take(len)
+        .copied()
+        .collect();
+    // Compact: the kept copy holds what was fed, not the room reserved for `max_tokens`.
+    if tokens.len() == len
+        && let Ok(cache) = s.cache.prefix(len, len)
+    {
+        kept.insert(tokens, cache, len as u64 * kv_bytes_per_token);
+    }
+}
+
 /// One forward pass over every running sequence that has work this step, then sampling.
-fn step(engine: &Engine, running: &mut Vec<Sequence>) -> candle_core::Result<()> {
+fn step(
+    engine: &Engine,
+    bounds: Bounds,
+    running: &mut Vec<Sequence>,
+    kept: &mut PrefixCache<Cache>,
+) -> candle_core::Result<()> {
     // (index into `running`, range of its prompt to feed, or None for a decode step)
     let mut plan: Vec<(usize, Option<std::ops::Range<usize>>)> = Vec::new();
     let mut prefill_left = PREFILL_PER_STEP;
@@ -306,28 +391,31 @@ fn step(engine: &Engine, running: &mut Vec<Sequence>) -> candle_core::Result<()>
     }
     // Highest index first, so the others keep their places while removing.
     finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
-    for (i, text) in finished {
+    for (i, (text, finish_reason)) in finished {
         let s = running.remove(i);
         let first = s.first_token.unwrap_or_else(Instant::now);
         let done = Finished {
             prompt_tokens: s.job.prompt.len(),
+            cached_prompt_tokens: s.cached,
             completion_tokens: s.generated.len(),
             time_to_first_token: first.saturating_duration_since(s.job.submitted),
             decode: first.elapsed(),
             text,
+            finish_reason,
         };
         let _ = s.job.events.try_send(Event::Done(Ok(done)));
+        keep(&s, kept, bounds.kv_bytes_per_token);
     }
     Ok(())
 }
 
-/// Samples the next token of `s`; sends the text it completes. Returns the whole answer when
-/// the sequence has ended.
+/// Samples the next token of `s`; sends the text it completes. Returns the whole answer and
+/// why it ended when the sequence has ended.
 fn advance(
     engine: &Engine,
     s: &mut Sequence,
     logits: &Tensor,
-) -> candle_core::Result<Option<String>> {
+) -> candle_core::Result<Option<(String, FinishReason)>> {
     let logits = if s.job.params.repeat_penalty != 1.0 {
         let context: Vec<u32> = s.job.prompt.iter().chain(&s.generated).copied().collect();
         let from = context.len().saturating_sub(REPEAT_LAST_N);
@@ -353,11 +441,16 @@ fn advance(
         .map_err(|e| candle_core::Error::Msg(format!("decoding: {e}")))?;
     if let Some(at) = s.job.params.stop.iter().filter_map(|x| text.find(x)).min() {
         flush(s, &text[..at]);
-        return Ok(Some(text[..at].to_owned()));
+        return Ok(Some((text[..at].to_owned(), FinishReason::Stop)));
     }
     if ended || s.generated.len() >= s.job.params.max_tokens {
         flush(s, &text);
-        return Ok(Some(text));
+        let reason = if ended {
+            FinishReason::Stop
+        } else {
+            FinishReason::Length
+        };
+        return Ok(Some((text, reason)));
     }
     // Hold back an unfinished character and anything a stop string may still start with.
     let complete = text.trim_end_matches('\u{FFFD}');
@@ -391,237 +484,4 @@ fn flush(s: &mut Sequence, text: &str) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::generate::{DecodeConfig, Generator};
-    use super::super::{ExecLimits, Model, StartError, Streaming};
-    use super::*;
-    use nomad_proto::v1::{ToolInput, item_result, tool_input, tool_output};
-
-    fn model(max_running: usize) -> Generator {
-        model_with(max_running, false)
-    }
-
-    fn model_with(max_running: usize, dense_prefill: bool) -> Generator {
-        Generator::load_configured(
-            &super::super::test_models_dir().join("smollm2-135m-instruct"),
-            &super::super::test_device(),
-            true,
-            DecodeConfig {
-                max_running,
-                kv_budget_bytes: None,
-                dense_prefill,
-            },
-        )
-        .unwrap()
-    }
-
-    fn input(text: &str, options: &str) -> ToolInput {
-        ToolInput {
-            value: Some(tool_input::Value::Text(text.to_owned())),
-            options_json: options.to_owned(),
-        }
-    }
-
-    fn start(m: &Generator, text: &str, options: &str) -> tokio::sync::mpsc::Receiver<Event> {
-        match m.start(0, &input(text, options), &ExecLimits::default()) {
-            Ok(events) => events,
-            Err(StartError::Invalid(r)) => panic!("refused: {r:?}"),
-            Err(StartError::Exec(e)) => panic!("{e}"),
-        }
-    }
-
-    /// The streamed text and the answer.
-    fn finish(events: &mut tokio::sync::mpsc::Receiver<Event>) -> (String, Finished) {
-        let mut streamed = String::new();
-        loop {
-            match events.blocking_recv().expect("the loop answers") {
-                Event::Text(t) => streamed.push_str(&t),
-                Event::Done(done) => return (streamed, done.unwrap()),
-            }
-        }
-    }
-
-    fn texts(results: &[nomad_proto::v1::ItemResult]) -> Vec<String> {
-        results
-            .iter()
-            .map(|r| match &r.result {
-                Some(item_result::Result::Output(o)) => match &o.value {
-                    Some(tool_output::Value::Text(t)) => t.clone(),
-                    other => panic!("{other:?}"),
-                },
-                other => panic!("{other:?}"),
-            })
-            .collect()
-    }
-
-    const PROMPTS: [&str; 8] = [
-        "Name a colour.",
-        "What is 2 + 2?",
-        "Write one word about the sea.",
-        "Say hello in French.",
-        "List three fruits.",
-        "What day comes after Monday?",
-        "Give me a short greeting.",
-        // Over two prefill chunks: fed across steps beside the others' decoding.
-        "Here is a long request that goes on for a while so that its prompt takes more than one \
-         chunk of sixty-four tokens to feed into the model, which means the decode loop has to \
-         split it across several steps while the other sequences keep decoding beside it; \
-         please answer it with a single short sentence about why the sky looks blue.",
-    ];
-
-    #[test]
-    fn greedy_answers_are_the_same_alone_and_beside_seven_others() {
-        same_alone_and_together(&model(8));
-    }
-
-    /// Dense prefill too: a prompt row takes the f32 path whatever shares its step.
-    #[test]
-    fn greedy_answers_are_the_same_alone_and_together_with_dense_prefill() {
-        let dense = model_with(8, true);
-        same_alone_and_together(&dense);
-        assert!(
-            dense.bytes() > model(8).bytes() * 2,
-            "the f32 copies are not counted"
-        );
-    }
-
-    fn same_alone_and_together(m: &Generator) {
-        let options = r#"{"max_tokens": 12}"#;
-        let limits = ExecLimits::default();
-        let alone: Vec<String> = PROMPTS
-            .iter()
-            .flat_map(|p| texts(&m.execute(&[input(p, options)], &limits).unwrap()))
-            .collect();
-        let inputs: Vec<ToolInput> = PROMPTS.iter().map(|p| input(p, options)).collect();
-        let together = texts(&m.execute(&inputs, &limits).unwrap());
-        assert_eq!(together, alone);
-        assert!(alone.iter().all(|t| !t.is_empty()), "{alone:?}");
-    }
-
-    #[test]
-    fn a_short_request_submitted_after_a_long_one_finishes_first() {
-        let m = model(8);
-        let mut long = start(&m, PROMPTS[0], r#"{"max_tokens": 48, "stop": ["\u0001"]}"#);
-        let mut short = start(&m, PROMPTS[1], r#"{"max_tokens": 3}"#);
-        let (_, done) = finish(&mut short);
-        assert!(done.completion_tokens <= 3);
-        // The long one is still running: no end among what it has sent so far.
-        while let Ok(event) = long.try_recv() {
-            assert!(
-                matches!(event, Event::Text(_)),
-                "the long one ended first: {event:?}"
-            );
-        }
-        let (_, long_done) = finish(&mut long);
-        assert!(long_done.completion_tokens > 3, "{long_done:?}");
-    }
-
-    #[test]
-    fn cancelling_one_of_eight_running_frees_its_place_and_the_others_finish_unchanged() {
-        let options = r#"{"max_tokens": 10}"#;
-        let alone: Vec<String> = {
-            let m = model(1);
-            PROMPTS[..7]
-                .iter()
-                .map(|p| finish(&mut start(&m, p, options)).1.text)
-                .collect()
-        };
-        let m = model(8);
-        let mut running: Vec<_> = PROMPTS.iter().map(|p| start(&m, p, options)).collect();
-        let mut queued = start(&m, "Count to three.", options);
-        // The cancelled one has started: it sent text.
-        let mut cancelled = running.remove(7);
-        if let Event::Done(d) = cancelled.blocking_recv().unwrap() {
-            panic!("ended before it could be cancelled: {d:?}");
-        }
-        assert!(
-            queued.try_recv().is_err(),
-            "the ninth started with eight running"
-        );
-        drop(cancelled);
-        let (_, ninth) = finish(&mut queued);
-        assert!(!ninth.text.is_empty());
-        let others: Vec<String> = running.iter_mut().map(|e| finish(e).1.text).collect();
-        assert_eq!(others, alone);
-    }
-
-    #[test]
-    fn the_stream_adds_up_to_the_answer_and_a_stop_string_ends_it() {
-        let m = model(8);
-        let (streamed, full) = finish(&mut start(&m, PROMPTS[4], r#"{"max_tokens": 24}"#));
-        assert_eq!(streamed, full.text);
-        // Stop at a word in the middle of that answer: the answer ends just before it.
-        let word = full
-            .text
-            .split_whitespace()
-            .nth(2)
-            .expect("an answer of three words or more");
-        let at = full.text.find(word).unwrap();
-        let options = serde_json::json!({"max_tokens": 24, "stop": [word]}).to_string();
-        let (streamed, stopped) = finish(&mut start(&m, PROMPTS[4], &options));
-        assert_eq!(stopped.text, full.text[..at]);
-        assert_eq!(streamed, stopped.text);
-    }
-
-    #[test]
-    fn sampling_follows_its_seed_and_a_chat_in_messages_is_a_prompt() {
-        let m = model(8);
-        let sampled = |seed: u64| {
-            let options = serde_json::json!({"max_tokens": 16, "temperature": 0.9, "top_k": 40,
-                                             "top_p": 0.95, "repeat_penalty": 1.1, "seed": seed});
-            finish(&mut start(&m, PROMPTS[2], &options.to_string()))
-                .1
-                .text
-        };
-        assert_eq!(sampled(7), sampled(7), "one seed, one answer");
-        assert!(
-            (8..12).any(|seed| sampled(seed) != sampled(7)),
-            "five seeds gave one answer"
-        );
-        // The same user turn as text or as messages is the same prompt.
-        let as_text = finish(&mut start(&m, PROMPTS[1], r#"{"max_tokens": 8}"#)).1;
-        let messages = serde_json::json!({"max_tokens": 8,
-            "messages": [{"role": "user", "content": PROMPTS[1]}]});
-        let as_messages = finish(&mut start(&m, "", &messages.to_string())).1;
-        assert_eq!(as_messages.with_times_of(&as_text), as_text);
-        let both = m.start(
-            0,
-            &input("hi", &messages.to_string()),
-            &ExecLimits::default(),
-        );
-        assert!(matches!(both, Err(StartError::Invalid(_))));
-    }
-
-    #[test]
-    fn a_request_whose_kv_cache_cannot_fit_is_out_of_memory_naming_the_budget() {
-        let m = Generator::load_configured(
-            &super::super::test_models_dir().join("smollm2-135m-instruct"),
-            &super::super::test_device(),
-            true,
-            DecodeConfig {
-                max_running: 8,
-                kv_budget_bytes: Some(1 << 20),
-                dense_prefill: false,
-            },
-        )
-        .unwrap();
-        let mut events = start(&m, PROMPTS[0], r#"{"max_tokens": 64}"#);
-        match events.blocking_recv() {
-            Some(Event::Done(Err(ExecError::OutOfMemory(m)))) => {
-                assert!(m.contains("kv_budget_bytes is 1048576"), "{m}")
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    impl Finished {
-        /// `self` with `other`'s timings, to compare answers.
-        fn with_times_of(self, other: &Finished) -> Finished {
-            Finished {
-                time_to_first_token: other.time_to_first_token,
-                decode: other.decode,
-                ..self
-            }
-        }
-    }
-}
+mod tests;

@@ -4,7 +4,9 @@
 //! attention runs per sequence against that sequence's cache.
 //!
 //! Every row is computed as it would be alone: the quantized matmuls, norms and activations are
-//! row by row, and attention never mixes sequences, so batching does not change any result.
+//! row by row, and attention never mixes sequences, so batching does not change any result. On
+//! the CPU, attention runs row by row too (`attention.rs`), so a token's keys and values are the
+//! same bits however its sequence was split into passes: what lets a kept prefix be copied.
 //!
 //! With dense prefill, each linear weight is also kept as f32 and the rows of prompt chunks
 //! (several tokens of one sequence) go through an f32 matmul, which is faster for many rows
@@ -18,6 +20,8 @@ use candle_nn::kv_cache::KvCache;
 use candle_transformers::quantized_nn::RmsNorm;
 
 use nomad_q8::Q8Matrix;
+
+use super::attention::{self, Heads};
 
 /// A quantized weight: Q8_0 on an AVX2 CPU through `q8` (several rows per pass), anything else
 /// through candle.
@@ -39,6 +43,12 @@ impl Quantized {
             Self::Q8(m) => m.forward(x),
             Self::Candle(m) => m.forward(x),
         }
+    }
+
+    /// Whether a row's result is independent of the rows beside it: a quantized dot product
+    /// per row (not a dequantized weight through a shape-dependent matmul).
+    fn row_exact(&self) -> bool {
+        matches!(self, Self::Q8(_) | Self::Candle(QMatMul::QTensor(_)))
     }
 }
 
@@ -133,6 +143,34 @@ pub struct Cache {
     len: usize,
 }
 
+impl Cache {
+    /// Tokens the cache holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// A new cache of `capacity` tokens holding a copy of the first `len` tokens of `self`:
+    /// the keys and values of a prompt that starts the same way. `len` is clamped to what
+    /// `self` holds.
+    pub fn prefix(&self, len: usize, capacity: usize) -> Result<Cache> {
+        let len = len.min(self.len);
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let mut copy = KvCache::new(2, capacity.max(len).max(1));
+            if let (Some(k), Some(v)) = (layer.k()?, layer.v()?)
+                && len > 0
+            {
+                copy.append(
+                    &k.narrow(2, 0, len)?.contiguous()?,
+                    &v.narrow(2, 0, len)?.contiguous()?,
+                )?;
+            }
+            layers.push(copy);
+        }
+        Ok(Cache { layers, len })
+    }
+}
+
 /// One sequence's share of a step: its new tokens and its cache.
 pub struct Step<'a> {
     pub tokens: &'a [u32],
@@ -222,6 +260,20 @@ impl Llama {
             head_dim,
             device: device.clone(),
         })
+    }
+
+    /// Whether every token's keys and values are the same bits however its sequence is split
+    /// into passes (a copied prefix then answers as a computed one): on the CPU, without dense
+    /// prefill (its f32 matmul's last bits depend on the rows beside), with quantized weights.
+    pub fn split_exact(&self) -> bool {
+        self.device.is_cpu()
+            && self.dense_bytes() == 0
+            && self.output.row_exact()
+            && self
+                .layers
+                .iter()
+                .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+                .all(|w| w.quantized.row_exact())
     }
 
     /// Bytes the f32 copies of dense prefill take (0 without it).
@@ -317,11 +369,13 @@ impl Llama {
                 let k = self.rope(&part(&k, self.kv_heads)?, at)?;
                 let v = part(&v, self.kv_heads)?;
                 let (k, v) = step.cache.layers[l].append(&k, &v)?;
-                let y = self.attention(&q, &k, &v, at)?;
-                outputs.push(
-                    y.transpose(1, 2)?
-                        .reshape((n, self.heads * self.head_dim))?,
-                );
+                outputs.push(if self.device.is_cpu() {
+                    attention::causal(&q, &k, &v, at, self.shape())?
+                } else {
+                    self.attention(&q, &k, &v, at)?
+                        .transpose(1, 2)?
+                        .reshape((n, self.heads * self.head_dim))?
+                });
                 row += n;
             }
             let y = Tensor::cat(&outputs, 0)?;
@@ -342,6 +396,14 @@ impl Llama {
         self.output.forward(&self.norm.forward(&x)?)
     }
 
+    fn shape(&self) -> Heads {
+        Heads {
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
     fn rope(&self, x: &Tensor, at: usize) -> Result<Tensor> {
         let n = x.dim(2)?;
         let cos = self.cos.narrow(0, at, n)?;
@@ -350,7 +412,7 @@ impl Llama {
     }
 
     /// Causal attention of `q` (`[1, heads, n, d]`, positions `at..at + n`) over the cache's
-    /// keys and values (`[1, kv_heads, at + n, d]`).
+    /// keys and values (`[1, kv_heads, at + n, d]`), by candle's operations (accelerators).
     fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, at: usize) -> Result<Tensor> {
         let n = q.dim(2)?;
         let repeat = self.heads / self.kv_heads;

@@ -1,6 +1,7 @@
 //! Models a worker can run, behind one small trait, and the errors loading and running them
 //! can give.
 
+mod attention;
 pub mod decoder;
 pub mod embed;
 pub mod generate;
@@ -9,6 +10,7 @@ mod length_groups;
 mod llama;
 pub mod mlp;
 mod options;
+mod prefix_cache;
 pub mod sim;
 
 use std::path::{Path, PathBuf};

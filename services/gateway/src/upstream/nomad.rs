@@ -166,7 +166,7 @@ impl Nomad {
         let output = reply.output.ok_or_else(|| {
             tonic::Status::internal(format!("{NAME}.{tool}: the scheduler returned no output"))
         })?;
-        nomad_json::output_to_json(&output)
+        nomad_json::output_to_json(&output, reply.generation.as_ref())
             .map_err(|e| tonic::Status::internal(format!("{NAME}.{tool}: {e}")))
     }
 }

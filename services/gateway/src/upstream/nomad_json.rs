@@ -2,9 +2,11 @@
 //!
 //! Arguments: `{"text": "..."}` for text tools, or `{"input": [numbers], "shape": [dims]}` for
 //! tensor tools (`shape` defaults to `[len(input)]`); any other key is a tool option (e.g.
-//! `max_tokens`). Results: `{"text": "..."}` or `{"output": [numbers], "shape": [dims]}`.
+//! `max_tokens`). Results: `{"text": "..."}` (a generation's with `prompt_tokens`,
+//! `cached_prompt_tokens`, `completion_tokens` and `finish_reason`) or
+//! `{"output": [numbers], "shape": [dims]}`.
 
-use nomad_proto::v1::{Tensor, ToolInput, ToolOutput, tool_input, tool_output};
+use nomad_proto::v1::{GenerationStats, Tensor, ToolInput, ToolOutput, tool_input, tool_output};
 use serde_json::{Value, json};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -102,10 +104,23 @@ pub fn input_from_value(value: &Value) -> Result<ToolInput, ArgumentError> {
     })
 }
 
-/// Converts a tool's output to its JSON result.
-pub fn output_to_json(output: &ToolOutput) -> Result<Value, String> {
+/// Converts a tool's output to its JSON result; a generation's text comes with its token counts
+/// and why it ended.
+pub fn output_to_json(
+    output: &ToolOutput,
+    generation: Option<&GenerationStats>,
+) -> Result<Value, String> {
     match &output.value {
-        Some(tool_output::Value::Text(text)) => Ok(json!({ "text": text })),
+        Some(tool_output::Value::Text(text)) => Ok(match generation {
+            None => json!({ "text": text }),
+            Some(g) => json!({
+                "text": text,
+                "prompt_tokens": g.prompt_tokens,
+                "cached_prompt_tokens": g.cached_prompt_tokens,
+                "completion_tokens": g.completion_tokens,
+                "finish_reason": g.finish_reason,
+            }),
+        }),
         Some(tool_output::Value::Tensor(t)) => {
             let values = t.to_f32_vec().map_err(|e| e.to_string())?;
             Ok(json!({ "output": values, "shape": t.shape }))
@@ -166,8 +181,31 @@ mod tests {
             ))),
         };
         assert_eq!(
-            output_to_json(&out).unwrap(),
+            output_to_json(&out, None).unwrap(),
             json!({"output": [0.5, -1.0], "shape": [2]})
+        );
+    }
+
+    #[test]
+    fn a_generation_answers_with_its_token_counts_and_finish_reason() {
+        let out = ToolOutput {
+            value: Some(tool_output::Value::Text("Paris".into())),
+        };
+        let stats = GenerationStats {
+            prompt_tokens: 30,
+            cached_prompt_tokens: 24,
+            completion_tokens: 2,
+            finish_reason: "stop".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            output_to_json(&out, Some(&stats)).unwrap(),
+            json!({"text": "Paris", "prompt_tokens": 30, "cached_prompt_tokens": 24,
+                   "completion_tokens": 2, "finish_reason": "stop"})
+        );
+        assert_eq!(
+            output_to_json(&out, None).unwrap(),
+            json!({"text": "Paris"})
         );
     }
 }

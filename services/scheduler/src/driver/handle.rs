@@ -149,6 +149,10 @@ impl Handle {
                             i64::from(g.prompt_tokens),
                         ),
                         KeyValue::new(
+                            "nomad.tool.generate.cached_prompt_tokens",
+                            i64::from(g.cached_prompt_tokens),
+                        ),
+                        KeyValue::new(
                             "nomad.tool.generate.completion_tokens",
                             i64::from(g.completion_tokens),
                         ),

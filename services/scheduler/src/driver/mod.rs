@@ -422,7 +422,10 @@ impl Driver {
                 .generate_time_to_first_token
                 .record(g.time_to_first_token_seconds, &tool_attr);
             for (phase, tokens) in [
-                ("prefill", g.prompt_tokens),
+                (
+                    "prefill",
+                    g.prompt_tokens.saturating_sub(g.cached_prompt_tokens),
+                ),
                 ("decode", g.completion_tokens),
             ] {
                 self.metrics.generate_tokens.add(

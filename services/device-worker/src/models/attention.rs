@@ -1,0 +1,226 @@
+//! Causal attention on the CPU, one query row at a time and always in the same order: a row's
+//! result depends on its query and the keys and values up to its position, never on how many
+//! rows share the pass. candle's matmul picks its kernel by shape (one row, a few, many), which
+//! changes the last bits of a row with the rows beside it; then keys and values copied from a
+//! kept prefix would not be the ones computing that prefix afresh gives, and greedy answers
+//! would depend on what ran before.
+
+use candle_core::{DType, Device, Result, Storage, Tensor};
+
+/// Heads of a model's attention.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// `q` (`[1, heads, n, d]`, positions `at..at + n`, contiguous) against the keys and values of
+/// one sequence's cache (`[1, kv_heads, at + n, d]`, rows of `d` contiguous). Returns
+/// `[n, heads * d]`: each position's heads side by side, as the output projection takes them.
+pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, at: usize, shape: Heads) -> Result<Tensor> {
+    let n = q.dim(2)?;
+    let (q, k, v) = (f32_rows(q)?, f32_rows(k)?, f32_rows(v)?);
+    let mut out = vec![0f32; n * shape.heads * shape.head_dim];
+    with_rows(&q, |q, _| {
+        with_rows(&k, |k, k_stride| {
+            with_rows(&v, |v, v_stride| {
+                let x = Inputs {
+                    q,
+                    k,
+                    v,
+                    k_stride,
+                    v_stride,
+                };
+                rows(x, n, at, shape, &mut out)
+            })
+        })
+    })???;
+    Tensor::from_vec(out, (n, shape.heads * shape.head_dim), &Device::Cpu)
+}
+
+/// `t` (`[1, heads, len, d]`) as f32 with contiguous rows of `d`: itself, or a copy.
+fn f32_rows(t: &Tensor) -> Result<Tensor> {
+    let t = t.to_dtype(DType::F32)?;
+    let stride = t.stride();
+    if t.rank() != 4 || stride[3] != 1 || stride[2] != t.dim(3)? {
+        return t.contiguous();
+    }
+    Ok(t)
+}
+
+/// Calls `f` with a CPU tensor's f32 data from where the tensor starts, and its head stride.
+fn with_rows<R>(t: &Tensor, f: impl FnOnce(&[f32], usize) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("host attention runs on CPU tensors only")
+    };
+    let data = cpu.as_slice::<f32>()?;
+    Ok(f(&data[layout.start_offset()..], layout.stride()[1]))
+}
+
+struct Inputs<'a> {
+    /// `[heads][n][d]`.
+    q: &'a [f32],
+    /// Kv head `h`'s row `j` at `h * stride + j * d`.
+    k: &'a [f32],
+    v: &'a [f32],
+    k_stride: usize,
+    v_stride: usize,
+}
+
+fn rows(x: Inputs<'_>, n: usize, at: usize, shape: Heads, out: &mut [f32]) {
+    let d = shape.head_dim;
+    let repeat = shape.heads / shape.kv_heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut weights = vec![0f32; at + n];
+    for h in 0..shape.heads {
+        let kv = h / repeat;
+        let keys = &x.k[kv * x.k_stride..];
+        let values = &x.v[kv * x.v_stride..];
+        for i in 0..n {
+            let query = &x.q[(h * n + i) * d..][..d];
+            let visible = &mut weights[..at + i + 1];
+            let mut max = f32::NEG_INFINITY;
+            for (j, w) in visible.iter_mut().enumerate() {
+                *w = dot(query, &keys[j * d..][..d]) * scale;
+                max = max.max(*w);
+            }
+            let mut sum = 0f32;
+            for w in visible.iter_mut() {
+                *w = (*w - max).exp();
+                sum += *w;
+            }
+            let y = &mut out[(i * shape.heads + h) * d..][..d];
+            for (j, &w) in visible.iter().enumerate() {
+                axpy(w, &values[j * d..][..d], y);
+            }
+            let inverse = 1.0 / sum;
+            y.iter_mut().for_each(|e| *e *= inverse);
+        }
+    }
+}
+
+/// Eight running sums, each over every eighth element (vectorizes without reordering a sum).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a8
+        .remainder()
+        .iter()
+        .zip(b8.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a8.zip(b8) {
+        for l in 0..8 {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    let pairs = [
+        lanes[0] + lanes[4],
+        lanes[1] + lanes[5],
+        lanes[2] + lanes[6],
+        lanes[3] + lanes[7],
+    ];
+    (pairs[0] + pairs[2]) + (pairs[1] + pairs[3]) + tail
+}
+
+fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += w * x;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: Heads = Heads {
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 20,
+    };
+
+    /// Attention the plain way: repeated kv heads, a masked softmax, matmuls.
+    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, at: usize) -> Tensor {
+        let n = q.dim(2).unwrap();
+        let repeat = SHAPE.heads / SHAPE.kv_heads;
+        let k = candle_transformers::utils::repeat_kv(k.contiguous().unwrap(), repeat).unwrap();
+        let v = candle_transformers::utils::repeat_kv(v.contiguous().unwrap(), repeat).unwrap();
+        let scores = (q.matmul(&k.t().unwrap()).unwrap() / (SHAPE.head_dim as f64).sqrt()).unwrap();
+        let mask = candle_transformers::utils::build_causal_mask(n, at, &Device::Cpu).unwrap();
+        let mask = mask.broadcast_as(scores.shape()).unwrap();
+        let minus = Tensor::new(f32::NEG_INFINITY, &Device::Cpu)
+            .unwrap()
+            .broadcast_as(scores.shape())
+            .unwrap();
+        let scores = mask.where_cond(&minus, &scores).unwrap();
+        candle_nn::ops::softmax_last_dim(&scores)
+            .unwrap()
+            .matmul(&v)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .reshape((n, SHAPE.heads * SHAPE.head_dim))
+            .unwrap()
+    }
+
+    fn random(shape: (usize, usize, usize, usize)) -> Tensor {
+        Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn matches_masked_softmax_attention() {
+        let (at, n, d) = (7, 5, SHAPE.head_dim);
+        let q = random((1, SHAPE.heads, n, d));
+        // Keys and values as a cache holds them: a narrowed view of room for more.
+        let k = random((1, SHAPE.kv_heads, 40, d))
+            .narrow(2, 0, at + n)
+            .unwrap();
+        let v = random((1, SHAPE.kv_heads, 40, d))
+            .narrow(2, 0, at + n)
+            .unwrap();
+        let ours = causal(&q, &k, &v, at, SHAPE).unwrap();
+        let theirs = reference(&q, &k, &v, at);
+        let diff = (ours - theirs)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff < 1e-5, "max difference {diff}");
+    }
+
+    #[test]
+    fn a_row_is_the_same_bits_whatever_rows_share_its_pass() {
+        let (len, d) = (90, SHAPE.head_dim);
+        let q = random((1, SHAPE.heads, len, d));
+        let k = random((1, SHAPE.kv_heads, len, d));
+        let v = random((1, SHAPE.kv_heads, len, d));
+        let all = causal(&q, &k, &v, 0, SHAPE)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        // The same positions as chunks of 1, 2, 3 ... rows after a prefix.
+        let (mut at, mut n) = (0, 1);
+        while at < len {
+            n = n.min(len - at);
+            let part = |t: &Tensor| t.narrow(2, 0, at + n).unwrap();
+            let q = q.narrow(2, at, n).unwrap().contiguous().unwrap();
+            let rows = causal(&q, &part(&k), &part(&v), at, SHAPE)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            for (i, row) in rows.iter().enumerate() {
+                let bits = |r: &[f32]| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(row), bits(&all[at + i]), "position {}", at + i);
+            }
+            at += n;
+            n += 1;
+        }
+    }
+}
