@@ -128,5 +128,15 @@ async fn embed_and_generate_through_the_fleet_equal_the_worker_alone() {
     };
     assert!(!generated.is_empty());
     assert_eq!(result("g")["output"]["text"], generated.as_str());
+    // Through the gateway the text comes with its token counts and why it ended.
+    let g = &result("g")["output"];
+    assert!(g["prompt_tokens"].as_u64().unwrap() > 10, "{g}");
+    assert!(g["cached_prompt_tokens"].as_u64().unwrap() < g["prompt_tokens"].as_u64().unwrap());
+    let completion = g["completion_tokens"].as_u64().unwrap();
+    let reason = g["finish_reason"].as_str().unwrap();
+    assert!(
+        (reason == "length" && completion == 8) || (reason == "stop" && completion < 8),
+        "{g}"
+    );
     fleet.terminate().await;
 }
