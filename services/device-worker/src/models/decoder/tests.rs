@@ -10,15 +10,28 @@ fn model(max_running: usize) -> Generator {
 }
 
 fn model_with(max_running: usize, dense_prefill: bool) -> Generator {
+    configured(DecodeConfig {
+        max_running,
+        kv_budget_bytes: None,
+        dense_prefill,
+    })
+}
+
+/// Eight places and a KV budget of `bytes`.
+fn model_with_budget(bytes: u64) -> Generator {
+    configured(DecodeConfig {
+        max_running: 8,
+        kv_budget_bytes: Some(bytes),
+        dense_prefill: false,
+    })
+}
+
+fn configured(config: DecodeConfig) -> Generator {
     Generator::load_configured(
         &super::super::test_models_dir().join("smollm2-135m-instruct"),
         &super::super::test_device(),
         true,
-        DecodeConfig {
-            max_running,
-            kv_budget_bytes: None,
-            dense_prefill,
-        },
+        config,
     )
     .unwrap()
 }
@@ -202,17 +215,7 @@ fn sampling_follows_its_seed_and_a_chat_in_messages_is_a_prompt() {
 
 #[test]
 fn a_request_whose_kv_cache_cannot_fit_is_out_of_memory_naming_the_budget() {
-    let m = Generator::load_configured(
-        &super::super::test_models_dir().join("smollm2-135m-instruct"),
-        &super::super::test_device(),
-        true,
-        DecodeConfig {
-            max_running: 8,
-            kv_budget_bytes: Some(1 << 20),
-            dense_prefill: false,
-        },
-    )
-    .unwrap();
+    let m = model_with_budget(1 << 20);
     let mut events = start(&m, PROMPTS[0], r#"{"max_tokens": 64}"#);
     match events.blocking_recv() {
         Some(Event::Done(Err(ExecError::OutOfMemory(m)))) => {
@@ -263,17 +266,7 @@ fn kept_caches_give_way_to_a_request_that_needs_their_memory() {
     // SmolLM2-135M: 30 layers, keys and values, 3 KV heads of 64 f32.
     let per_token = 30 * 2 * 3 * 64 * 4;
     let one_request = (probe.prompt_tokens + 8) as u64 * per_token;
-    let tight = Generator::load_configured(
-        &super::super::test_models_dir().join("smollm2-135m-instruct"),
-        &super::super::test_device(),
-        true,
-        DecodeConfig {
-            max_running: 8,
-            kv_budget_bytes: Some(one_request),
-            dense_prefill: false,
-        },
-    )
-    .unwrap();
+    let tight = model_with_budget(one_request);
     let first = finish(&mut start(&tight, PROMPTS[1], options)).1;
     // The same prompt again: the kept cache would give all but its last token, but the
     // budget holds one request and no more, so it went to make room.
