@@ -5,7 +5,7 @@
 //! kept prefix would not be the ones computing that prefix afresh gives, and greedy answers
 //! would depend on what ran before.
 
-use candle_core::{DType, Device, Result, Storage, Tensor};
+use candle_core::{DType, Device, Layout, Result, Storage, Tensor};
 
 /// Heads of a model's attention.
 #[derive(Debug, Clone, Copy)]
@@ -21,21 +21,18 @@ pub struct Heads {
 pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, at: usize, shape: Heads) -> Result<Tensor> {
     let n = q.dim(2)?;
     let (q, k, v) = (f32_rows(q)?, f32_rows(k)?, f32_rows(v)?);
+    let (q_storage, q_layout) = q.storage_and_layout();
+    let (k_storage, k_layout) = k.storage_and_layout();
+    let (v_storage, v_layout) = v.storage_and_layout();
     let mut out = vec![0f32; n * shape.heads * shape.head_dim];
-    with_rows(&q, |q, _| {
-        with_rows(&k, |k, k_stride| {
-            with_rows(&v, |v, v_stride| {
-                let x = Inputs {
-                    q,
-                    k,
-                    v,
-                    k_stride,
-                    v_stride,
-                };
-                rows(x, n, at, shape, &mut out)
-            })
-        })
-    })???;
+    let x = Inputs {
+        q: host_f32(&q_storage, q_layout)?,
+        k: host_f32(&k_storage, k_layout)?,
+        v: host_f32(&v_storage, v_layout)?,
+        k_stride: k_layout.stride()[1],
+        v_stride: v_layout.stride()[1],
+    };
+    rows(x, n, at, shape, &mut out);
     Tensor::from_vec(out, (n, shape.heads * shape.head_dim), &Device::Cpu)
 }
 
@@ -49,14 +46,12 @@ fn f32_rows(t: &Tensor) -> Result<Tensor> {
     Ok(t)
 }
 
-/// Calls `f` with a CPU tensor's f32 data from where the tensor starts, and its head stride.
-fn with_rows<R>(t: &Tensor, f: impl FnOnce(&[f32], usize) -> R) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
+/// A CPU tensor's f32 data from where the tensor starts.
+fn host_f32<'a>(storage: &'a Storage, layout: &Layout) -> Result<&'a [f32]> {
+    let Storage::Cpu(cpu) = storage else {
         candle_core::bail!("host attention runs on CPU tensors only")
     };
-    let data = cpu.as_slice::<f32>()?;
-    Ok(f(&data[layout.start_offset()..], layout.stride()[1]))
+    Ok(&cpu.as_slice::<f32>()?[layout.start_offset()..])
 }
 
 struct Inputs<'a> {
