@@ -102,11 +102,13 @@ pub fn memory_info(device: &Device) -> Option<(u64, u64)> {
 /// One line on what this build and machine offer, for the start-up log.
 pub fn capabilities() -> String {
     format!(
-        "compiled with cuda={} metal={}; cpu avx={} threads={}",
+        "compiled with cuda={} metal={}; cpu avx={} threads={} q8_0 kernel={}",
         candle_core::utils::cuda_is_available(),
         candle_core::utils::metal_is_available(),
         candle_core::utils::with_avx(),
         candle_core::utils::get_num_threads(),
+        nomad_q8::Kernel::detect()
+            .map_or("candle's".to_owned(), |k| format!("{k:?}").to_lowercase()),
     )
 }
 

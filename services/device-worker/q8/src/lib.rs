@@ -1,31 +1,89 @@
-//! Q8_0 weight matrices multiplied on x86 CPUs with AVX2 and FMA, one weight row against up to
-//! eight activation rows per pass.
+//! Q8_0 weight matrices multiplied on x86 CPUs, several activation rows per pass, with one of
+//! two kernels:
 //!
-//! candle's CPU kernel computes each (activation row, weight row) dot product on its own: one
-//! accumulator, whose multiply-add chain the CPU must wait on every block, two half-float scale
-//! conversions per block, and each weight block loaded again for every activation row. Here a
-//! pass keeps one accumulator per activation row (independent chains), loads and prepares each
-//! weight block once for all of them, and reads scales converted once at load.
+//! - **tiles** (AVX-512 VNNI): eight weight rows interleaved so that each output is a vector
+//!   lane of its own; a block costs one conversion and one multiply-add per eight outputs
+//!   (`vnni.rs`). Several times the row kernel's rate where the arithmetic bounds a step.
+//! - **rows** (AVX2 and FMA): one weight row against up to eight activation rows, an
+//!   accumulator per activation row, each output bit for bit candle's `vec_dot_q8_0_q8_0`
+//!   (`avx2.rs`).
 //!
-//! Each output is still the same sequence of operations as candle's `vec_dot_q8_0_q8_0` (the
-//! activation row quantized the same way, the same integer block dot products, one multiply-add
-//! per block in order, the same final horizontal sum), so results are bit for bit those of
-//! candle's kernel, and no row depends on what else shares the step.
+//! Either way, activation rows are quantized to Q8_0 as candle quantizes them, scales are
+//! read without a conversion per use, and an output depends on its activation row and weight
+//! row only: never on what else shares the step, the pass or the thread.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Result, Tensor};
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
+
 const BLOCK: usize = 32;
 /// Bytes of one Q8_0 block as stored: an f16 scale, then 32 signed bytes.
 const BLOCK_BYTES: usize = 2 + BLOCK;
+/// Weight rows of a tile.
+const TILE: usize = 8;
+/// Bytes of one tile's block (`vnni::TILE_BLOCK`, also where that module is not built).
+const TILE_BLOCK: usize = BLOCK * TILE;
+/// Activation rows one pass takes.
+const TALL: usize = 8;
+
+/// Which kernel a matrix is laid out for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// AVX2 and FMA: bit for bit candle's results.
+    Rows,
+    /// AVX-512 VNNI (with VL and F16C): eight weight rows per pass.
+    Tiles,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU runs; None where neither does (weights stay with candle's).
+    pub fn detect() -> Option<Kernel> {
+        [Kernel::Tiles, Kernel::Rows]
+            .into_iter()
+            .find(|k| k.supported())
+    }
+
+    /// Whether this CPU runs the kernel.
+    pub fn supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let rows = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            match self {
+                Kernel::Rows => rows,
+                Kernel::Tiles => {
+                    rows && is_x86_feature_detected!("f16c")
+                        && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512vnni")
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = self;
+            false
+        }
+    }
+}
 
 /// A Q8_0 matrix of `rows` weight rows (output features) by `blocks * 32` inputs.
 pub struct Q8Matrix {
     rows: usize,
     blocks: usize,
-    quants: Vec<i8>,
-    scales: Vec<f32>,
+    weights: Weights,
+}
+
+enum Weights {
+    /// Row after row: `quants[row][block][32]`, `scales[row][block]`.
+    Rows { quants: Vec<i8>, scales: Vec<f32> },
+    /// Tiles of eight rows (the last one padded with zero rows), as `vnni::TileBlocks` reads
+    /// them: `quants[tile][block][group][row][4]` plus 128, `scales[tile][block][row]` as f16.
+    Tiles { quants: Vec<u8>, scales: Vec<u16> },
 }
 
 /// Activation rows quantized to Q8_0 the way candle quantizes them.
@@ -33,25 +91,37 @@ struct Activations {
     rows: usize,
     quants: Vec<i8>,
     scales: Vec<f32>,
+    /// Each block's quants added up (what the tile kernel takes off again, times 128).
+    sums: Vec<i32>,
 }
 
-/// Whether this CPU runs the kernel (otherwise weights stay with candle's).
-pub fn supported() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+/// Some rows of blocks: `quants[row][block][32]`, `scales[row][block]`.
+struct RowBlocks<'a> {
+    quants: &'a [i8],
+    scales: &'a [f32],
+}
+
+/// Some activation rows: their blocks and each block's sum of quants.
+struct ActivationBlocks<'a> {
+    quants: &'a [i8],
+    scales: &'a [f32],
+    sums: &'a [i32],
 }
 
 impl Q8Matrix {
-    /// The matrix of a Q8_0 tensor in host memory, `[rows, inputs]`; None for another type,
-    /// device or CPU.
+    /// The matrix of a Q8_0 tensor in host memory, `[rows, inputs]`, for the fastest kernel
+    /// this CPU runs; None for another type, device or CPU.
     pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
-        if q.dtype() != GgmlDType::Q8_0 || !q.device().is_cpu() || !supported() {
+        match Kernel::detect() {
+            Some(kernel) => Self::for_kernel(q, kernel),
+            None => Ok(None),
+        }
+    }
+
+    /// The matrix laid out for `kernel`; None for another type or device, or where this CPU
+    /// does not run `kernel`.
+    pub fn for_kernel(q: &QTensor, kernel: Kernel) -> Result<Option<Self>> {
+        if q.dtype() != GgmlDType::Q8_0 || !q.device().is_cpu() || !kernel.supported() {
             return Ok(None);
         }
         let (rows, inputs) = q.shape().dims2()?;
@@ -67,18 +137,23 @@ impl Q8Matrix {
                 rows * blocks * BLOCK_BYTES
             );
         }
-        let mut quants = Vec::with_capacity(rows * inputs);
-        let mut scales = Vec::with_capacity(rows * blocks);
-        for block in data.chunks_exact(BLOCK_BYTES) {
-            scales.push(f16::from_le_bytes([block[0], block[1]]).to_f32());
-            quants.extend(block[2..].iter().map(|&b| b as i8));
-        }
+        let weights = match kernel {
+            Kernel::Rows => row_weights(&data),
+            Kernel::Tiles => tile_weights(&data, rows, blocks),
+        };
         Ok(Some(Self {
             rows,
             blocks,
-            quants,
-            scales,
+            weights,
         }))
+    }
+
+    /// The kernel the matrix is laid out for.
+    pub fn kernel(&self) -> Kernel {
+        match self.weights {
+            Weights::Rows { .. } => Kernel::Rows,
+            Weights::Tiles { .. } => Kernel::Tiles,
+        }
     }
 
     /// `x @ self^T` for `x` of shape `[m, inputs]` (f32): `[m, rows]`.
@@ -92,13 +167,26 @@ impl Q8Matrix {
         }
         let x = x.flatten_all()?.to_vec1::<f32>()?;
         let acts = Activations::quantize(&x, m, self.blocks);
-        // Work items are weight rows; each range computes its outputs for every activation row
-        // into a part of its own (`[m][cols]`), and the parts' rows are copied into place after:
-        // whole runs of an output row rather than one strided store per value.
+        // Work items are weight rows (or tiles of them); each range computes its outputs for
+        // every activation row into a part of its own (`[m][cols]`), and the parts' rows are
+        // copied into place after: whole runs of an output row rather than one strided store
+        // per value.
+        let per_item = match self.weights {
+            Weights::Rows { .. } => 1,
+            Weights::Tiles { .. } => TILE,
+        };
         let parts = std::sync::Mutex::new(Vec::new());
-        candle_core::utils::barrier_pool().execute_chunked(self.rows, |cols| {
+        candle_core::utils::barrier_pool().execute_chunked(self.rows.div_ceil(per_item), |items| {
+            let cols = items.start * per_item..(items.end * per_item).min(self.rows);
             let mut part = vec![0f32; cols.len() * m];
-            self.columns(&acts, cols.clone(), &mut part);
+            match &self.weights {
+                Weights::Rows { quants, scales } => {
+                    self.row_columns(quants, scales, &acts, cols.clone(), &mut part)
+                }
+                Weights::Tiles { quants, scales } => {
+                    self.tile_columns(quants, scales, &acts, items, &mut part)
+                }
+            }
             parts
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -114,22 +202,34 @@ impl Q8Matrix {
     }
 
     /// Outputs of weight rows `cols` for every activation row into `dst` (`[m][cols]`).
-    fn columns(&self, acts: &Activations, cols: std::ops::Range<usize>, dst: &mut [f32]) {
+    fn row_columns(
+        &self,
+        quants: &[i8],
+        scales: &[f32],
+        acts: &Activations,
+        cols: std::ops::Range<usize>,
+        dst: &mut [f32],
+    ) {
         let (m, k, width) = (acts.rows, self.blocks, cols.len());
         let mut values = [0f32; TALL];
         for (i, c) in cols.enumerate() {
-            let w = Operand {
-                quants: &self.quants[c * k * BLOCK..(c + 1) * k * BLOCK],
-                scales: &self.scales[c * k..(c + 1) * k],
+            let w = RowBlocks {
+                quants: &quants[c * k * BLOCK..(c + 1) * k * BLOCK],
+                scales: &scales[c * k..(c + 1) * k],
             };
             let mut r = 0;
             while r < m {
                 let tall = (m - r).min(TALL);
-                let x = Operand {
-                    quants: &acts.quants[r * k * BLOCK..(r + tall) * k * BLOCK],
-                    scales: &acts.scales[r * k..(r + tall) * k],
-                };
-                tile(k, &w, &x, &mut values[..tall]);
+                let x = acts.blocks(r, tall, k);
+                row_pass(
+                    k,
+                    &w,
+                    &RowBlocks {
+                        quants: x.quants,
+                        scales: x.scales,
+                    },
+                    &mut values[..tall],
+                );
                 for (j, &v) in values[..tall].iter().enumerate() {
                     dst[(r + j) * width + i] = v;
                 }
@@ -137,52 +237,152 @@ impl Q8Matrix {
             }
         }
     }
+
+    /// Outputs of the weight rows of `tiles` for every activation row into `dst` (`[m][cols]`,
+    /// the tiles' rows short of the padding).
+    fn tile_columns(
+        &self,
+        quants: &[u8],
+        scales: &[u16],
+        acts: &Activations,
+        tiles: std::ops::Range<usize>,
+        dst: &mut [f32],
+    ) {
+        let (m, k) = (acts.rows, self.blocks);
+        let first = tiles.start * TILE;
+        let width = dst.len() / m;
+        let mut values = [[0f32; TILE]; TALL];
+        for t in tiles {
+            let w = vnni_tile(quants, scales, t, k);
+            let (at, n) = (t * TILE - first, (self.rows - t * TILE).min(TILE));
+            let mut r = 0;
+            while r < m {
+                let tall = (m - r).min(TALL);
+                tile_pass(k, &w, &acts.blocks(r, tall, k), &mut values[..tall]);
+                for (j, v) in values[..tall].iter().enumerate() {
+                    dst[(r + j) * width + at..][..n].copy_from_slice(&v[..n]);
+                }
+                r += tall;
+            }
+        }
+    }
 }
+
+fn row_weights(data: &[u8]) -> Weights {
+    let blocks = data.len() / BLOCK_BYTES;
+    let mut quants = Vec::with_capacity(blocks * BLOCK);
+    let mut scales = Vec::with_capacity(blocks);
+    for block in data.chunks_exact(BLOCK_BYTES) {
+        scales.push(f16::from_le_bytes([block[0], block[1]]).to_f32());
+        quants.extend(block[2..].iter().map(|&b| b as i8));
+    }
+    Weights::Rows { quants, scales }
+}
+
+fn tile_weights(data: &[u8], rows: usize, blocks: usize) -> Weights {
+    let tiles = rows.div_ceil(TILE);
+    // 128 is a zero weight, and a zero scale zeroes a padding row's outputs.
+    let mut quants = vec![128u8; tiles * blocks * TILE_BLOCK];
+    let mut scales = vec![0u16; tiles * blocks * TILE];
+    for (c, row) in data.chunks_exact(blocks * BLOCK_BYTES).enumerate() {
+        let (t, lane) = (c / TILE, c % TILE);
+        for (b, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
+            let at = t * blocks + b;
+            scales[at * TILE + lane] = u16::from_le_bytes([block[0], block[1]]);
+            for (g, four) in block[2..].chunks_exact(4).enumerate() {
+                let to = &mut quants[at * TILE_BLOCK + g * 4 * TILE + lane * 4..][..4];
+                // An i8 plus 128 as a u8: the sign bit flipped.
+                for (to, &q) in to.iter_mut().zip(four) {
+                    *to = q ^ 0x80;
+                }
+            }
+        }
+    }
+    Weights::Tiles { quants, scales }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn vnni_tile<'a>(quants: &'a [u8], scales: &'a [u16], t: usize, k: usize) -> vnni::TileBlocks<'a> {
+    vnni::TileBlocks {
+        quants: &quants[t * k * TILE_BLOCK..(t + 1) * k * TILE_BLOCK],
+        scales: &scales[t * k * TILE..(t + 1) * k * TILE],
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn vnni_tile(_: &[u8], _: &[u16], _: usize, _: usize) {}
 
 impl Activations {
     /// Each row's blocks: scale = max |x| / 127 rounded to f16, quants = round(x / scale), as
-    /// candle's `BlockQ8_0::from_float` does (its dot products are what we reproduce).
+    /// candle's `BlockQ8_0::from_float` does (its dot products are what the row kernel
+    /// reproduces).
     fn quantize(x: &[f32], rows: usize, blocks: usize) -> Self {
-        let mut quants = Vec::with_capacity(x.len());
+        let mut quants = vec![0i8; x.len()];
         let mut scales = Vec::with_capacity(rows * blocks);
-        for block in x.chunks_exact(BLOCK) {
-            let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sums = Vec::with_capacity(rows * blocks);
+        #[cfg(target_arch = "x86_64")]
+        let vectors = is_x86_feature_detected!("avx2");
+        for (block, q) in x.chunks_exact(BLOCK).zip(quants.chunks_exact_mut(BLOCK)) {
+            #[cfg(target_arch = "x86_64")]
+            let (d, sum) = if vectors {
+                // SAFETY: the CPU has AVX2 (checked above).
+                unsafe { avx2::quantize_block(block, q) }
+            } else {
+                quantize_block(block, q)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let (d, sum) = quantize_block(block, q);
             scales.push(f16::from_f32(d).to_f32());
-            quants.extend(block.iter().map(|v| round_half_away(v * id)));
+            sums.push(sum);
         }
         Self {
             rows,
             quants,
             scales,
+            sums,
+        }
+    }
+
+    /// Rows `r..r + tall` of `k` blocks each.
+    fn blocks(&self, r: usize, tall: usize, k: usize) -> ActivationBlocks<'_> {
+        ActivationBlocks {
+            quants: &self.quants[r * k * BLOCK..(r + tall) * k * BLOCK],
+            scales: &self.scales[r * k..(r + tall) * k],
+            sums: &self.sums[r * k..(r + tall) * k],
         }
     }
 }
+
+/// One block: scale = max |x| / 127 (returned before its rounding to f16), quants =
+/// round(x / scale) (into `quants`), and their sum.
+fn quantize_block(x: &[f32], quants: &mut [i8]) -> (f32, i32) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0;
+    for (q, v) in quants.iter_mut().zip(x) {
+        *q = round_half_away(v * id);
+        sum += *q as i32;
+    }
+    (d, sum)
+}
+
+/// Just below one half: added to a value and truncated, it rounds halves away from zero.
+const JUST_BELOW_HALF: f32 = 0.5f32.next_down();
 
 /// `v.round() as i8` for |v| <= 127.5 without a call into libm per value (the hot part of
 /// quantizing activations): adding the float just below one half and truncating rounds
 /// halves away from zero as `round` does, and nothing else up (a value just below n + 0.5 plus
 /// that float stays below n + 1 in single precision at these magnitudes).
 fn round_half_away(v: f32) -> i8 {
-    const JUST_BELOW_HALF: f32 = 0.5f32.next_down();
     (v + JUST_BELOW_HALF.copysign(v)) as i8
 }
 
-/// Activation rows one pass takes against a weight row.
-const TALL: usize = 8;
-
-/// Some rows of blocks: `quants[row][block][32]`, `scales[row][block]`.
-struct Operand<'a> {
-    quants: &'a [i8],
-    scales: &'a [f32],
-}
-
 /// One weight row against up to `TALL` activation rows: `dst[r]` for activation row r.
-fn tile(k: usize, w: &Operand<'_>, x: &Operand<'_>, dst: &mut [f32]) {
+fn row_pass(k: usize, w: &RowBlocks<'_>, x: &RowBlocks<'_>, dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: a Q8Matrix exists only where `supported()` held (AVX2 and FMA present); the
-    // kernel checks the operands' lengths before reading.
+    // SAFETY: a row-laid matrix exists only where `Kernel::Rows` is supported (AVX2 and FMA
+    // present); the kernel checks the operands' lengths before reading.
     unsafe {
         match dst.len() {
             1 => avx2::tile::<1>(k, w, x, dst),
@@ -204,142 +404,38 @@ fn tile(k: usize, w: &Operand<'_>, x: &Operand<'_>, dst: &mut [f32]) {
     );
 }
 
+/// One tile against up to `TALL` activation rows: `dst[r]` for activation row r.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{BLOCK, Operand};
-    use std::arch::x86_64::*;
-
-    /// One weight row against `R` activation rows over `k` blocks, into `dst[..R]`. One weight
-    /// stream and `R` independent accumulators: on the machines measured, reading several
-    /// weight rows at once was slower than reading one (BENCHMARKS.md).
-    ///
-    /// # Safety
-    /// The CPU must have AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile<const R: usize>(
-        k: usize,
-        w: &Operand<'_>,
-        x: &Operand<'_>,
-        dst: &mut [f32],
-    ) {
-        assert!(w.quants.len() == k * BLOCK && w.scales.len() == k);
-        assert!(x.quants.len() == R * k * BLOCK && x.scales.len() == R * k);
-        assert!(dst.len() == R);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); R];
-        let (wq, ws) = (w.quants.as_ptr(), w.scales.as_ptr());
-        let (xq, xs) = (x.quants.as_ptr(), x.scales.as_ptr());
-        for b in 0..k {
-            // SAFETY: block b of the weight row and of each activation row r < R lies inside
-            // the operands (lengths asserted above); unaligned loads.
-            unsafe {
-                let weights = _mm256_loadu_si256(wq.add(b * BLOCK).cast());
-                let magnitudes = _mm256_sign_epi8(weights, weights);
-                let dw = _mm256_broadcast_ss(&*ws.add(b));
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let a = _mm256_loadu_si256(xq.add((r * k + b) * BLOCK).cast());
-                    let pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(a, weights));
-                    let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, pairs));
-                    // The same product as candle's scalar one, in every lane.
-                    let d = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xs.add(r * k + b)));
-                    *acc = _mm256_fmadd_ps(d, sums, *acc);
-                }
-            }
-        }
-        for (out, &v) in dst.iter_mut().zip(&acc) {
-            *out = hsum(v);
+fn tile_pass(
+    k: usize,
+    w: &vnni::TileBlocks<'_>,
+    x: &ActivationBlocks<'_>,
+    dst: &mut [[f32; TILE]],
+) {
+    // SAFETY: a tiled matrix exists only where `Kernel::Tiles` is supported (its features
+    // present); the kernel checks the operands' lengths before reading.
+    unsafe {
+        match dst.len() {
+            1 => vnni::tile::<1>(k, w, x, dst),
+            2 => vnni::tile::<2>(k, w, x, dst),
+            3 => vnni::tile::<3>(k, w, x, dst),
+            4 => vnni::tile::<4>(k, w, x, dst),
+            5 => vnni::tile::<5>(k, w, x, dst),
+            6 => vnni::tile::<6>(k, w, x, dst),
+            7 => vnni::tile::<7>(k, w, x, dst),
+            _ => vnni::tile::<TALL>(k, w, x, dst),
         }
     }
+}
 
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum(x: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-    }
+#[cfg(not(target_arch = "x86_64"))]
+fn tile_pass(k: usize, _: &(), x: &ActivationBlocks<'_>, dst: &mut [[f32; TILE]]) {
+    unreachable!(
+        "Q8Matrix is only built where its kernel runs ({k} {} {})",
+        x.scales.len(),
+        dst.len()
+    );
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::quantized::QMatMul;
-    use candle_core::{Device, Module};
-
-    fn numbers(count: usize, seed: u32) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(2_654_435_761).max(1);
-        (0..count)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                (x % 20_000) as f32 / 10_000.0 - 1.0
-            })
-            .collect()
-    }
-
-    /// Bit for bit candle's own Q8_0 matmul, for every row count up to past two full passes
-    /// (m = 1..=17 with passes of 8 rows).
-    #[test]
-    fn equals_candles_kernel_bit_for_bit() {
-        if !supported() {
-            eprintln!("no AVX2+FMA here: the kernel is not used, nothing to compare");
-            return;
-        }
-        let (n, k) = (15, 96);
-        let w = Tensor::from_vec(numbers(n * k, 7), (n, k), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
-        let ours = Q8Matrix::from_qtensor(&q)
-            .unwrap()
-            .expect("a Q8_0 host tensor");
-        let theirs = QMatMul::from_qtensor(q).unwrap();
-        for m in 1..=17 {
-            let mut x = numbers(m * k, 100 + m as u32);
-            x[3] = 0.0; // a block with a zero is fine; so is a whole zero block:
-            x[k - BLOCK..k].fill(0.0);
-            let x = Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap();
-            let a = ours.forward(&x).unwrap().to_vec2::<f32>().unwrap();
-            let b = theirs.forward(&x).unwrap().to_vec2::<f32>().unwrap();
-            for (i, (ra, rb)) in a.iter().zip(&b).enumerate() {
-                for (j, (va, vb)) in ra.iter().zip(rb).enumerate() {
-                    assert_eq!(
-                        va.to_bits(),
-                        vb.to_bits(),
-                        "m {m}, row {i}, col {j}: {va} vs {vb}"
-                    );
-                }
-            }
-        }
-    }
-
-    /// The quantizer's rounding is `round` on every half, its neighbours and a sweep between.
-    #[test]
-    fn rounds_halves_away_from_zero_like_round() {
-        let mut values: Vec<f32> = (-255..=255).map(|h| h as f32 / 2.0).collect();
-        for v in values.clone() {
-            values.extend([
-                v.next_up(),
-                v.next_down(),
-                v.next_up().next_up(),
-                v.next_down().next_down(),
-            ]);
-        }
-        values.extend(numbers(200_000, 9).iter().map(|v| v * 127.0));
-        for v in values.into_iter().filter(|v| v.abs() <= 127.5) {
-            assert_eq!(round_half_away(v), v.round() as i8, "{v:e}");
-        }
-    }
-
-    #[test]
-    fn refuses_rows_of_the_wrong_width_and_skips_other_types() {
-        let w = Tensor::from_vec(numbers(4 * 64, 3), (4, 64), &Device::Cpu).unwrap();
-        let q4 = QTensor::quantize(&w, GgmlDType::Q4_0).unwrap();
-        assert!(Q8Matrix::from_qtensor(&q4).unwrap().is_none());
-        if let Some(m) =
-            Q8Matrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q8_0).unwrap()).unwrap()
-        {
-            let x = Tensor::zeros((2, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
-            let e = m.forward(&x).unwrap_err().to_string();
-            assert!(e.contains("over 64 inputs got rows of 32"), "{e}");
-        }
-    }
-}
+mod tests;

@@ -64,7 +64,32 @@ struct Inputs<'a> {
     v_stride: usize,
 }
 
+/// [`rows_with`] compiled for AVX2 where the CPU has it: the same operations in the same order
+/// (no fused multiply-adds), so the same bits, on vectors twice as wide.
 fn rows(x: Inputs<'_>, n: usize, at: usize, shape: Heads, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { rows_avx2(x, n, at, shape, out) };
+    }
+    rows_with(x, n, at, shape, out, dot)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn rows_avx2(x: Inputs<'_>, n: usize, at: usize, shape: Heads, out: &mut [f32]) {
+    rows_with(x, n, at, shape, out, |a, b| dot_avx2(a, b))
+}
+
+#[inline(always)]
+fn rows_with(
+    x: Inputs<'_>,
+    n: usize,
+    at: usize,
+    shape: Heads,
+    out: &mut [f32],
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+) {
     let d = shape.head_dim;
     let repeat = shape.heads / shape.kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
@@ -100,17 +125,41 @@ fn rows(x: Inputs<'_>, n: usize, at: usize, shape: Heads, out: &mut [f32]) {
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = a8
-        .remainder()
-        .iter()
-        .zip(b8.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
+    let tail = tail_dot(a8.remainder(), b8.remainder());
     for (x, y) in a8.zip(b8) {
         for l in 0..8 {
             lanes[l] += x[l] * y[l];
         }
     }
+    sum_lanes(lanes, tail)
+}
+
+/// [`dot`] on one AVX register: the same products and sums, so the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail = tail_dot(a8.remainder(), b8.remainder());
+    let mut acc = _mm256_setzero_ps();
+    for (x, y) in a8.zip(b8) {
+        // SAFETY: each chunk holds 8 floats; unaligned loads.
+        let (x, y) = unsafe { (_mm256_loadu_ps(x.as_ptr()), _mm256_loadu_ps(y.as_ptr())) };
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds 8 floats; unaligned store.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    sum_lanes(lanes, tail)
+}
+
+#[inline(always)]
+fn tail_dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+#[inline(always)]
+fn sum_lanes(lanes: [f32; 8], tail: f32) -> f32 {
     let pairs = [
         lanes[0] + lanes[4],
         lanes[1] + lanes[5],
@@ -120,6 +169,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     (pairs[0] + pairs[2]) + (pairs[1] + pairs[3]) + tail
 }
 
+#[inline(always)]
 fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += w * x;
@@ -162,6 +212,30 @@ mod tests {
 
     fn random(shape: (usize, usize, usize, usize)) -> Tensor {
         Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The AVX2 dot product is the portable one's bits, so a CPU's path does not move results.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_avx2_dot_product_is_the_portable_ones_bits() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        for len in [64, 20, 7, 128] {
+            let a = random((1, 1, 1, len))
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let b = random((1, 1, 1, len))
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            // SAFETY: AVX2 checked above.
+            let vector = unsafe { dot_avx2(&a, &b) };
+            assert_eq!(dot(&a, &b).to_bits(), vector.to_bits(), "length {len}");
+        }
     }
 
     #[test]

@@ -23,8 +23,8 @@ use nomad_q8::Q8Matrix;
 
 use super::attention::{self, Heads};
 
-/// A quantized weight: Q8_0 on an AVX2 CPU through `q8` (several rows per pass), anything else
-/// through candle.
+/// A quantized weight: Q8_0 on an x86 CPU with AVX2 (or AVX-512 VNNI) through `nomad_q8`,
+/// anything else through candle.
 enum Quantized {
     Q8(Q8Matrix),
     Candle(QMatMul),

@@ -1,0 +1,97 @@
+//! The row kernel: one weight row against up to eight activation rows per pass, for CPUs with
+//! AVX2 and FMA. Each output is the same sequence of operations as candle's `vec_dot_q8_0_q8_0`,
+//! so results are bit for bit candle's.
+
+use super::{BLOCK, RowBlocks};
+use std::arch::x86_64::*;
+
+/// One weight row against `R` activation rows over `k` blocks, into `dst[..R]`. One weight
+/// stream and `R` independent accumulators: on the machines measured, reading several
+/// weight rows at once was slower than reading one (BENCHMARKS.md).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn tile<const R: usize>(
+    k: usize,
+    w: &RowBlocks<'_>,
+    x: &RowBlocks<'_>,
+    dst: &mut [f32],
+) {
+    assert!(w.quants.len() == k * BLOCK && w.scales.len() == k);
+    assert!(x.quants.len() == R * k * BLOCK && x.scales.len() == R * k);
+    assert!(dst.len() == R);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let (wq, ws) = (w.quants.as_ptr(), w.scales.as_ptr());
+    let (xq, xs) = (x.quants.as_ptr(), x.scales.as_ptr());
+    for b in 0..k {
+        // SAFETY: block b of the weight row and of each activation row r < R lies inside
+        // the operands (lengths asserted above); unaligned loads.
+        unsafe {
+            let weights = _mm256_loadu_si256(wq.add(b * BLOCK).cast());
+            let magnitudes = _mm256_sign_epi8(weights, weights);
+            let dw = _mm256_broadcast_ss(&*ws.add(b));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let a = _mm256_loadu_si256(xq.add((r * k + b) * BLOCK).cast());
+                let pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(a, weights));
+                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, pairs));
+                // The same product as candle's scalar one, in every lane.
+                let d = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*xs.add(r * k + b)));
+                *acc = _mm256_fmadd_ps(d, sums, *acc);
+            }
+        }
+    }
+    for (out, &v) in dst.iter_mut().zip(&acc) {
+        *out = hsum(v);
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn hsum(x: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// One block of 32 activations quantized as `Activations::quantize` describes, with the same
+/// operations on eight lanes at a time (a maximum, one multiply and one add per value, a
+/// truncation): the same quants. Returns the unrounded scale and the quants' sum.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn quantize_block(x: &[f32], quants: &mut [i8]) -> (f32, i32) {
+    assert!(x.len() == BLOCK && quants.len() == BLOCK);
+    let sign = _mm256_set1_ps(-0.0);
+    // SAFETY: `x` holds 32 floats (asserted); unaligned loads.
+    let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(i * 8)) });
+    let abs = v.map(|v| _mm256_andnot_ps(sign, v));
+    let m = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
+    let m = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    let d = amax / 127.0;
+    let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+    let half = _mm256_set1_ps(super::JUST_BELOW_HALF);
+    let mut ints = [0i32; BLOCK];
+    let mut sum = _mm256_setzero_si256();
+    for (i, v) in v.into_iter().enumerate() {
+        let p = _mm256_mul_ps(v, id);
+        let rounded = _mm256_add_ps(p, _mm256_or_ps(_mm256_and_ps(p, sign), half));
+        let t = _mm256_cvttps_epi32(rounded);
+        sum = _mm256_add_epi32(sum, t);
+        // SAFETY: `ints` holds 32 i32s; unaligned store.
+        unsafe { _mm256_storeu_si256(ints.as_mut_ptr().add(i * 8).cast(), t) };
+    }
+    for (q, i) in quants.iter_mut().zip(ints) {
+        *q = i as i8;
+    }
+    let s = _mm_add_epi32(
+        _mm256_extracti128_si256(sum, 1),
+        _mm256_castsi256_si128(sum),
+    );
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    (d, _mm_cvtsi128_si32(s))
+}
