@@ -15,25 +15,79 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
-/// `q` (`[1, heads, n, d]`, positions `at..at + n`, contiguous) against the keys and values of
-/// one sequence's cache (`[1, kv_heads, at + n, d]`, rows of `d` contiguous). Returns
-/// `[n, heads * d]`: each position's heads side by side, as the output projection takes them.
-pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, at: usize, shape: Heads) -> Result<Tensor> {
-    let n = q.dim(2)?;
-    let (q, k, v) = (f32_rows(q)?, f32_rows(k)?, f32_rows(v)?);
-    let (q_storage, q_layout) = q.storage_and_layout();
-    let (k_storage, k_layout) = k.storage_and_layout();
-    let (v_storage, v_layout) = v.storage_and_layout();
-    let mut out = vec![0f32; n * shape.heads * shape.head_dim];
-    let x = Inputs {
-        q: host_f32(&q_storage, q_layout)?,
-        k: host_f32(&k_storage, k_layout)?,
-        v: host_f32(&v_storage, v_layout)?,
-        k_stride: k_layout.stride()[1],
-        v_stride: v_layout.stride()[1],
-    };
-    rows(x, n, at, shape, &mut out);
-    Tensor::from_vec(out, (n, shape.heads * shape.head_dim), &Device::Cpu)
+/// One sequence's share of a step: `q` (`[1, heads, n, d]`, positions `at..at + n`) and the
+/// keys and values of its cache (`[1, kv_heads, at + n, d]`).
+pub struct Sequence {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub at: usize,
+}
+
+/// Every sequence's attention, its heads spread over candle's matmul threads. Returns
+/// `[rows, heads * d]`: the sequences' positions in order, each position's heads side by side,
+/// as the output projection takes them.
+pub fn causal(sequences: &[Sequence], shape: Heads) -> Result<Tensor> {
+    let d = shape.head_dim;
+    let mut tensors = Vec::with_capacity(sequences.len());
+    for s in sequences {
+        let (q, k, v) = (f32_rows(&s.q)?, f32_rows(&s.k)?, f32_rows(&s.v)?);
+        tensors.push((s.q.dim(2)?, s.at, q, k, v));
+    }
+    let guards: Vec<_> = tensors
+        .iter()
+        .map(|(n, at, q, k, v)| {
+            let (q, k, v) = (
+                q.storage_and_layout(),
+                k.storage_and_layout(),
+                v.storage_and_layout(),
+            );
+            (*n, *at, q, k, v)
+        })
+        .collect();
+    let mut inputs = Vec::with_capacity(guards.len());
+    for (n, at, (q_storage, q_layout), (k_storage, k_layout), (v_storage, v_layout)) in &guards {
+        let x = Inputs {
+            q: host_f32(q_storage, q_layout)?,
+            k: host_f32(k_storage, k_layout)?,
+            v: host_f32(v_storage, v_layout)?,
+            k_stride: k_layout.stride()[1],
+            v_stride: v_layout.stride()[1],
+        };
+        inputs.push((x, *at, *n));
+    }
+    // Work items are (sequence, head) pairs; each computes its rows into a part of its own
+    // (`[n][d]`), put in place after.
+    let parts = std::sync::Mutex::new(Vec::new());
+    candle_core::utils::barrier_pool().execute_chunked(inputs.len() * shape.heads, |items| {
+        for item in items {
+            let (s, h) = (item / shape.heads, item % shape.heads);
+            let (x, at, n) = &inputs[s];
+            let mut part = vec![0f32; n * d];
+            head(x, h, *n, *at, shape, &mut part);
+            parts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((s, h, part));
+        }
+    });
+    let starts: Vec<usize> = inputs
+        .iter()
+        .scan(0, |row, (_, _, n)| {
+            let start = *row;
+            *row += n;
+            Some(start)
+        })
+        .collect();
+    let rows: usize = inputs.iter().map(|(_, _, n)| n).sum();
+    let width = shape.heads * d;
+    let mut out = vec![0f32; rows * width];
+    for (s, h, part) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        for (i, values) in part.chunks_exact(d).enumerate() {
+            out[(starts[s] + i) * width + h * d..][..d].copy_from_slice(values);
+        }
+    }
+    Tensor::from_vec(out, (rows, width), &Device::Cpu)
 }
 
 /// `t` (`[1, heads, len, d]`) as f32 with contiguous rows of `d`: itself, or a copy.
@@ -64,26 +118,28 @@ struct Inputs<'a> {
     v_stride: usize,
 }
 
-/// [`rows_with`] compiled for AVX2 where the CPU has it: the same operations in the same order
-/// (no fused multiply-adds), so the same bits, on vectors twice as wide.
-fn rows(x: Inputs<'_>, n: usize, at: usize, shape: Heads, out: &mut [f32]) {
+/// Head `h`'s rows into `out` (`[n][d]`): [`head_with`] compiled for AVX2 where the CPU has it,
+/// the same operations in the same order (no fused multiply-adds), so the same bits, on vectors
+/// twice as wide.
+fn head(x: &Inputs<'_>, h: usize, n: usize, at: usize, shape: Heads, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { rows_avx2(x, n, at, shape, out) };
+        return unsafe { head_avx2(x, h, n, at, shape, out) };
     }
-    rows_with(x, n, at, shape, out, dot)
+    head_with(x, h, n, at, shape, out, dot)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn rows_avx2(x: Inputs<'_>, n: usize, at: usize, shape: Heads, out: &mut [f32]) {
-    rows_with(x, n, at, shape, out, |a, b| dot_avx2(a, b))
+fn head_avx2(x: &Inputs<'_>, h: usize, n: usize, at: usize, shape: Heads, out: &mut [f32]) {
+    head_with(x, h, n, at, shape, out, |a, b| dot_avx2(a, b))
 }
 
 #[inline(always)]
-fn rows_with(
-    x: Inputs<'_>,
+fn head_with(
+    x: &Inputs<'_>,
+    h: usize,
     n: usize,
     at: usize,
     shape: Heads,
@@ -91,33 +147,30 @@ fn rows_with(
     dot: impl Fn(&[f32], &[f32]) -> f32,
 ) {
     let d = shape.head_dim;
-    let repeat = shape.heads / shape.kv_heads;
+    let kv = h / (shape.heads / shape.kv_heads);
     let scale = 1.0 / (d as f32).sqrt();
     let mut weights = vec![0f32; at + n];
-    for h in 0..shape.heads {
-        let kv = h / repeat;
-        let keys = &x.k[kv * x.k_stride..];
-        let values = &x.v[kv * x.v_stride..];
-        for i in 0..n {
-            let query = &x.q[(h * n + i) * d..][..d];
-            let visible = &mut weights[..at + i + 1];
-            let mut max = f32::NEG_INFINITY;
-            for (j, w) in visible.iter_mut().enumerate() {
-                *w = dot(query, &keys[j * d..][..d]) * scale;
-                max = max.max(*w);
-            }
-            let mut sum = 0f32;
-            for w in visible.iter_mut() {
-                *w = (*w - max).exp();
-                sum += *w;
-            }
-            let y = &mut out[(i * shape.heads + h) * d..][..d];
-            for (j, &w) in visible.iter().enumerate() {
-                axpy(w, &values[j * d..][..d], y);
-            }
-            let inverse = 1.0 / sum;
-            y.iter_mut().for_each(|e| *e *= inverse);
+    let keys = &x.k[kv * x.k_stride..];
+    let values = &x.v[kv * x.v_stride..];
+    for i in 0..n {
+        let query = &x.q[(h * n + i) * d..][..d];
+        let visible = &mut weights[..at + i + 1];
+        let mut max = f32::NEG_INFINITY;
+        for (j, w) in visible.iter_mut().enumerate() {
+            *w = dot(query, &keys[j * d..][..d]) * scale;
+            max = max.max(*w);
         }
+        let mut sum = 0f32;
+        for w in visible.iter_mut() {
+            *w = (*w - max).exp();
+            sum += *w;
+        }
+        let y = &mut out[i * d..][..d];
+        for (j, &w) in visible.iter().enumerate() {
+            axpy(w, &values[j * d..][..d], y);
+        }
+        let inverse = 1.0 / sum;
+        y.iter_mut().for_each(|e| *e *= inverse);
     }
 }
 
@@ -210,6 +263,11 @@ mod tests {
             .unwrap()
     }
 
+    fn one(q: &Tensor, k: &Tensor, v: &Tensor, at: usize) -> Tensor {
+        let (q, k, v) = (q.clone(), k.clone(), v.clone());
+        causal(&[Sequence { q, k, v, at }], SHAPE).unwrap()
+    }
+
     fn random(shape: (usize, usize, usize, usize)) -> Tensor {
         Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
     }
@@ -249,7 +307,7 @@ mod tests {
         let v = random((1, SHAPE.kv_heads, 40, d))
             .narrow(2, 0, at + n)
             .unwrap();
-        let ours = causal(&q, &k, &v, at, SHAPE).unwrap();
+        let ours = one(&q, &k, &v, at);
         let theirs = reference(&q, &k, &v, at);
         let diff = (ours - theirs)
             .unwrap()
@@ -270,20 +328,14 @@ mod tests {
         let q = random((1, SHAPE.heads, len, d));
         let k = random((1, SHAPE.kv_heads, len, d));
         let v = random((1, SHAPE.kv_heads, len, d));
-        let all = causal(&q, &k, &v, 0, SHAPE)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
+        let all = one(&q, &k, &v, 0).to_vec2::<f32>().unwrap();
         // The same positions as chunks of 1, 2, 3 ... rows after a prefix.
         let (mut at, mut n) = (0, 1);
         while at < len {
             n = n.min(len - at);
             let part = |t: &Tensor| t.narrow(2, 0, at + n).unwrap();
             let q = q.narrow(2, at, n).unwrap().contiguous().unwrap();
-            let rows = causal(&q, &part(&k), &part(&v), at, SHAPE)
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap();
+            let rows = one(&q, &part(&k), &part(&v), at).to_vec2::<f32>().unwrap();
             for (i, row) in rows.iter().enumerate() {
                 let bits = |r: &[f32]| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(row), bits(&all[at + i]), "position {}", at + i);

@@ -22,6 +22,7 @@ use candle_transformers::quantized_nn::RmsNorm;
 use nomad_q8::Q8Matrix;
 
 use super::attention::{self, Heads};
+use super::swiglu::swiglu;
 
 /// A quantized weight: Q8_0 on an x86 CPU with AVX2 (or AVX-512 VNNI) through `nomad_q8`,
 /// anything else through candle.
@@ -354,7 +355,7 @@ impl Llama {
                 layer.k.forward(&h, &rows)?,
                 layer.v.forward(&h, &rows)?,
             );
-            let mut outputs = Vec::with_capacity(steps.len());
+            let mut sequences = Vec::with_capacity(steps.len());
             let mut row = 0;
             for step in steps.iter_mut() {
                 let n = step.tokens.len();
@@ -369,20 +370,29 @@ impl Llama {
                 let k = self.rope(&part(&k, self.kv_heads)?, at)?;
                 let v = part(&v, self.kv_heads)?;
                 let (k, v) = step.cache.layers[l].append(&k, &v)?;
-                outputs.push(if self.device.is_cpu() {
-                    attention::causal(&q, &k, &v, at, self.shape())?
-                } else {
-                    self.attention(&q, &k, &v, at)?
-                        .transpose(1, 2)?
-                        .reshape((n, self.heads * self.head_dim))?
-                });
+                sequences.push(attention::Sequence { q, k, v, at });
                 row += n;
             }
-            let y = Tensor::cat(&outputs, 0)?;
+            let y = if self.device.is_cpu() {
+                attention::causal(&sequences, self.shape())?
+            } else {
+                let mut outputs = Vec::with_capacity(sequences.len());
+                for s in &sequences {
+                    let n = s.q.dim(2)?;
+                    outputs.push(
+                        self.attention(&s.q, &s.k, &s.v, s.at)?
+                            .transpose(1, 2)?
+                            .reshape((n, self.heads * self.head_dim))?,
+                    );
+                }
+                Tensor::cat(&outputs, 0)?
+            };
             let x1 = (layer.o.forward(&y, &rows)? + &x)?;
             let h = layer.ffn_norm.forward(&x1)?;
-            let gated = (candle_nn::ops::silu(&layer.gate.forward(&h, &rows)?)?
-                * layer.up.forward(&h, &rows)?)?;
+            let gated = swiglu(
+                &layer.gate.forward(&h, &rows)?,
+                &layer.up.forward(&h, &rows)?,
+            )?;
             x = (layer.down.forward(&gated, &rows)? + x1)?;
         }
         let mut last = Vec::with_capacity(steps.len());

@@ -12,6 +12,7 @@ pub mod mlp;
 mod options;
 mod prefix_cache;
 pub mod sim;
+mod swiglu;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
