@@ -26,7 +26,7 @@ const BLOCK: usize = 32;
 const BLOCK_BYTES: usize = 2 + BLOCK;
 /// Weight rows of a tile.
 const TILE: usize = 8;
-/// Bytes of one tile's block (`vnni::TILE_BLOCK`, also where that module is not built).
+/// Bytes of one tile's block: 32 inputs of each of its rows.
 const TILE_BLOCK: usize = BLOCK * TILE;
 /// Activation rows one pass takes.
 const TALL: usize = 8;

@@ -11,11 +11,8 @@
 //! Every output is `sum over blocks b, in order, of (dw_b * dx_b) * isum_b` with one rounding per
 //! multiply-add: the same operations whatever rows or tiles share the pass.
 
-use super::{ActivationBlocks, BLOCK, TILE};
+use super::{ActivationBlocks, BLOCK, TILE, TILE_BLOCK};
 use std::arch::x86_64::*;
-
-/// Bytes of one tile's block: 32 inputs of each of its 8 rows.
-pub const TILE_BLOCK: usize = BLOCK * TILE;
 
 /// One tile of weight rows: `quants[block][group of 4 inputs][row][4]` (plus 128) and
 /// `scales[block][row]` (f16 bits).
