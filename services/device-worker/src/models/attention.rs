@@ -29,65 +29,52 @@ pub struct Sequence {
 /// as the output projection takes them.
 pub fn causal(sequences: &[Sequence], shape: Heads) -> Result<Tensor> {
     let d = shape.head_dim;
-    let mut tensors = Vec::with_capacity(sequences.len());
-    for s in sequences {
-        let (q, k, v) = (f32_rows(&s.q)?, f32_rows(&s.k)?, f32_rows(&s.v)?);
-        tensors.push((s.q.dim(2)?, s.at, q, k, v));
-    }
+    let tensors = sequences
+        .iter()
+        .map(|s| Ok([f32_rows(&s.q)?, f32_rows(&s.k)?, f32_rows(&s.v)?]))
+        .collect::<Result<Vec<_>>>()?;
     let guards: Vec<_> = tensors
         .iter()
-        .map(|(n, at, q, k, v)| {
-            let (q, k, v) = (
-                q.storage_and_layout(),
-                k.storage_and_layout(),
-                v.storage_and_layout(),
-            );
-            (*n, *at, q, k, v)
-        })
+        .map(|t| t.each_ref().map(Tensor::storage_and_layout))
         .collect();
-    let mut inputs = Vec::with_capacity(guards.len());
-    for (n, at, (q_storage, q_layout), (k_storage, k_layout), (v_storage, v_layout)) in &guards {
-        let x = Inputs {
-            q: host_f32(q_storage, q_layout)?,
-            k: host_f32(k_storage, k_layout)?,
-            v: host_f32(v_storage, v_layout)?,
+    let mut inputs = Vec::with_capacity(sequences.len());
+    let mut row = 0;
+    for (s, [(q, q_layout), (k, k_layout), (v, v_layout)]) in sequences.iter().zip(&guards) {
+        let n = s.q.dim(2)?;
+        inputs.push(Inputs {
+            q: host_f32(q, q_layout)?,
+            k: host_f32(k, k_layout)?,
+            v: host_f32(v, v_layout)?,
             k_stride: k_layout.stride()[1],
             v_stride: v_layout.stride()[1],
-        };
-        inputs.push((x, *at, *n));
+            n,
+            at: s.at,
+            row,
+        });
+        row += n;
     }
     // Work items are (sequence, head) pairs; each computes its rows into a part of its own
     // (`[n][d]`), put in place after.
     let parts = std::sync::Mutex::new(Vec::new());
     candle_core::utils::barrier_pool().execute_chunked(inputs.len() * shape.heads, |items| {
         for item in items {
-            let (s, h) = (item / shape.heads, item % shape.heads);
-            let (x, at, n) = &inputs[s];
-            let mut part = vec![0f32; n * d];
-            head(x, h, *n, *at, shape, &mut part);
+            let (x, h) = (&inputs[item / shape.heads], item % shape.heads);
+            let mut part = vec![0f32; x.n * d];
+            head(x, h, shape, &mut part);
             parts
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push((s, h, part));
+                .push((x.row, h, part));
         }
     });
-    let starts: Vec<usize> = inputs
-        .iter()
-        .scan(0, |row, (_, _, n)| {
-            let start = *row;
-            *row += n;
-            Some(start)
-        })
-        .collect();
-    let rows: usize = inputs.iter().map(|(_, _, n)| n).sum();
     let width = shape.heads * d;
-    let mut out = vec![0f32; rows * width];
-    for (s, h, part) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
+    let mut out = vec![0f32; row * width];
+    for (first, h, part) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
         for (i, values) in part.chunks_exact(d).enumerate() {
-            out[(starts[s] + i) * width + h * d..][..d].copy_from_slice(values);
+            out[(first + i) * width + h * d..][..d].copy_from_slice(values);
         }
     }
-    Tensor::from_vec(out, (rows, width), &Device::Cpu)
+    Tensor::from_vec(out, (row, width), &Device::Cpu)
 }
 
 /// `t` (`[1, heads, len, d]`) as f32 with contiguous rows of `d`: itself, or a copy.
@@ -116,37 +103,39 @@ struct Inputs<'a> {
     v: &'a [f32],
     k_stride: usize,
     v_stride: usize,
+    /// Query rows, the position of the first, and its row in the step's output.
+    n: usize,
+    at: usize,
+    row: usize,
 }
 
 /// Head `h`'s rows into `out` (`[n][d]`): [`head_with`] compiled for AVX2 where the CPU has it,
 /// the same operations in the same order (no fused multiply-adds), so the same bits, on vectors
 /// twice as wide.
-fn head(x: &Inputs<'_>, h: usize, n: usize, at: usize, shape: Heads, out: &mut [f32]) {
+fn head(x: &Inputs<'_>, h: usize, shape: Heads, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { head_avx2(x, h, n, at, shape, out) };
+        return unsafe { head_avx2(x, h, shape, out) };
     }
-    head_with(x, h, n, at, shape, out, dot)
+    head_with(x, h, shape, out, dot)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn head_avx2(x: &Inputs<'_>, h: usize, n: usize, at: usize, shape: Heads, out: &mut [f32]) {
-    head_with(x, h, n, at, shape, out, |a, b| dot_avx2(a, b))
+fn head_avx2(x: &Inputs<'_>, h: usize, shape: Heads, out: &mut [f32]) {
+    head_with(x, h, shape, out, |a, b| dot_avx2(a, b))
 }
 
 #[inline(always)]
 fn head_with(
     x: &Inputs<'_>,
     h: usize,
-    n: usize,
-    at: usize,
     shape: Heads,
     out: &mut [f32],
     dot: impl Fn(&[f32], &[f32]) -> f32,
 ) {
-    let d = shape.head_dim;
+    let (d, n, at) = (shape.head_dim, x.n, x.at);
     let kv = h / (shape.heads / shape.kv_heads);
     let scale = 1.0 / (d as f32).sqrt();
     let mut weights = vec![0f32; at + n];
