@@ -118,13 +118,20 @@ fn head(x: &Inputs<'_>, h: usize, shape: Heads, out: &mut [f32]) {
         // SAFETY: the CPU has AVX2 (checked just above).
         return unsafe { head_avx2(x, h, shape, out) };
     }
-    head_with(x, h, shape, out, dot)
+    head_with(x, h, shape, out, dot, weighted_sum)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn head_avx2(x: &Inputs<'_>, h: usize, shape: Heads, out: &mut [f32]) {
-    head_with(x, h, shape, out, |a, b| dot_avx2(a, b))
+    head_with(
+        x,
+        h,
+        shape,
+        out,
+        |a, b| dot_avx2(a, b),
+        |w, v, d, y| weighted_sum_avx2(w, v, d, y),
+    )
 }
 
 #[inline(always)]
@@ -134,6 +141,7 @@ fn head_with(
     shape: Heads,
     out: &mut [f32],
     dot: impl Fn(&[f32], &[f32]) -> f32,
+    weighted_sum: impl Fn(&[f32], &[f32], usize, &mut [f32]),
 ) {
     let (d, n, at) = (shape.head_dim, x.n, x.at);
     let kv = h / (shape.heads / shape.kv_heads);
@@ -155,9 +163,7 @@ fn head_with(
             sum += *w;
         }
         let y = &mut out[i * d..][..d];
-        for (j, &w) in visible.iter().enumerate() {
-            axpy(w, &values[j * d..][..d], y);
-        }
+        weighted_sum(visible, values, d, y);
         let inverse = 1.0 / sum;
         y.iter_mut().for_each(|e| *e *= inverse);
     }
@@ -189,10 +195,11 @@ fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
         let (x, y) = unsafe { (_mm256_loadu_ps(x.as_ptr()), _mm256_loadu_ps(y.as_ptr())) };
         acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
     }
-    let mut lanes = [0f32; 8];
-    // SAFETY: `lanes` holds 8 floats; unaligned store.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-    sum_lanes(lanes, tail)
+    // `sum_lanes` in registers: the four pairs (lane i + lane i + 4), then pairs 0 + 2 and 1 + 3,
+    // then those two, then the tail.
+    let pairs = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    let halves = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
+    _mm_cvtss_f32(_mm_add_ss(halves, _mm_movehdup_ps(halves))) + tail
 }
 
 #[inline(always)]
@@ -209,6 +216,43 @@ fn sum_lanes(lanes: [f32; 8], tail: f32) -> f32 {
         lanes[3] + lanes[7],
     ];
     (pairs[0] + pairs[2]) + (pairs[1] + pairs[3]) + tail
+}
+
+/// `y += sum over j of weights[j] * values[j]` (rows of `d`), one row after another.
+#[inline(always)]
+fn weighted_sum(weights: &[f32], values: &[f32], d: usize, y: &mut [f32]) {
+    for (j, &w) in weights.iter().enumerate() {
+        axpy(w, &values[j * d..][..d], y);
+    }
+}
+
+/// [`weighted_sum`] with 64 of `y`'s elements held in registers across all rows: the same
+/// multiply and add per element in the same order, so the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn weighted_sum_avx2(weights: &[f32], values: &[f32], d: usize, y: &mut [f32]) {
+    use std::arch::x86_64::*;
+    const HELD: usize = 64;
+    if d % HELD != 0 {
+        return weighted_sum(weights, values, d, y);
+    }
+    for (block, y) in y[..d].chunks_exact_mut(HELD).enumerate() {
+        // SAFETY (every load and store here): each chunk of 8 lies inside a slice of HELD
+        // floats (`y`, `row`); unaligned accesses.
+        let mut acc: [__m256; HELD / 8] =
+            std::array::from_fn(|c| unsafe { _mm256_loadu_ps(y.as_ptr().add(c * 8)) });
+        for (j, &w) in weights.iter().enumerate() {
+            let row = &values[j * d + block * HELD..][..HELD];
+            let w = _mm256_set1_ps(w);
+            for (c, acc) in acc.iter_mut().enumerate() {
+                let x = unsafe { _mm256_loadu_ps(row.as_ptr().add(c * 8)) };
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(w, x));
+            }
+        }
+        for (c, acc) in acc.into_iter().enumerate() {
+            unsafe { _mm256_storeu_ps(y.as_mut_ptr().add(c * 8), acc) };
+        }
+    }
 }
 
 #[inline(always)]
@@ -282,6 +326,27 @@ mod tests {
             // SAFETY: AVX2 checked above.
             let vector = unsafe { dot_avx2(&a, &b) };
             assert_eq!(dot(&a, &b).to_bits(), vector.to_bits(), "length {len}");
+        }
+    }
+
+    /// The AVX2 weighted sum is the portable one's bits.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_avx2_weighted_sum_is_the_portable_ones_bits() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (rows, d) in [(1, 64), (37, 64), (9, 128), (5, 20)] {
+            let weights = flat(random((1, 1, 1, rows)));
+            let values = flat(random((1, 1, rows, d)));
+            let start = flat(random((1, 1, 1, d)));
+            let (mut a, mut b) = (start.clone(), start);
+            weighted_sum(&weights, &values, d, &mut a);
+            // SAFETY: AVX2 checked above.
+            unsafe { weighted_sum_avx2(&weights, &values, d, &mut b) };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "{rows} rows of {d}");
         }
     }
 
