@@ -233,7 +233,7 @@ fn weighted_sum(weights: &[f32], values: &[f32], d: usize, y: &mut [f32]) {
 fn weighted_sum_avx2(weights: &[f32], values: &[f32], d: usize, y: &mut [f32]) {
     use std::arch::x86_64::*;
     const HELD: usize = 64;
-    if d % HELD != 0 {
+    if !d.is_multiple_of(HELD) {
         return weighted_sum(weights, values, d, y);
     }
     for (block, y) in y[..d].chunks_exact_mut(HELD).enumerate() {
