@@ -376,16 +376,7 @@ impl Llama {
             let y = if self.device.is_cpu() {
                 attention::causal(&sequences, self.shape())?
             } else {
-                let mut outputs = Vec::with_capacity(sequences.len());
-                for s in &sequences {
-                    let n = s.q.dim(2)?;
-                    outputs.push(
-                        self.attention(&s.q, &s.k, &s.v, s.at)?
-                            .transpose(1, 2)?
-                            .reshape((n, self.heads * self.head_dim))?,
-                    );
-                }
-                Tensor::cat(&outputs, 0)?
+                self.accelerator_attention(&sequences)?
             };
             let x1 = (layer.o.forward(&y, &rows)? + &x)?;
             let h = layer.ffn_norm.forward(&x1)?;
@@ -419,6 +410,20 @@ impl Llama {
         let cos = self.cos.narrow(0, at, n)?;
         let sin = self.sin.narrow(0, at, n)?;
         candle_nn::rotary_emb::rope_i(x, &cos, &sin)
+    }
+
+    /// Every sequence's attention by candle's operations, as `attention::causal` returns it.
+    fn accelerator_attention(&self, sequences: &[attention::Sequence]) -> Result<Tensor> {
+        let mut outputs = Vec::with_capacity(sequences.len());
+        for s in sequences {
+            let n = s.q.dim(2)?;
+            outputs.push(
+                self.attention(&s.q, &s.k, &s.v, s.at)?
+                    .transpose(1, 2)?
+                    .reshape((n, self.heads * self.head_dim))?,
+            );
+        }
+        Tensor::cat(&outputs, 0)
     }
 
     /// Causal attention of `q` (`[1, heads, n, d]`, positions `at..at + n`) over the cache's
