@@ -148,14 +148,6 @@ impl Q8Matrix {
         }))
     }
 
-    /// The kernel the matrix is laid out for.
-    pub fn kernel(&self) -> Kernel {
-        match self.weights {
-            Weights::Rows { .. } => Kernel::Rows,
-            Weights::Tiles { .. } => Kernel::Tiles,
-        }
-    }
-
     /// `x @ self^T` for `x` of shape `[m, inputs]` (f32): `[m, rows]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (m, inputs) = x.dims2()?;
