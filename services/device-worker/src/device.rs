@@ -107,8 +107,7 @@ pub fn capabilities() -> String {
         candle_core::utils::metal_is_available(),
         candle_core::utils::with_avx(),
         candle_core::utils::get_num_threads(),
-        nomad_q8::Kernel::detect()
-            .map_or("candle's".to_owned(), |k| format!("{k:?}").to_lowercase()),
+        nomad_q8::Kernel::detect().map_or("candle's", nomad_q8::Kernel::name),
     )
 }
 

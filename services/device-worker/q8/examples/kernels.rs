@@ -32,7 +32,7 @@ fn main() -> candle_core::Result<()> {
     let seconds: f64 = args
         .get(1)
         .map_or(5.0, |s| s.parse().expect("seconds: a number"));
-    let kernels: Vec<Kernel> = [Kernel::Rows, Kernel::Tiles]
+    let kernels: Vec<Kernel> = [Kernel::Rows, Kernel::Tiles, Kernel::TilesVnni]
         .into_iter()
         .filter(|k| k.supported())
         .collect();

@@ -1,12 +1,13 @@
 //! Q8_0 weight matrices multiplied on x86 CPUs, several activation rows per pass, with one of
 //! two kernels:
 //!
-//! - **tiles** (AVX-512 VNNI): eight weight rows interleaved so that each output is a vector
-//!   lane of its own; a block costs one conversion and one multiply-add per eight outputs
-//!   (`vnni.rs`). Several times the row kernel's rate where the arithmetic bounds a step.
+//! - **tiles** (AVX2, FMA and F16C; with AVX-512 VNNI where the CPU has it): eight weight rows
+//!   interleaved so that each output is a vector lane of its own; a block costs one conversion
+//!   and one multiply-add per eight outputs. The two instruction sets give the same bits
+//!   (`avx2::tile`, `vnni::tile`): each block's integer dot product is exact either way.
 //! - **rows** (AVX2 and FMA): one weight row against up to eight activation rows, an
 //!   accumulator per activation row, each output bit for bit candle's `vec_dot_q8_0_q8_0`
-//!   (`avx2.rs`).
+//!   (`avx2::row`).
 //!
 //! Either way, activation rows are quantized to Q8_0 as candle quantizes them, scales are
 //! read without a conversion per use, and an output depends on its activation row and weight
@@ -36,16 +37,27 @@ const TALL: usize = 8;
 pub enum Kernel {
     /// AVX2 and FMA: bit for bit candle's results.
     Rows,
-    /// AVX-512 VNNI (with VL and F16C): eight weight rows per pass.
+    /// AVX2, FMA and F16C: eight weight rows per pass.
     Tiles,
+    /// The tiles with AVX-512 VNNI (and VL): four products per instruction, the same bits.
+    TilesVnni,
 }
 
 impl Kernel {
     /// The fastest kernel this CPU runs; None where neither does (weights stay with candle's).
     pub fn detect() -> Option<Kernel> {
-        [Kernel::Tiles, Kernel::Rows]
+        [Kernel::TilesVnni, Kernel::Tiles, Kernel::Rows]
             .into_iter()
             .find(|k| k.supported())
+    }
+
+    /// The kernel's name in logs: `rows`, `tiles` or `tiles-vnni`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Rows => "rows",
+            Kernel::Tiles => "tiles",
+            Kernel::TilesVnni => "tiles-vnni",
+        }
     }
 
     /// Whether this CPU runs the kernel.
@@ -53,10 +65,12 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         {
             let rows = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            let tiles = rows && is_x86_feature_detected!("f16c");
             match self {
                 Kernel::Rows => rows,
-                Kernel::Tiles => {
-                    rows && is_x86_feature_detected!("f16c")
+                Kernel::Tiles => tiles,
+                Kernel::TilesVnni => {
+                    tiles
                         && is_x86_feature_detected!("avx512f")
                         && is_x86_feature_detected!("avx512vl")
                         && is_x86_feature_detected!("avx512vnni")
@@ -81,9 +95,14 @@ pub struct Q8Matrix {
 enum Weights {
     /// Row after row: `quants[row][block][32]`, `scales[row][block]`.
     Rows { quants: Vec<i8>, scales: Vec<f32> },
-    /// Tiles of eight rows (the last one padded with zero rows), as `vnni::TileBlocks` reads
-    /// them: `quants[tile][block][group][row][4]` plus 128, `scales[tile][block][row]` as f16.
-    Tiles { quants: Vec<u8>, scales: Vec<u16> },
+    /// Tiles of eight rows (the last one padded with zero rows), as [`TileBlocks`] holds
+    /// them: `quants[tile][block][group][row][4]` plus 128, `scales[tile][block][row]` as f16;
+    /// `vnni` picks the instruction set that multiplies them.
+    Tiles {
+        quants: Vec<u8>,
+        scales: Vec<u16>,
+        vnni: bool,
+    },
 }
 
 /// Activation rows quantized to Q8_0 the way candle quantizes them.
@@ -99,6 +118,14 @@ struct Activations {
 struct RowBlocks<'a> {
     quants: &'a [i8],
     scales: &'a [f32],
+}
+
+/// One tile of weight rows: `quants[block][group of 4 inputs][row][4]` (plus 128) and
+/// `scales[block][row]` (f16 bits).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct TileBlocks<'a> {
+    quants: &'a [u8],
+    scales: &'a [u16],
 }
 
 /// Some activation rows: their blocks and each block's sum of quants.
@@ -139,7 +166,8 @@ impl Q8Matrix {
         }
         let weights = match kernel {
             Kernel::Rows => row_weights(&data),
-            Kernel::Tiles => tile_weights(&data, rows, blocks),
+            Kernel::Tiles => tile_weights(&data, rows, blocks, false),
+            Kernel::TilesVnni => tile_weights(&data, rows, blocks, true),
         };
         Ok(Some(Self {
             rows,
@@ -175,9 +203,11 @@ impl Q8Matrix {
                 Weights::Rows { quants, scales } => {
                     self.row_columns(quants, scales, &acts, cols.clone(), &mut part)
                 }
-                Weights::Tiles { quants, scales } => {
-                    self.tile_columns(quants, scales, &acts, items, &mut part)
-                }
+                Weights::Tiles {
+                    quants,
+                    scales,
+                    vnni,
+                } => self.tile_columns(quants, scales, *vnni, &acts, items, &mut part),
             }
             parts
                 .lock()
@@ -236,6 +266,7 @@ impl Q8Matrix {
         &self,
         quants: &[u8],
         scales: &[u16],
+        vnni: bool,
         acts: &Activations,
         tiles: std::ops::Range<usize>,
         dst: &mut [f32],
@@ -245,12 +276,15 @@ impl Q8Matrix {
         let width = dst.len() / m;
         let mut values = [[0f32; TILE]; TALL];
         for t in tiles {
-            let w = vnni_tile(quants, scales, t, k);
+            let w = TileBlocks {
+                quants: &quants[t * k * TILE_BLOCK..(t + 1) * k * TILE_BLOCK],
+                scales: &scales[t * k * TILE..(t + 1) * k * TILE],
+            };
             let (at, n) = (t * TILE - first, (self.rows - t * TILE).min(TILE));
             let mut r = 0;
             while r < m {
                 let tall = (m - r).min(TALL);
-                tile_pass(k, &w, &acts.blocks(r, tall, k), &mut values[..tall]);
+                tile_pass(k, vnni, &w, &acts.blocks(r, tall, k), &mut values[..tall]);
                 for (j, v) in values[..tall].iter().enumerate() {
                     dst[(r + j) * width + at..][..n].copy_from_slice(&v[..n]);
                 }
@@ -271,7 +305,7 @@ fn row_weights(data: &[u8]) -> Weights {
     Weights::Rows { quants, scales }
 }
 
-fn tile_weights(data: &[u8], rows: usize, blocks: usize) -> Weights {
+fn tile_weights(data: &[u8], rows: usize, blocks: usize, vnni: bool) -> Weights {
     let tiles = rows.div_ceil(TILE);
     // 128 is a zero weight, and a zero scale zeroes a padding row's outputs.
     let mut quants = vec![128u8; tiles * blocks * TILE_BLOCK];
@@ -290,19 +324,12 @@ fn tile_weights(data: &[u8], rows: usize, blocks: usize) -> Weights {
             }
         }
     }
-    Weights::Tiles { quants, scales }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn vnni_tile<'a>(quants: &'a [u8], scales: &'a [u16], t: usize, k: usize) -> vnni::TileBlocks<'a> {
-    vnni::TileBlocks {
-        quants: &quants[t * k * TILE_BLOCK..(t + 1) * k * TILE_BLOCK],
-        scales: &scales[t * k * TILE..(t + 1) * k * TILE],
+    Weights::Tiles {
+        quants,
+        scales,
+        vnni,
     }
 }
-
-#[cfg(not(target_arch = "x86_64"))]
-fn vnni_tile(_: &[u8], _: &[u16], _: usize, _: usize) {}
 
 impl Activations {
     /// Each row's blocks: scale = max |x| / 127 rounded to f16, quants = round(x / scale), as
@@ -377,14 +404,14 @@ fn row_pass(k: usize, w: &RowBlocks<'_>, x: &RowBlocks<'_>, dst: &mut [f32]) {
     // present); the kernel checks the operands' lengths before reading.
     unsafe {
         match dst.len() {
-            1 => avx2::tile::<1>(k, w, x, dst),
-            2 => avx2::tile::<2>(k, w, x, dst),
-            3 => avx2::tile::<3>(k, w, x, dst),
-            4 => avx2::tile::<4>(k, w, x, dst),
-            5 => avx2::tile::<5>(k, w, x, dst),
-            6 => avx2::tile::<6>(k, w, x, dst),
-            7 => avx2::tile::<7>(k, w, x, dst),
-            _ => avx2::tile::<TALL>(k, w, x, dst),
+            1 => avx2::row::<1>(k, w, x, dst),
+            2 => avx2::row::<2>(k, w, x, dst),
+            3 => avx2::row::<3>(k, w, x, dst),
+            4 => avx2::row::<4>(k, w, x, dst),
+            5 => avx2::row::<5>(k, w, x, dst),
+            6 => avx2::row::<6>(k, w, x, dst),
+            7 => avx2::row::<7>(k, w, x, dst),
+            _ => avx2::row::<TALL>(k, w, x, dst),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -400,28 +427,54 @@ fn row_pass(k: usize, w: &RowBlocks<'_>, x: &RowBlocks<'_>, dst: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 fn tile_pass(
     k: usize,
-    w: &vnni::TileBlocks<'_>,
+    vnni: bool,
+    w: &TileBlocks<'_>,
     x: &ActivationBlocks<'_>,
     dst: &mut [[f32; TILE]],
 ) {
-    // SAFETY: a tiled matrix exists only where `Kernel::Tiles` is supported (its features
-    // present); the kernel checks the operands' lengths before reading.
+    /// # Safety
+    /// The CPU must have the features of the kernel `vnni` picks.
+    unsafe fn pass<const R: usize>(
+        k: usize,
+        vnni: bool,
+        w: &TileBlocks<'_>,
+        x: &ActivationBlocks<'_>,
+        dst: &mut [[f32; TILE]],
+    ) {
+        // SAFETY: passed on from the caller.
+        unsafe {
+            if vnni {
+                vnni::tile::<R>(k, w, x, dst)
+            } else {
+                avx2::tile::<R>(k, w, x, dst)
+            }
+        }
+    }
+    // SAFETY: a tiled matrix exists only where its kernel (`Kernel::Tiles` or
+    // `Kernel::TilesVnni`, as `vnni` records) is supported; the kernels check the operands'
+    // lengths before reading.
     unsafe {
         match dst.len() {
-            1 => vnni::tile::<1>(k, w, x, dst),
-            2 => vnni::tile::<2>(k, w, x, dst),
-            3 => vnni::tile::<3>(k, w, x, dst),
-            4 => vnni::tile::<4>(k, w, x, dst),
-            5 => vnni::tile::<5>(k, w, x, dst),
-            6 => vnni::tile::<6>(k, w, x, dst),
-            7 => vnni::tile::<7>(k, w, x, dst),
-            _ => vnni::tile::<TALL>(k, w, x, dst),
+            1 => pass::<1>(k, vnni, w, x, dst),
+            2 => pass::<2>(k, vnni, w, x, dst),
+            3 => pass::<3>(k, vnni, w, x, dst),
+            4 => pass::<4>(k, vnni, w, x, dst),
+            5 => pass::<5>(k, vnni, w, x, dst),
+            6 => pass::<6>(k, vnni, w, x, dst),
+            7 => pass::<7>(k, vnni, w, x, dst),
+            _ => pass::<TALL>(k, vnni, w, x, dst),
         }
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn tile_pass(k: usize, _: &(), x: &ActivationBlocks<'_>, dst: &mut [[f32; TILE]]) {
+fn tile_pass(
+    k: usize,
+    _: bool,
+    _: &TileBlocks<'_>,
+    x: &ActivationBlocks<'_>,
+    dst: &mut [[f32; TILE]],
+) {
     unreachable!(
         "Q8Matrix is only built where its kernel runs ({k} {} {})",
         x.scales.len(),

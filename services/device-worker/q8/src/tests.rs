@@ -65,45 +65,84 @@ fn the_row_kernel_equals_candles_bit_for_bit() {
     }
 }
 
-/// The tile kernel gives the quantized dot products: each output within a few roundings of
+/// The tile kernels give the quantized dot products: each output within a few roundings of
 /// the sum over blocks of (weight scale x activation scale x integer dot product), here in f64
-/// from the same blocks, for weight rows that fill two tiles and part of a third.
+/// from the same blocks, for weight rows that fill two tiles and part of a third, some weights
+/// at the edge of the type's range (-128, which only a file gives, and 127).
 #[test]
-fn the_tile_kernel_computes_the_quantized_dot_products() {
+fn the_tile_kernels_compute_the_quantized_dot_products() {
     let (n, k) = (21, 96);
-    let q = weights(n, k);
-    let Some(ours) = matrix(&q, Kernel::Tiles) else {
-        return;
-    };
-    let data = q.data().unwrap();
+    let mut data = weights(n, k).data().unwrap().into_owned();
+    for (i, block) in data.chunks_exact_mut(BLOCK_BYTES).enumerate() {
+        block[2 + i % BLOCK] = 0x80;
+        block[2 + (i * 7 + 3) % BLOCK] = 127;
+    }
+    let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
+        GgmlDType::Q8_0,
+        &data,
+        vec![n, k],
+        &Device::Cpu,
+    )
+    .unwrap();
     let blocks = k / BLOCK;
-    for m in 1..=17 {
-        let x = activations(m, k);
-        let acts = Activations::quantize(&x.flatten_all().unwrap().to_vec1().unwrap(), m, blocks);
-        let got = ours.forward(&x).unwrap().to_vec2::<f32>().unwrap();
-        for (r, row) in got.iter().enumerate() {
-            for (c, &value) in row.iter().enumerate() {
-                let (mut want, mut size) = (0f64, 0f64);
-                for b in 0..blocks {
-                    let w = &data[(c * blocks + b) * BLOCK_BYTES..][..BLOCK_BYTES];
-                    let dw = f16::from_le_bytes([w[0], w[1]]).to_f64();
-                    let xq = &acts.quants[(r * blocks + b) * BLOCK..][..BLOCK];
-                    let dot: i32 = w[2..]
-                        .iter()
-                        .zip(xq)
-                        .map(|(&w, &x)| w as i8 as i32 * x as i32)
-                        .sum();
-                    let term = dw * acts.scales[r * blocks + b] as f64 * dot as f64;
-                    want += term;
-                    size += term.abs();
+    for kernel in [Kernel::Tiles, Kernel::TilesVnni] {
+        let Some(ours) = matrix(&q, kernel) else {
+            continue;
+        };
+        for m in 1..=17 {
+            let x = activations(m, k);
+            let acts =
+                Activations::quantize(&x.flatten_all().unwrap().to_vec1().unwrap(), m, blocks);
+            let got = ours.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            for (r, row) in got.iter().enumerate() {
+                for (c, &value) in row.iter().enumerate() {
+                    let (mut want, mut size) = (0f64, 0f64);
+                    for b in 0..blocks {
+                        let w = &data[(c * blocks + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                        let dw = f16::from_le_bytes([w[0], w[1]]).to_f64();
+                        let xq = &acts.quants[(r * blocks + b) * BLOCK..][..BLOCK];
+                        let dot: i32 = w[2..]
+                            .iter()
+                            .zip(xq)
+                            .map(|(&w, &x)| w as i8 as i32 * x as i32)
+                            .sum();
+                        let term = dw * acts.scales[r * blocks + b] as f64 * dot as f64;
+                        want += term;
+                        size += term.abs();
+                    }
+                    assert!(
+                        (value as f64 - want).abs() <= 1e-6 * size + 1e-12,
+                        "{kernel:?}: m {m}, row {r}, col {c}: {value} vs {want}"
+                    );
                 }
-                assert!(
-                    (value as f64 - want).abs() <= 1e-6 * size + 1e-12,
-                    "m {m}, row {r}, col {c}: {value} vs {want}"
-                );
             }
         }
     }
+}
+
+/// The tile kernel gives the same bits with VNNI as without (a CPU's instruction set does not
+/// move an answer).
+#[test]
+fn the_tile_kernels_agree_bit_for_bit() {
+    let (n, k) = (21, 96);
+    let q = weights(n, k);
+    let (Some(plain), Some(vnni)) = (matrix(&q, Kernel::Tiles), matrix(&q, Kernel::TilesVnni))
+    else {
+        return;
+    };
+    let x = activations(17, k);
+    let bits = |m: &Q8Matrix| {
+        m.forward(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(&plain), bits(&vnni));
 }
 
 /// Every kernel: an activation row's outputs are the same bits computed alone or beside 16
@@ -112,7 +151,7 @@ fn the_tile_kernel_computes_the_quantized_dot_products() {
 fn an_output_is_the_same_bits_whatever_rows_share_the_pass() {
     let (n, k) = (21, 64);
     let q = weights(n, k);
-    for kernel in [Kernel::Rows, Kernel::Tiles] {
+    for kernel in [Kernel::Rows, Kernel::Tiles, Kernel::TilesVnni] {
         let Some(ours) = matrix(&q, kernel) else {
             continue;
         };
@@ -185,7 +224,7 @@ fn refuses_rows_of_the_wrong_width_and_skips_other_types() {
     let q4 = QTensor::quantize(&w, GgmlDType::Q4_0).unwrap();
     assert!(Q8Matrix::from_qtensor(&q4).unwrap().is_none());
     let q8 = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
-    for kernel in [Kernel::Rows, Kernel::Tiles] {
+    for kernel in [Kernel::Rows, Kernel::Tiles, Kernel::TilesVnni] {
         if let Some(m) = Q8Matrix::for_kernel(&q8, kernel).unwrap() {
             let x = Tensor::zeros((2, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
             let e = m.forward(&x).unwrap_err().to_string();

@@ -1,4 +1,4 @@
-//! The tile kernel, for CPUs with AVX-512 VNNI: eight weight rows (a tile) against up to eight
+//! The tile kernel on CPUs with AVX-512 VNNI: eight weight rows (a tile) against up to eight
 //! activation rows per pass, each output its own vector lane.
 //!
 //! A tile stores its rows interleaved four bytes at a time, so one 32-byte load holds the same
@@ -11,15 +11,8 @@
 //! Every output is `sum over blocks b, in order, of (dw_b * dx_b) * isum_b` with one rounding per
 //! multiply-add: the same operations whatever rows or tiles share the pass.
 
-use super::{ActivationBlocks, BLOCK, TILE, TILE_BLOCK};
+use super::{ActivationBlocks, BLOCK, TILE, TILE_BLOCK, TileBlocks};
 use std::arch::x86_64::*;
-
-/// One tile of weight rows: `quants[block][group of 4 inputs][row][4]` (plus 128) and
-/// `scales[block][row]` (f16 bits).
-pub struct TileBlocks<'a> {
-    pub quants: &'a [u8],
-    pub scales: &'a [u16],
-}
 
 /// One tile against `R` activation rows over `k` blocks: `dst[r]` holds activation row r's
 /// outputs for the tile's eight weight rows.
