@@ -185,54 +185,56 @@ impl Q8Matrix {
                 self.blocks * BLOCK
             );
         }
-        let x = x.flatten_all()?.to_vec1::<f32>()?;
-        let acts = Activations::quantize(&x, m, self.blocks);
-        // Work items are weight rows (or tiles of them); each range computes its outputs for
-        // every activation row into a part of its own (`[m][cols]`), and the parts' rows are
-        // copied into place after: whole runs of an output row rather than one strided store
-        // per value.
+        // Read in place (a copy only where `x` is not contiguous).
+        let x = x.contiguous()?;
+        let acts = {
+            let (storage, layout) = x.storage_and_layout();
+            let candle_core::Storage::Cpu(cpu) = &*storage else {
+                candle_core::bail!("a Q8_0 matmul takes host tensors")
+            };
+            let values = &cpu.as_slice::<f32>()?[layout.start_offset()..][..m * inputs];
+            Activations::quantize(values, m, self.blocks)
+        };
+        // Work items are weight rows (or tiles of them); each range of them writes its
+        // columns of every output row, in place: ranges never share a column.
         let per_item = match self.weights {
             Weights::Rows { .. } => 1,
             Weights::Tiles { .. } => TILE,
         };
-        let parts = std::sync::Mutex::new(Vec::new());
+        let mut out = vec![0f32; m * self.rows];
+        let base = OutputRows(out.as_mut_ptr());
         candle_core::utils::barrier_pool().execute_chunked(self.rows.div_ceil(per_item), |items| {
             let cols = items.start * per_item..(items.end * per_item).min(self.rows);
-            let mut part = vec![0f32; cols.len() * m];
+            let mut dst: Vec<&mut [f32]> = (0..m)
+                // SAFETY: row r's columns `cols` lie inside `out` (m rows of self.rows), which
+                // outlives the pool's pass; no other range writes or reads them.
+                .map(|r| unsafe { base.columns(r * self.rows + cols.start, cols.len()) })
+                .collect();
             match &self.weights {
                 Weights::Rows { quants, scales } => {
-                    self.row_columns(quants, scales, &acts, cols.clone(), &mut part)
+                    self.row_columns(quants, scales, &acts, cols, &mut dst)
                 }
                 Weights::Tiles {
                     quants,
                     scales,
                     vnni,
-                } => self.tile_columns(quants, scales, *vnni, &acts, items, &mut part),
+                } => self.tile_columns(quants, scales, *vnni, &acts, items, &mut dst),
             }
-            parts
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((cols, part));
         });
-        let mut out = vec![0f32; m * self.rows];
-        for (cols, part) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            for (r, values) in part.chunks_exact(cols.len()).enumerate() {
-                out[r * self.rows + cols.start..r * self.rows + cols.end].copy_from_slice(values);
-            }
-        }
         Tensor::from_vec(out, (m, self.rows), &candle_core::Device::Cpu)
     }
 
-    /// Outputs of weight rows `cols` for every activation row into `dst` (`[m][cols]`).
+    /// Outputs of weight rows `cols` for every activation row into `dst` (`[m]` slices of
+    /// `cols.len()`).
     fn row_columns(
         &self,
         quants: &[i8],
         scales: &[f32],
         acts: &Activations,
         cols: std::ops::Range<usize>,
-        dst: &mut [f32],
+        dst: &mut [&mut [f32]],
     ) {
-        let (m, k, width) = (acts.rows, self.blocks, cols.len());
+        let (m, k) = (acts.rows, self.blocks);
         let mut values = [0f32; TALL];
         for (i, c) in cols.enumerate() {
             let w = RowBlocks {
@@ -253,15 +255,15 @@ impl Q8Matrix {
                     &mut values[..tall],
                 );
                 for (j, &v) in values[..tall].iter().enumerate() {
-                    dst[(r + j) * width + i] = v;
+                    dst[r + j][i] = v;
                 }
                 r += tall;
             }
         }
     }
 
-    /// Outputs of the weight rows of `tiles` for every activation row into `dst` (`[m][cols]`,
-    /// the tiles' rows short of the padding).
+    /// Outputs of the weight rows of `tiles` for every activation row into `dst` (`[m]` slices
+    /// of the tiles' rows short of the padding).
     fn tile_columns(
         &self,
         quants: &[u8],
@@ -269,11 +271,10 @@ impl Q8Matrix {
         vnni: bool,
         acts: &Activations,
         tiles: std::ops::Range<usize>,
-        dst: &mut [f32],
+        dst: &mut [&mut [f32]],
     ) {
         let (m, k) = (acts.rows, self.blocks);
         let first = tiles.start * TILE;
-        let width = dst.len() / m;
         let mut values = [[0f32; TILE]; TALL];
         for t in tiles {
             let w = TileBlocks {
@@ -286,11 +287,33 @@ impl Q8Matrix {
                 let tall = (m - r).min(TALL);
                 tile_pass(k, vnni, &w, &acts.blocks(r, tall, k), &mut values[..tall]);
                 for (j, v) in values[..tall].iter().enumerate() {
-                    dst[(r + j) * width + at..][..n].copy_from_slice(&v[..n]);
+                    dst[r + j][at..][..n].copy_from_slice(&v[..n]);
                 }
                 r += tall;
             }
         }
+    }
+}
+
+/// Where a matmul's outputs go, shared by the ranges of a pass that each write columns of
+/// their own.
+#[derive(Clone, Copy)]
+struct OutputRows(*mut f32);
+
+// SAFETY: ranges of a pass write disjoint columns (see `OutputRows::columns`).
+unsafe impl Send for OutputRows {}
+unsafe impl Sync for OutputRows {}
+
+impl OutputRows {
+    /// `len` outputs from `at`.
+    ///
+    /// # Safety
+    /// They must lie inside the buffer, which must outlive the slice, and no other slice of
+    /// them may exist meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn columns(&self, at: usize, len: usize) -> &mut [f32] {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
     }
 }
 

@@ -111,16 +111,94 @@ impl Linear {
     }
 }
 
+/// Linear weights over one input, stacked into one matrix where their types agree: the input
+/// is quantized once and the thread pool runs once for all of them. A quantized matrix's
+/// output rows never depend on the rows beside them, so stacking changes no result.
+struct Stacked {
+    /// Each linear and the output widths of the weights it holds, in order.
+    groups: Vec<(Linear, Vec<usize>)>,
+}
+
+impl Stacked {
+    fn new(weights: Vec<QTensor>, dense: bool) -> Result<Self> {
+        let mut runs: Vec<Vec<QTensor>> = Vec::new();
+        for w in weights {
+            match runs.last_mut() {
+                Some(run)
+                    if run[0].dtype() == w.dtype()
+                        && run[0].shape().dims2()?.1 == w.shape().dims2()?.1 =>
+                {
+                    run.push(w)
+                }
+                _ => runs.push(vec![w]),
+            }
+        }
+        let groups = runs
+            .into_iter()
+            .map(|run| {
+                let widths = run
+                    .iter()
+                    .map(|w| w.shape().dims2().map(|(rows, _)| rows))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((Linear::new(stack(run)?, dense)?, widths))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { groups })
+    }
+
+    /// Each weight's output, in order.
+    fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Vec<Tensor>> {
+        let mut outputs = Vec::new();
+        for (linear, widths) in &self.groups {
+            let y = linear.forward(x, rows)?;
+            let mut at = 0;
+            for &width in widths {
+                outputs.push(y.narrow(1, at, width)?);
+                at += width;
+            }
+        }
+        Ok(outputs)
+    }
+
+    fn linears(&self) -> impl Iterator<Item = &Linear> {
+        self.groups.iter().map(|(linear, _)| linear)
+    }
+}
+
+/// Weights of one type over the same inputs as one: their rows one after another (each row is
+/// whole blocks, so the bytes simply follow each other).
+fn stack(mut run: Vec<QTensor>) -> Result<QTensor> {
+    if run.len() == 1 {
+        return Ok(run.remove(0));
+    }
+    let (dtype, device, inputs) = (run[0].dtype(), run[0].device(), run[0].shape().dims2()?.1);
+    let mut rows = 0;
+    let mut bytes = Vec::new();
+    for w in &run {
+        rows += w.shape().dims2()?.0;
+        bytes.extend_from_slice(&w.data()?);
+    }
+    candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &bytes, vec![rows, inputs], &device)
+}
+
 struct Layer {
     attention_norm: RmsNorm,
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q, k and v.
+    qkv: Stacked,
     o: Linear,
     ffn_norm: RmsNorm,
-    gate: Linear,
-    up: Linear,
+    /// gate and up.
+    gate_up: Stacked,
     down: Linear,
+}
+
+impl Layer {
+    fn linears(&self) -> impl Iterator<Item = &Linear> {
+        self.qkv
+            .linears()
+            .chain(self.gate_up.linears())
+            .chain([&self.o, &self.down])
+    }
 }
 
 pub struct Llama {
@@ -224,28 +302,21 @@ impl Llama {
         };
         let mut blocks = Vec::with_capacity(layers);
         for i in 0..layers {
-            let mut q = |name: &str| -> Result<Linear> {
-                Linear::new(
-                    tensor(&format!("blk.{i}.{name}.weight"), reader)?,
-                    dense_prefill,
-                )
-            };
-            let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
-            let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
+            let mut weight = |name: &str| tensor(&format!("blk.{i}.{name}.weight"), reader);
+            let qkv = vec![weight("attn_q")?, weight("attn_k")?, weight("attn_v")?];
+            let gate_up = vec![weight("ffn_gate")?, weight("ffn_up")?];
+            let (o, down) = (weight("attn_output")?, weight("ffn_down")?);
             let attention_norm =
                 RmsNorm::from_qtensor(tensor(&format!("blk.{i}.attn_norm.weight"), reader)?, eps)?;
             let ffn_norm =
                 RmsNorm::from_qtensor(tensor(&format!("blk.{i}.ffn_norm.weight"), reader)?, eps)?;
             blocks.push(Layer {
                 attention_norm,
-                q: wq,
-                k: wk,
-                v: wv,
-                o: wo,
+                qkv: Stacked::new(qkv, dense_prefill)?,
+                o: Linear::new(o, dense_prefill)?,
                 ffn_norm,
-                gate,
-                up,
-                down,
+                gate_up: Stacked::new(gate_up, dense_prefill)?,
+                down: Linear::new(down, dense_prefill)?,
             });
         }
         let (cos, sin) = rope_tables(head_dim, freq_base, context_length, device)?;
@@ -273,7 +344,7 @@ impl Llama {
             && self
                 .layers
                 .iter()
-                .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+                .flat_map(Layer::linears)
                 .all(|w| w.quantized.row_exact())
     }
 
@@ -281,14 +352,14 @@ impl Llama {
     pub fn dense_bytes(&self) -> u64 {
         self.layers
             .iter()
-            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+            .flat_map(Layer::linears)
             .map(Linear::dense_bytes)
             .sum()
     }
 
     /// How the rows of `steps` split between the quantized and the dense path.
     fn rows(&self, steps: &[Step<'_>]) -> Result<Rows> {
-        let dense = self.layers.first().is_some_and(|l| l.q.dense.is_some());
+        let dense = self.layers.first().is_some_and(|l| l.o.dense.is_some());
         if !dense {
             return Ok(Rows::Quantized);
         }
@@ -350,11 +421,8 @@ impl Llama {
             .forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let h = layer.attention_norm.forward(&x)?;
-            let (q, k, v) = (
-                layer.q.forward(&h, &rows)?,
-                layer.k.forward(&h, &rows)?,
-                layer.v.forward(&h, &rows)?,
-            );
+            let [q, k, v] = <[Tensor; 3]>::try_from(layer.qkv.forward(&h, &rows)?)
+                .map_err(|_| candle_core::Error::Msg("q, k and v: three outputs".into()))?;
             let mut sequences = Vec::with_capacity(steps.len());
             let mut row = 0;
             for step in steps.iter_mut() {
@@ -380,10 +448,9 @@ impl Llama {
             };
             let x1 = (layer.o.forward(&y, &rows)? + &x)?;
             let h = layer.ffn_norm.forward(&x1)?;
-            let gated = swiglu(
-                &layer.gate.forward(&h, &rows)?,
-                &layer.up.forward(&h, &rows)?,
-            )?;
+            let [gate, up] = <[Tensor; 2]>::try_from(layer.gate_up.forward(&h, &rows)?)
+                .map_err(|_| candle_core::Error::Msg("gate and up: two outputs".into()))?;
+            let gated = swiglu(&gate, &up)?;
             x = (layer.down.forward(&gated, &rows)? + x1)?;
         }
         let mut last = Vec::with_capacity(steps.len());
