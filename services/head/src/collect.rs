@@ -337,10 +337,15 @@ pub async fn collect(args: CollectArgs) -> anyhow::Result<bool> {
 
     nomad_rpc::shutdown_signal().await;
     // Peers got the same signal and are flushing: take what they send until they are quiet.
+    // Quiet counts from the signal at the earliest: a peer idle before it has yet to flush.
     let since_stop = Instant::now();
+    let stopped_at = intake.started.elapsed();
     loop {
         let last = Duration::from_millis(intake.last_request_ms.load(Ordering::Relaxed));
-        let idle = intake.started.elapsed().saturating_sub(last);
+        let idle = intake
+            .started
+            .elapsed()
+            .saturating_sub(last.max(stopped_at));
         if idle >= quiet || since_stop.elapsed() >= drain {
             break;
         }

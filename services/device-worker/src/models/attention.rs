@@ -5,8 +5,6 @@
 //! kept prefix would not be the ones computing that prefix afresh gives, and greedy answers
 //! would depend on what ran before.
 
-use candle_core::{DType, Device, Layout, Result, Storage, Tensor};
-
 /// Heads of a model's attention.
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
@@ -15,146 +13,63 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
-/// One sequence's share of a step: `q` (`[1, heads, n, d]`, positions `at..at + n`) and the
-/// keys and values of its cache (`[1, kv_heads, at + n, d]`).
-pub struct Sequence {
-    pub q: Tensor,
-    pub k: Tensor,
-    pub v: Tensor,
-    pub at: usize,
-}
-
-/// Every sequence's attention, its heads spread over candle's matmul threads. Returns
-/// `[rows, heads * d]`: the sequences' positions in order, each position's heads side by side,
-/// as the output projection takes them.
-pub fn causal(sequences: &[Sequence], shape: Heads) -> Result<Tensor> {
-    let d = shape.head_dim;
-    let tensors = sequences
-        .iter()
-        .map(|s| Ok([f32_rows(&s.q)?, f32_rows(&s.k)?, f32_rows(&s.v)?]))
-        .collect::<Result<Vec<_>>>()?;
-    let guards: Vec<_> = tensors
-        .iter()
-        .map(|t| t.each_ref().map(Tensor::storage_and_layout))
-        .collect();
-    let mut inputs = Vec::with_capacity(sequences.len());
-    let mut row = 0;
-    for (s, [(q, q_layout), (k, k_layout), (v, v_layout)]) in sequences.iter().zip(&guards) {
-        let n = s.q.dim(2)?;
-        inputs.push(Inputs {
-            q: host_f32(q, q_layout)?,
-            k: host_f32(k, k_layout)?,
-            v: host_f32(v, v_layout)?,
-            k_stride: k_layout.stride()[1],
-            v_stride: v_layout.stride()[1],
-            n,
-            at: s.at,
-            row,
-        });
-        row += n;
-    }
-    // Work items are (sequence, head) pairs; each computes its rows into a part of its own
-    // (`[n][d]`), put in place after.
-    let parts = std::sync::Mutex::new(Vec::new());
-    candle_core::utils::barrier_pool().execute_chunked(inputs.len() * shape.heads, |items| {
-        for item in items {
-            let (x, h) = (&inputs[item / shape.heads], item % shape.heads);
-            let mut part = vec![0f32; x.n * d];
-            head(x, h, shape, &mut part);
-            parts
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((x.row, h, part));
-        }
-    });
-    let width = shape.heads * d;
-    let mut out = vec![0f32; row * width];
-    for (first, h, part) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        for (i, values) in part.chunks_exact(d).enumerate() {
-            out[(first + i) * width + h * d..][..d].copy_from_slice(values);
-        }
-    }
-    Tensor::from_vec(out, (row, width), &Device::Cpu)
-}
-
-/// `t` (`[1, heads, len, d]`) as f32 with contiguous rows of `d`: itself, or a copy.
-fn f32_rows(t: &Tensor) -> Result<Tensor> {
-    let t = t.to_dtype(DType::F32)?;
-    let stride = t.stride();
-    if t.rank() != 4 || stride[3] != 1 || stride[2] != t.dim(3)? {
-        return t.contiguous();
-    }
-    Ok(t)
-}
-
-/// A CPU tensor's f32 data from where the tensor starts.
-fn host_f32<'a>(storage: &'a Storage, layout: &Layout) -> Result<&'a [f32]> {
-    let Storage::Cpu(cpu) = storage else {
-        candle_core::bail!("host attention runs on CPU tensors only")
-    };
-    Ok(&cpu.as_slice::<f32>()?[layout.start_offset()..])
-}
-
-struct Inputs<'a> {
-    /// `[heads][n][d]`.
-    q: &'a [f32],
-    /// Kv head `h`'s row `j` at `h * stride + j * d`.
-    k: &'a [f32],
-    v: &'a [f32],
-    k_stride: usize,
-    v_stride: usize,
-    /// Query rows, the position of the first, and its row in the step's output.
-    n: usize,
-    at: usize,
-    row: usize,
-}
-
-/// Head `h`'s rows into `out` (`[n][d]`): [`head_with`] compiled for AVX2 where the CPU has it,
-/// the same operations in the same order (no fused multiply-adds), so the same bits, on vectors
-/// twice as wide.
-fn head(x: &Inputs<'_>, h: usize, shape: Heads, out: &mut [f32]) {
+/// Causal attention of query rows `queries` (`[n][d]`, positions `at..at + n`) over the keys
+/// and values of positions `0..at + n` (rows of `d` from position 0), into `out` (`[n][d]`):
+/// compiled for AVX2 where the CPU has it, the same operations in the same order (no fused
+/// multiply-adds), so the same bits, on vectors twice as wide.
+pub fn attend(queries: &[f32], keys: &[f32], values: &[f32], at: usize, d: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { head_avx2(x, h, shape, out) };
+        return unsafe { attend_avx2(queries, keys, values, at, d, out) };
     }
-    head_with(x, h, shape, out, dot, weighted_sum)
+    attend_with(queries, keys, values, at, d, out, dots, weighted_sum)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn head_avx2(x: &Inputs<'_>, h: usize, shape: Heads, out: &mut [f32]) {
-    head_with(
-        x,
-        h,
-        shape,
+fn attend_avx2(
+    queries: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    at: usize,
+    d: usize,
+    out: &mut [f32],
+) {
+    attend_with(
+        queries,
+        keys,
+        values,
+        at,
+        d,
         out,
-        |a, b| dot_avx2(a, b),
+        |q, k, d, s| dots_avx2(q, k, d, s),
         |w, v, d, y| weighted_sum_avx2(w, v, d, y),
     )
 }
 
 #[inline(always)]
-fn head_with(
-    x: &Inputs<'_>,
-    h: usize,
-    shape: Heads,
+#[allow(clippy::too_many_arguments)]
+fn attend_with(
+    queries: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    at: usize,
+    d: usize,
     out: &mut [f32],
-    dot: impl Fn(&[f32], &[f32]) -> f32,
+    dots: impl Fn(&[f32], &[f32], usize, &mut [f32]),
     weighted_sum: impl Fn(&[f32], &[f32], usize, &mut [f32]),
 ) {
-    let (d, n, at) = (shape.head_dim, x.n, x.at);
-    let kv = h / (shape.heads / shape.kv_heads);
+    let n = queries.len() / d;
     let scale = 1.0 / (d as f32).sqrt();
     let mut weights = vec![0f32; at + n];
-    let keys = &x.k[kv * x.k_stride..];
-    let values = &x.v[kv * x.v_stride..];
     for i in 0..n {
-        let query = &x.q[(h * n + i) * d..][..d];
+        let query = &queries[i * d..][..d];
         let visible = &mut weights[..at + i + 1];
+        dots(query, keys, d, visible);
         let mut max = f32::NEG_INFINITY;
-        for (j, w) in visible.iter_mut().enumerate() {
-            *w = dot(query, &keys[j * d..][..d]) * scale;
+        for w in visible.iter_mut() {
+            *w *= scale;
             max = max.max(*w);
         }
         let mut sum = 0f32;
@@ -182,6 +97,46 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum_lanes(lanes, tail)
 }
 
+/// `scores[j]` = [`dot`] of `query` and key row j (rows of `d`), for each of `scores`.
+fn dots(query: &[f32], keys: &[f32], d: usize, scores: &mut [f32]) {
+    for (j, score) in scores.iter_mut().enumerate() {
+        *score = dot(query, &keys[j * d..][..d]);
+    }
+}
+
+/// [`dots`] on AVX registers, four keys at a time: each key's products and sums are [`dot`]'s
+/// (one register of eight running sums, then the same pairing), so the same bits, with four
+/// independent chains of adds where one would wait on itself.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn dots_avx2(query: &[f32], keys: &[f32], d: usize, scores: &mut [f32]) {
+    use std::arch::x86_64::*;
+    const KEYS: usize = 4;
+    let full = d - d % 8;
+    // SAFETY (every load): each reads 8 floats of a slice that holds them; unaligned.
+    let load = |x: &[f32]| unsafe { _mm256_loadu_ps(x[..8].as_ptr()) };
+    let mut groups = scores.chunks_exact_mut(KEYS);
+    let mut first = 0;
+    for group in &mut groups {
+        let mut acc = [_mm256_setzero_ps(); KEYS];
+        for c in (0..full).step_by(8) {
+            let q = load(&query[c..]);
+            for (k, acc) in acc.iter_mut().enumerate() {
+                let key = load(&keys[(first + k) * d + c..]);
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(q, key));
+            }
+        }
+        for (k, score) in group.iter_mut().enumerate() {
+            let key = &keys[(first + k) * d..][..d];
+            *score = sum_register(acc[k]) + tail_dot(&query[full..], &key[full..]);
+        }
+        first += KEYS;
+    }
+    for (k, score) in groups.into_remainder().iter_mut().enumerate() {
+        *score = dot_avx2(query, &keys[(first + k) * d..][..d]);
+    }
+}
+
 /// [`dot`] on one AVX register: the same products and sums, so the same bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
@@ -195,11 +150,18 @@ fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
         let (x, y) = unsafe { (_mm256_loadu_ps(x.as_ptr()), _mm256_loadu_ps(y.as_ptr())) };
         acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
     }
-    // `sum_lanes` in registers: the four pairs (lane i + lane i + 4), then pairs 0 + 2 and 1 + 3,
-    // then those two, then the tail.
+    sum_register(acc) + tail
+}
+
+/// `sum_lanes` of a register without its tail, in registers: the four pairs (lane i + lane
+/// i + 4), then pairs 0 + 2 and 1 + 3, then those two.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn sum_register(acc: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
     let pairs = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     let halves = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
-    _mm_cvtss_f32(_mm_add_ss(halves, _mm_movehdup_ps(halves))) + tail
+    _mm_cvtss_f32(_mm_add_ss(halves, _mm_movehdup_ps(halves)))
 }
 
 #[inline(always)]
@@ -265,41 +227,7 @@ fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const SHAPE: Heads = Heads {
-        heads: 6,
-        kv_heads: 2,
-        head_dim: 20,
-    };
-
-    /// Attention the plain way: repeated kv heads, a masked softmax, matmuls.
-    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, at: usize) -> Tensor {
-        let n = q.dim(2).unwrap();
-        let repeat = SHAPE.heads / SHAPE.kv_heads;
-        let k = candle_transformers::utils::repeat_kv(k.contiguous().unwrap(), repeat).unwrap();
-        let v = candle_transformers::utils::repeat_kv(v.contiguous().unwrap(), repeat).unwrap();
-        let scores = (q.matmul(&k.t().unwrap()).unwrap() / (SHAPE.head_dim as f64).sqrt()).unwrap();
-        let mask = candle_transformers::utils::build_causal_mask(n, at, &Device::Cpu).unwrap();
-        let mask = mask.broadcast_as(scores.shape()).unwrap();
-        let minus = Tensor::new(f32::NEG_INFINITY, &Device::Cpu)
-            .unwrap()
-            .broadcast_as(scores.shape())
-            .unwrap();
-        let scores = mask.where_cond(&minus, &scores).unwrap();
-        candle_nn::ops::softmax_last_dim(&scores)
-            .unwrap()
-            .matmul(&v)
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap()
-            .reshape((n, SHAPE.heads * SHAPE.head_dim))
-            .unwrap()
-    }
-
-    fn one(q: &Tensor, k: &Tensor, v: &Tensor, at: usize) -> Tensor {
-        let (q, k, v) = (q.clone(), k.clone(), v.clone());
-        causal(&[Sequence { q, k, v, at }], SHAPE).unwrap()
-    }
+    use candle_core::{Device, Tensor};
 
     fn random(shape: (usize, usize, usize, usize)) -> Tensor {
         Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
@@ -329,6 +257,28 @@ mod tests {
         }
     }
 
+    /// Four keys at a time (and the keys left over) are the portable scores' bits.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_avx2_scores_are_the_portable_ones_bits() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for d in [64, 20, 7] {
+            for keys in 1..=9 {
+                let query = flat(random((1, 1, 1, d)));
+                let rows = flat(random((1, 1, keys, d)));
+                let (mut a, mut b) = (vec![0f32; keys], vec![0f32; keys]);
+                dots(&query, &rows, d, &mut a);
+                // SAFETY: AVX2 checked above.
+                unsafe { dots_avx2(&query, &rows, d, &mut b) };
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{keys} keys of {d}");
+            }
+        }
+    }
+
     /// The AVX2 weighted sum is the portable one's bits.
     #[test]
     #[cfg(target_arch = "x86_64")]
@@ -347,55 +297,6 @@ mod tests {
             unsafe { weighted_sum_avx2(&weights, &values, d, &mut b) };
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&a), bits(&b), "{rows} rows of {d}");
-        }
-    }
-
-    #[test]
-    fn matches_masked_softmax_attention() {
-        let (at, n, d) = (7, 5, SHAPE.head_dim);
-        let q = random((1, SHAPE.heads, n, d));
-        // Keys and values as a cache holds them: a narrowed view of room for more.
-        let k = random((1, SHAPE.kv_heads, 40, d))
-            .narrow(2, 0, at + n)
-            .unwrap();
-        let v = random((1, SHAPE.kv_heads, 40, d))
-            .narrow(2, 0, at + n)
-            .unwrap();
-        let ours = one(&q, &k, &v, at);
-        let theirs = reference(&q, &k, &v, at);
-        let diff = (ours - theirs)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        assert!(diff < 1e-5, "max difference {diff}");
-    }
-
-    #[test]
-    fn a_row_is_the_same_bits_whatever_rows_share_its_pass() {
-        let (len, d) = (90, SHAPE.head_dim);
-        let q = random((1, SHAPE.heads, len, d));
-        let k = random((1, SHAPE.kv_heads, len, d));
-        let v = random((1, SHAPE.kv_heads, len, d));
-        let all = one(&q, &k, &v, 0).to_vec2::<f32>().unwrap();
-        // The same positions as chunks of 1, 2, 3 ... rows after a prefix.
-        let (mut at, mut n) = (0, 1);
-        while at < len {
-            n = n.min(len - at);
-            let part = |t: &Tensor| t.narrow(2, 0, at + n).unwrap();
-            let q = q.narrow(2, at, n).unwrap().contiguous().unwrap();
-            let rows = one(&q, &part(&k), &part(&v), at).to_vec2::<f32>().unwrap();
-            for (i, row) in rows.iter().enumerate() {
-                let bits = |r: &[f32]| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(row), bits(&all[at + i]), "position {}", at + i);
-            }
-            at += n;
-            n += 1;
         }
     }
 }

@@ -5,8 +5,9 @@
 //!
 //! Every row is computed as it would be alone: the quantized matmuls, norms and activations are
 //! row by row, and attention never mixes sequences, so batching does not change any result. On
-//! the CPU, attention runs row by row too (`attention.rs`), so a token's keys and values are the
-//! same bits however its sequence was split into passes: what lets a kept prefix be copied.
+//! the CPU, rotation, the KV cache and attention are the worker's own and run row by row too
+//! (`host_attention.rs`, `attention.rs`), so a token's keys and values are the same bits however
+//! its sequence was split into passes: what lets a kept prefix be copied.
 //!
 //! With dense prefill, each linear weight is also kept as f32 and the rows of prompt chunks
 //! (several tokens of one sequence) go through an f32 matmul, which is faster for many rows
@@ -21,7 +22,8 @@ use candle_transformers::quantized_nn::RmsNorm;
 
 use nomad_q8::Q8Matrix;
 
-use super::attention::{self, Heads};
+use super::attention::Heads;
+use super::host_attention::{self, HostKv, Rotary};
 use super::swiglu::swiglu;
 
 /// A quantized weight: Q8_0 on an x86 CPU with AVX2 (or AVX-512 VNNI) through `nomad_q8`,
@@ -146,18 +148,29 @@ impl Stacked {
         Ok(Self { groups })
     }
 
-    /// Each weight's output, in order.
-    fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Vec<Tensor>> {
-        let mut outputs = Vec::new();
-        for (linear, widths) in &self.groups {
-            let y = linear.forward(x, rows)?;
-            let mut at = 0;
-            for &width in widths {
-                outputs.push(y.narrow(1, at, width)?);
-                at += width;
-            }
+    /// Every weight's output side by side, in order.
+    fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Tensor> {
+        let outputs = self
+            .groups
+            .iter()
+            .map(|(linear, _)| linear.forward(x, rows))
+            .collect::<Result<Vec<_>>>()?;
+        match <[Tensor; 1]>::try_from(outputs) {
+            Ok([y]) => Ok(y),
+            Err(outputs) => Tensor::cat(&outputs, 1),
         }
-        Ok(outputs)
+    }
+
+    /// The outputs of `forward` one weight at a time: `N` of them.
+    fn split<const N: usize>(&self, y: &Tensor) -> Result<[Tensor; N]> {
+        let mut outputs = Vec::with_capacity(N);
+        let mut at = 0;
+        for &width in self.groups.iter().flat_map(|(_, widths)| widths) {
+            outputs.push(y.narrow(1, at, width)?);
+            at += width;
+        }
+        <[Tensor; N]>::try_from(outputs)
+            .map_err(|o| candle_core::Error::Msg(format!("{} stacked outputs, not {N}", o.len())))
     }
 
     fn linears(&self) -> impl Iterator<Item = &Linear> {
@@ -209,6 +222,8 @@ pub struct Llama {
     /// Rotary tables, one row per position up to the context length.
     cos: Tensor,
     sin: Tensor,
+    /// The same in host memory, on the CPU.
+    rotary: Option<Rotary>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -217,9 +232,16 @@ pub struct Llama {
 
 /// The keys and values one sequence has produced, every layer.
 pub struct Cache {
-    layers: Vec<KvCache>,
+    layers: Layers,
     /// Tokens the cache holds (the position of the next token).
     len: usize,
+}
+
+/// Each layer's keys and values: in host memory on the CPU (`host_attention`), as candle's
+/// caches on accelerators.
+enum Layers {
+    Host(Vec<HostKv>),
+    Device(Vec<KvCache>),
 }
 
 impl Cache {
@@ -233,19 +255,30 @@ impl Cache {
     /// `self` holds.
     pub fn prefix(&self, len: usize, capacity: usize) -> Result<Cache> {
         let len = len.min(self.len);
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
-            let mut copy = KvCache::new(2, capacity.max(len).max(1));
-            if let (Some(k), Some(v)) = (layer.k()?, layer.v()?)
-                && len > 0
-            {
-                copy.append(
-                    &k.narrow(2, 0, len)?.contiguous()?,
-                    &v.narrow(2, 0, len)?.contiguous()?,
-                )?;
+        let layers = match &self.layers {
+            Layers::Host(layers) => Layers::Host(
+                layers
+                    .iter()
+                    .map(|kv| kv.prefix(len, capacity.max(1)))
+                    .collect(),
+            ),
+            Layers::Device(layers) => {
+                let mut copies = Vec::with_capacity(layers.len());
+                for layer in layers {
+                    let mut copy = KvCache::new(2, capacity.max(len).max(1));
+                    if let (Some(k), Some(v)) = (layer.k()?, layer.v()?)
+                        && len > 0
+                    {
+                        copy.append(
+                            &k.narrow(2, 0, len)?.contiguous()?,
+                            &v.narrow(2, 0, len)?.contiguous()?,
+                        )?;
+                    }
+                    copies.push(copy);
+                }
+                Layers::Device(copies)
             }
-            layers.push(copy);
-        }
+        };
         Ok(Cache { layers, len })
     }
 }
@@ -320,6 +353,11 @@ impl Llama {
             });
         }
         let (cos, sin) = rope_tables(head_dim, freq_base, context_length, device)?;
+        let rotary = if device.is_cpu() {
+            Some(Rotary::new(&cos, &sin)?)
+        } else {
+            None
+        };
         Ok(Self {
             embeddings,
             layers: blocks,
@@ -327,6 +365,7 @@ impl Llama {
             output: Quantized::new(output)?,
             cos,
             sin,
+            rotary,
             heads,
             kv_heads,
             head_dim,
@@ -390,12 +429,18 @@ impl Llama {
 
     /// An empty cache for a sequence of at most `capacity` tokens.
     pub fn cache(&self, capacity: usize) -> Cache {
-        Cache {
-            layers: (0..self.layers.len())
-                .map(|_| KvCache::new(2, capacity.max(1)))
-                .collect(),
-            len: 0,
-        }
+        let capacity = capacity.max(1);
+        let count = self.layers.len();
+        let layers = if self.rotary.is_some() {
+            Layers::Host(
+                (0..count)
+                    .map(|_| HostKv::new(self.shape(), capacity))
+                    .collect(),
+            )
+        } else {
+            Layers::Device((0..count).map(|_| KvCache::new(2, capacity)).collect())
+        };
+        Cache { layers, len: 0 }
     }
 
     /// Runs every sequence's new tokens in one pass, appending them to its cache; returns each
@@ -421,35 +466,14 @@ impl Llama {
             .forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let h = layer.attention_norm.forward(&x)?;
-            let [q, k, v] = <[Tensor; 3]>::try_from(layer.qkv.forward(&h, &rows)?)
-                .map_err(|_| candle_core::Error::Msg("q, k and v: three outputs".into()))?;
-            let mut sequences = Vec::with_capacity(steps.len());
-            let mut row = 0;
-            for step in steps.iter_mut() {
-                let n = step.tokens.len();
-                let at = step.cache.len;
-                let part = |t: &Tensor, heads: usize| -> Result<Tensor> {
-                    t.narrow(0, row, n)?
-                        .reshape((1, n, heads, self.head_dim))?
-                        .transpose(1, 2)?
-                        .contiguous()
-                };
-                let q = self.rope(&part(&q, self.heads)?, at)?;
-                let k = self.rope(&part(&k, self.kv_heads)?, at)?;
-                let v = part(&v, self.kv_heads)?;
-                let (k, v) = step.cache.layers[l].append(&k, &v)?;
-                sequences.push(attention::Sequence { q, k, v, at });
-                row += n;
-            }
-            let y = if self.device.is_cpu() {
-                attention::causal(&sequences, self.shape())?
-            } else {
-                self.accelerator_attention(&sequences)?
+            let qkv = layer.qkv.forward(&h, &rows)?;
+            let y = match &self.rotary {
+                Some(rotary) => self.host_attention(&qkv, steps, l, rotary)?,
+                None => self.accelerator_attention(layer.qkv.split(&qkv)?, steps, l)?,
             };
             let x1 = (layer.o.forward(&y, &rows)? + &x)?;
             let h = layer.ffn_norm.forward(&x1)?;
-            let [gate, up] = <[Tensor; 2]>::try_from(layer.gate_up.forward(&h, &rows)?)
-                .map_err(|_| candle_core::Error::Msg("gate and up: two outputs".into()))?;
+            let [gate, up] = layer.gate_up.split(&layer.gate_up.forward(&h, &rows)?)?;
             let gated = swiglu(&gate, &up)?;
             x = (layer.down.forward(&gated, &rows)? + x1)?;
         }
@@ -479,16 +503,64 @@ impl Llama {
         candle_nn::rotary_emb::rope_i(x, &cos, &sin)
     }
 
-    /// Every sequence's attention by candle's operations, as `attention::causal` returns it.
-    fn accelerator_attention(&self, sequences: &[attention::Sequence]) -> Result<Tensor> {
-        let mut outputs = Vec::with_capacity(sequences.len());
-        for s in sequences {
-            let n = s.q.dim(2)?;
+    /// Layer `l`'s attention of every sequence, on the host (see `host_attention`).
+    fn host_attention(
+        &self,
+        qkv: &Tensor,
+        steps: &mut [Step<'_>],
+        l: usize,
+        rotary: &Rotary,
+    ) -> Result<Tensor> {
+        let mut sequences = Vec::with_capacity(steps.len());
+        let mut row = 0;
+        for step in steps.iter_mut() {
+            let (n, at) = (step.tokens.len(), step.cache.len);
+            let Layers::Host(layers) = &mut step.cache.layers else {
+                candle_core::bail!("a cache made for an accelerator in a host step")
+            };
+            sequences.push(host_attention::Sequence {
+                row,
+                n,
+                at,
+                kv: &mut layers[l],
+            });
+            row += n;
+        }
+        host_attention::layer(qkv, &mut sequences, rotary, self.shape())
+    }
+
+    /// Layer `l`'s attention of every sequence by candle's operations (accelerators), as
+    /// `host_attention` returns it: each sequence's rows rotated, appended to its cache, and
+    /// attended.
+    fn accelerator_attention(
+        &self,
+        [q, k, v]: [Tensor; 3],
+        steps: &mut [Step<'_>],
+        l: usize,
+    ) -> Result<Tensor> {
+        let mut outputs = Vec::with_capacity(steps.len());
+        let mut row = 0;
+        for step in steps.iter_mut() {
+            let (n, at) = (step.tokens.len(), step.cache.len);
+            let part = |t: &Tensor, heads: usize| -> Result<Tensor> {
+                t.narrow(0, row, n)?
+                    .reshape((1, n, heads, self.head_dim))?
+                    .transpose(1, 2)?
+                    .contiguous()
+            };
+            let q = self.rope(&part(&q, self.heads)?, at)?;
+            let k = self.rope(&part(&k, self.kv_heads)?, at)?;
+            let v = part(&v, self.kv_heads)?;
+            let Layers::Device(layers) = &mut step.cache.layers else {
+                candle_core::bail!("a host cache in an accelerator step")
+            };
+            let (k, v) = layers[l].append(&k, &v)?;
             outputs.push(
-                self.attention(&s.q, &s.k, &s.v, s.at)?
+                self.attention(&q, &k, &v, at)?
                     .transpose(1, 2)?
                     .reshape((n, self.heads * self.head_dim))?,
             );
+            row += n;
         }
         Tensor::cat(&outputs, 0)
     }

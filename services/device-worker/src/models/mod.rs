@@ -6,6 +6,7 @@ pub mod decoder;
 pub mod embed;
 pub mod generate;
 mod gguf;
+mod host_attention;
 mod length_groups;
 mod llama;
 pub mod mlp;

@@ -1,0 +1,210 @@
+use super::*;
+use candle_core::{Device, Tensor};
+
+const SHAPE: Heads = Heads {
+    heads: 6,
+    kv_heads: 2,
+    head_dim: 20,
+};
+const WIDTH: usize = (SHAPE.heads + 2 * SHAPE.kv_heads) * SHAPE.head_dim;
+
+fn random(shape: (usize, usize)) -> Tensor {
+    Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
+}
+
+fn rotary(positions: usize) -> (Tensor, Tensor, Rotary) {
+    let cos = random((positions, SHAPE.head_dim / 2));
+    let sin = random((positions, SHAPE.head_dim / 2));
+    let tables = Rotary::new(&cos, &sin).unwrap();
+    (cos, sin, tables)
+}
+
+/// `[len, heads * d]` of `qkv`'s columns from `first`, as `[1, heads, len, d]`.
+fn heads_of(qkv: &Tensor, first: usize, heads: usize) -> Tensor {
+    let len = qkv.dim(0).unwrap();
+    qkv.narrow(1, first * SHAPE.head_dim, heads * SHAPE.head_dim)
+        .unwrap()
+        .reshape((1, len, heads, SHAPE.head_dim))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap()
+}
+
+/// candle's way: `rope_i` on q and k, repeated kv heads, a masked softmax, matmuls. Returns the
+/// attention (`[len, heads * d]`) and the rotated keys (`[1, kv_heads, len, d]`).
+fn reference(qkv: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor) {
+    let len = qkv.dim(0).unwrap();
+    let (cos, sin) = (
+        cos.narrow(0, 0, len).unwrap(),
+        sin.narrow(0, 0, len).unwrap(),
+    );
+    let rope = |x: Tensor| candle_nn::rotary_emb::rope_i(&x, &cos, &sin).unwrap();
+    let q = rope(heads_of(qkv, 0, SHAPE.heads));
+    let k = rope(heads_of(qkv, SHAPE.heads, SHAPE.kv_heads));
+    let v = heads_of(qkv, SHAPE.heads + SHAPE.kv_heads, SHAPE.kv_heads);
+    let repeat = SHAPE.heads / SHAPE.kv_heads;
+    let kr = candle_transformers::utils::repeat_kv(k.clone(), repeat).unwrap();
+    let vr = candle_transformers::utils::repeat_kv(v, repeat).unwrap();
+    let scores = (q.matmul(&kr.t().unwrap()).unwrap() / (SHAPE.head_dim as f64).sqrt()).unwrap();
+    let mask = candle_transformers::utils::build_causal_mask(len, 0, &Device::Cpu).unwrap();
+    let minus = Tensor::new(f32::NEG_INFINITY, &Device::Cpu)
+        .unwrap()
+        .broadcast_as(scores.shape())
+        .unwrap();
+    let scores = mask
+        .broadcast_as(scores.shape())
+        .unwrap()
+        .where_cond(&minus, &scores)
+        .unwrap();
+    let y = candle_nn::ops::softmax_last_dim(&scores)
+        .unwrap()
+        .matmul(&vr)
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .reshape((len, SHAPE.heads * SHAPE.head_dim))
+        .unwrap();
+    (y, k)
+}
+
+/// One sequence's positions `at..at + n` (rows `at..at + n` of `qkv`) through `layer`.
+fn pass(qkv: &Tensor, at: usize, n: usize, kv: &mut HostKv, rotary: &Rotary) -> Vec<Vec<f32>> {
+    let rows = qkv.narrow(0, at, n).unwrap();
+    let mut sequences = [Sequence { row: 0, n, at, kv }];
+    layer(&rows, &mut sequences, rotary, SHAPE)
+        .unwrap()
+        .to_vec2()
+        .unwrap()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Against candle's rotation and masked-softmax attention, a prompt chunk after a cached
+/// prefix; the cached keys are candle's rotated keys bit for bit.
+#[test]
+fn matches_candles_rotation_and_attention() {
+    let (at, n) = (7, 5);
+    let qkv = random((at + n, WIDTH));
+    let (cos, sin, tables) = rotary(40);
+    let mut kv = HostKv::new(SHAPE, 40);
+    pass(&qkv, 0, at, &mut kv, &tables);
+    let ours = pass(&qkv, at, n, &mut kv, &tables);
+    let (theirs, keys) = reference(&qkv, &cos, &sin);
+    let theirs = theirs.narrow(0, at, n).unwrap().to_vec2::<f32>().unwrap();
+    for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() < 1e-5, "position {}: {x} vs {y}", at + i);
+        }
+    }
+    let keys = keys.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let d = SHAPE.head_dim;
+    for h in 0..SHAPE.kv_heads {
+        let cached = &kv.keys[h * kv.capacity * d..][..(at + n) * d];
+        assert_eq!(
+            bits(cached),
+            bits(&keys[h * (at + n) * d..][..(at + n) * d]),
+            "kv head {h}"
+        );
+    }
+}
+
+/// A position's output is the same bits computed in one pass of 90, in chunks of 1, 2, 3 ...,
+/// or beside another sequence; and a copied prefix continues as the original does.
+#[test]
+fn a_row_is_the_same_bits_however_its_sequence_is_split_or_batched() {
+    let len = 90;
+    let qkv = random((len, WIDTH));
+    let (_, _, tables) = rotary(len);
+    let whole = pass(&qkv, 0, len, &mut HostKv::new(SHAPE, len), &tables);
+    let mut kv = HostKv::new(SHAPE, len);
+    let (mut at, mut n) = (0, 1);
+    while at < len {
+        n = n.min(len - at);
+        for (i, row) in pass(&qkv, at, n, &mut kv, &tables).iter().enumerate() {
+            assert_eq!(bits(row), bits(&whole[at + i]), "position {}", at + i);
+        }
+        at += n;
+        n += 1;
+    }
+    // Two sequences in one pass: rows 0..30 of another and one decode row of this one after a
+    // copied prefix of 60.
+    let other = random((30, WIDTH));
+    let mut copy = kv.prefix(60, len);
+    let mut fresh = HostKv::new(SHAPE, 30);
+    let both = Tensor::cat(&[other.clone(), qkv.narrow(0, 60, 1).unwrap()], 0).unwrap();
+    let mut sequences = [
+        Sequence {
+            row: 0,
+            n: 30,
+            at: 0,
+            kv: &mut fresh,
+        },
+        Sequence {
+            row: 30,
+            n: 1,
+            at: 60,
+            kv: &mut copy,
+        },
+    ];
+    let together = layer(&both, &mut sequences, &tables, SHAPE)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert_eq!(
+        bits(&together[30]),
+        bits(&whole[60]),
+        "position 60 after a copied prefix"
+    );
+    let alone = pass(&other, 0, 30, &mut HostKv::new(SHAPE, 30), &tables);
+    for (i, row) in alone.iter().enumerate() {
+        assert_eq!(
+            bits(&together[i]),
+            bits(row),
+            "the other sequence's row {i}"
+        );
+    }
+}
+
+/// Tokens beyond a cache's room or the rotary tables are refused, naming both.
+#[test]
+fn refuses_tokens_past_the_cache_or_the_context() {
+    let qkv = random((4, WIDTH));
+    let (_, _, tables) = rotary(16);
+    let mut small = HostKv::new(SHAPE, 3);
+    let mut sequences = [Sequence {
+        row: 0,
+        n: 4,
+        at: 0,
+        kv: &mut small,
+    }];
+    let e = layer(&qkv, &mut sequences, &tables, SHAPE)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("0..4") && e.contains("cache of 3"), "{e}");
+    let mut room = HostKv::new(SHAPE, 32);
+    let mut sequences = [Sequence {
+        row: 0,
+        n: 4,
+        at: 14,
+        kv: &mut room,
+    }];
+    let e = layer(&qkv, &mut sequences, &tables, SHAPE)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("context of 16"), "{e}");
+    let narrow = random((4, WIDTH - 1));
+    let mut sequences = [Sequence {
+        row: 0,
+        n: 4,
+        at: 0,
+        kv: &mut room,
+    }];
+    let e = layer(&narrow, &mut sequences, &tables, SHAPE)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rows of 199"), "{e}");
+}
