@@ -214,16 +214,19 @@ impl Layer {
     }
 }
 
+/// Rotary tables, one row per position up to the context length: in host memory on the CPU
+/// (`host_attention`), as tensors for candle's operations on accelerators.
+enum Rotation {
+    Host(Rotary),
+    Device { cos: Tensor, sin: Tensor },
+}
+
 pub struct Llama {
     embeddings: Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
     output: Quantized,
-    /// Rotary tables, one row per position up to the context length.
-    cos: Tensor,
-    sin: Tensor,
-    /// The same in host memory, on the CPU.
-    rotary: Option<Rotary>,
+    rotation: Rotation,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -353,19 +356,17 @@ impl Llama {
             });
         }
         let (cos, sin) = rope_tables(head_dim, freq_base, context_length, device)?;
-        let rotary = if device.is_cpu() {
-            Some(Rotary::new(&cos, &sin)?)
+        let rotation = if device.is_cpu() {
+            Rotation::Host(Rotary::new(&cos, &sin)?)
         } else {
-            None
+            Rotation::Device { cos, sin }
         };
         Ok(Self {
             embeddings,
             layers: blocks,
             norm,
             output: Quantized::new(output)?,
-            cos,
-            sin,
-            rotary,
+            rotation,
             heads,
             kv_heads,
             head_dim,
@@ -431,7 +432,7 @@ impl Llama {
     pub fn cache(&self, capacity: usize) -> Cache {
         let capacity = capacity.max(1);
         let count = self.layers.len();
-        let layers = if self.rotary.is_some() {
+        let layers = if let Rotation::Host(_) = self.rotation {
             Layers::Host(
                 (0..count)
                     .map(|_| HostKv::new(self.shape(), capacity))
@@ -467,9 +468,11 @@ impl Llama {
         for (l, layer) in self.layers.iter().enumerate() {
             let h = layer.attention_norm.forward(&x)?;
             let qkv = layer.qkv.forward(&h, &rows)?;
-            let y = match &self.rotary {
-                Some(rotary) => self.host_attention(&qkv, steps, l, rotary)?,
-                None => self.accelerator_attention(layer.qkv.split(&qkv)?, steps, l)?,
+            let y = match &self.rotation {
+                Rotation::Host(rotary) => self.host_attention(&qkv, steps, l, rotary)?,
+                Rotation::Device { cos, sin } => {
+                    self.accelerator_attention(layer.qkv.split(&qkv)?, steps, l, [cos, sin])?
+                }
             };
             let x1 = (layer.o.forward(&y, &rows)? + &x)?;
             let h = layer.ffn_norm.forward(&x1)?;
@@ -494,13 +497,6 @@ impl Llama {
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
         }
-    }
-
-    fn rope(&self, x: &Tensor, at: usize) -> Result<Tensor> {
-        let n = x.dim(2)?;
-        let cos = self.cos.narrow(0, at, n)?;
-        let sin = self.sin.narrow(0, at, n)?;
-        candle_nn::rotary_emb::rope_i(x, &cos, &sin)
     }
 
     /// Layer `l`'s attention of every sequence, on the host (see `host_attention`).
@@ -537,6 +533,7 @@ impl Llama {
         [q, k, v]: [Tensor; 3],
         steps: &mut [Step<'_>],
         l: usize,
+        [cos, sin]: [&Tensor; 2],
     ) -> Result<Tensor> {
         let mut outputs = Vec::with_capacity(steps.len());
         let mut row = 0;
@@ -548,8 +545,12 @@ impl Llama {
                     .transpose(1, 2)?
                     .contiguous()
             };
-            let q = self.rope(&part(&q, self.heads)?, at)?;
-            let k = self.rope(&part(&k, self.kv_heads)?, at)?;
+            let rope = |x: &Tensor| -> Result<Tensor> {
+                let n = x.dim(2)?;
+                candle_nn::rotary_emb::rope_i(x, &cos.narrow(0, at, n)?, &sin.narrow(0, at, n)?)
+            };
+            let q = rope(&part(&q, self.heads)?)?;
+            let k = rope(&part(&k, self.kv_heads)?)?;
             let v = part(&v, self.kv_heads)?;
             let Layers::Device(layers) = &mut step.cache.layers else {
                 candle_core::bail!("a host cache in an accelerator step")
