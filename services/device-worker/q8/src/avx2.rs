@@ -1,7 +1,7 @@
 //! Kernels for CPUs with AVX2 and FMA: the row kernel, one weight row against up to eight
 //! activation rows per pass, each output the same sequence of operations as candle's
-//! `vec_dot_q8_0_q8_0` (so bit for bit candle's); the tile kernel as `vnni.rs` describes it,
-//! without VNNI; and the activation quantizer.
+//! `vec_dot_q8_0_q8_0` (so bit for bit candle's); the tile kernel (eight weight rows, each
+//! output a lane, as `vnni.rs` describes) on 16-bit products; and the activation quantizer.
 
 use super::{ActivationBlocks, BLOCK, RowBlocks, TILE, TILE_BLOCK, TileBlocks};
 use std::arch::x86_64::*;
@@ -43,12 +43,14 @@ pub unsafe fn row<const R: usize>(k: usize, w: &RowBlocks<'_>, x: &RowBlocks<'_>
     }
 }
 
-/// One tile (eight weight rows, interleaved as `vnni.rs` describes) against `R` activation
-/// rows over `k` blocks: `dst[r]` holds activation row r's outputs for the tile's eight rows,
-/// the same bits as `vnni::tile`. Without `vpdpbusd`, four products into a lane take
-/// `vpmaddubsw` (unsigned by signed bytes) and `vpmaddwd`: the weight's magnitude times the
-/// activation carrying the weight's sign, whose pairs stay within 16 bits (2 x 128 x 127).
-/// A block's integer sums are exact either way, so the outputs are the same.
+/// One tile against `R` activation rows over `k` blocks: `dst[r]` holds activation row r's
+/// outputs for the tile's eight rows, the same bits as `vnni::tile`. Without `vpdpbusd`, the
+/// weights are laid out two inputs at a time (`quants[block][pair][row][2]`, signed): a pair
+/// of inputs of all eight rows is 16 bytes, which `vpmovsxbw` widens to 16 bit once for every
+/// activation row of the pass, and one `vpmaddwd` against the activation pair (widened when
+/// quantized) adds two products into each row's lane. That is two multiplying instructions per
+/// four products, where the byte instructions take three (`vpsignb`, `vpmaddubsw`, `vpmaddwd`
+/// share the same two pipes on the CPUs measured). A block's integer sums are exact either way.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
@@ -60,44 +62,40 @@ pub unsafe fn tile<const R: usize>(
     dst: &mut [[f32; TILE]],
 ) {
     assert!(w.quants.len() == k * TILE_BLOCK && w.scales.len() == k * TILE);
-    assert!(x.quants.len() == R * k * BLOCK && x.scales.len() == R * k);
+    assert!(x.wide.len() == R * k * BLOCK && x.scales.len() == R * k);
     assert!(dst.len() == R);
-    let ones = _mm256_set1_epi16(1);
-    let flip = _mm256_set1_epi8(i8::MIN);
     let mut acc = [_mm256_setzero_ps(); R];
     let (wq, ws) = (w.quants.as_ptr(), w.scales.as_ptr());
-    let (xq, xs) = (x.quants.as_ptr(), x.scales.as_ptr());
+    let (xw, xs) = (x.wide.as_ptr(), x.scales.as_ptr());
     for b in 0..k {
         // SAFETY: block b of the tile and of each activation row r < R lies inside the
         // operands (lengths asserted above); unaligned loads.
         unsafe {
             let block = wq.add(b * TILE_BLOCK);
-            // Stored plus 128: the sign bit flipped back gives the signed weight.
-            let weights: [__m256i; 8] = std::array::from_fn(|g| {
-                _mm256_xor_si256(_mm256_loadu_si256(block.add(g * 32).cast()), flip)
-            });
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(b * TILE).cast()));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let at = r * k + b;
-                let inputs = xq.add(at * BLOCK).cast::<i32>();
-                let products = |g: usize| {
-                    let four = _mm256_set1_epi32(inputs.add(g).read_unaligned());
-                    let pairs = _mm256_maddubs_epi16(
-                        _mm256_abs_epi8(weights[g]),
-                        _mm256_sign_epi8(four, weights[g]),
+            let pair = |p: usize| _mm256_cvtepi8_epi16(_mm_loadu_si128(block.add(p * 16).cast()));
+            let two = |r: usize, p: usize| {
+                _mm256_set1_epi32(
+                    xw.add((r * k + b) * BLOCK + 2 * p)
+                        .cast::<i32>()
+                        .read_unaligned(),
+                )
+            };
+            let mut sums = [_mm256_setzero_si256(); R];
+            // Pairs two at a time: each row's chain takes one add per four products.
+            for p in (0..BLOCK / 2).step_by(2) {
+                let (w0, w1) = (pair(p), pair(p + 1));
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    let four = _mm256_add_epi32(
+                        _mm256_madd_epi16(w0, two(r, p)),
+                        _mm256_madd_epi16(w1, two(r, p + 1)),
                     );
-                    _mm256_madd_epi16(pairs, ones)
-                };
-                // Two chains of four, so the adds do not all wait on each other.
-                let mut even = products(0);
-                let mut odd = products(1);
-                for g in (2..8).step_by(2) {
-                    even = _mm256_add_epi32(even, products(g));
-                    odd = _mm256_add_epi32(odd, products(g + 1));
+                    *sum = _mm256_add_epi32(*sum, four);
                 }
-                let sums = _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
-                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xs.add(at)));
-                *acc = _mm256_fmadd_ps(d, sums, *acc);
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(b * TILE).cast()));
+            for (r, (acc, sum)) in acc.iter_mut().zip(sums).enumerate() {
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xs.add(r * k + b)));
+                *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), *acc);
             }
         }
     }

@@ -4,7 +4,8 @@
 //! - **tiles** (AVX2, FMA and F16C; with AVX-512 VNNI where the CPU has it): eight weight rows
 //!   interleaved so that each output is a vector lane of its own; a block costs one conversion
 //!   and one multiply-add per eight outputs. The two instruction sets give the same bits
-//!   (`avx2::tile`, `vnni::tile`): each block's integer dot product is exact either way.
+//!   (`avx2::tile` on 16-bit products, `vnni::tile` on bytes): each block's integer dot
+//!   product is exact either way.
 //! - **rows** (AVX2 and FMA): one weight row against up to eight activation rows, an
 //!   accumulator per activation row, each output bit for bit candle's `vec_dot_q8_0_q8_0`
 //!   (`avx2::row`).
@@ -96,8 +97,9 @@ enum Weights {
     /// Row after row: `quants[row][block][32]`, `scales[row][block]`.
     Rows { quants: Vec<i8>, scales: Vec<f32> },
     /// Tiles of eight rows (the last one padded with zero rows), as [`TileBlocks`] holds
-    /// them: `quants[tile][block][group][row][4]` plus 128, `scales[tile][block][row]` as f16;
-    /// `vnni` picks the instruction set that multiplies them.
+    /// them, `scales[tile][block][row]` as f16; `vnni` picks the instruction set that
+    /// multiplies them and the layout of the quants: `quants[tile][block][group][row][4]` plus
+    /// 128 for VNNI, `quants[tile][block][pair][row][2]` as signed bytes for AVX2.
     Tiles {
         quants: Vec<u8>,
         scales: Vec<u16>,
@@ -110,8 +112,10 @@ struct Activations {
     rows: usize,
     quants: Vec<i8>,
     scales: Vec<f32>,
-    /// Each block's quants added up (what the tile kernel takes off again, times 128).
+    /// Each block's quants added up (what the VNNI tile kernel takes off again, times 128).
     sums: Vec<i32>,
+    /// The quants widened to 16 bit, for the AVX2 tile kernel (empty for the others).
+    wide: Vec<i16>,
 }
 
 /// Some rows of blocks: `quants[row][block][32]`, `scales[row][block]`.
@@ -120,8 +124,8 @@ struct RowBlocks<'a> {
     scales: &'a [f32],
 }
 
-/// One tile of weight rows: `quants[block][group of 4 inputs][row][4]` (plus 128) and
-/// `scales[block][row]` (f16 bits).
+/// One tile of weight rows: `quants[block]` (each row's inputs interleaved four at a time plus
+/// 128 for VNNI, two at a time as signed bytes for AVX2) and `scales[block][row]` (f16 bits).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct TileBlocks<'a> {
     quants: &'a [u8],
@@ -133,6 +137,7 @@ struct ActivationBlocks<'a> {
     quants: &'a [i8],
     scales: &'a [f32],
     sums: &'a [i32],
+    wide: &'a [i16],
 }
 
 impl Q8Matrix {
@@ -193,7 +198,8 @@ impl Q8Matrix {
                 candle_core::bail!("a Q8_0 matmul takes host tensors")
             };
             let values = &cpu.as_slice::<f32>()?[layout.start_offset()..][..m * inputs];
-            Activations::quantize(values, m, self.blocks)
+            let wide = matches!(self.weights, Weights::Tiles { vnni: false, .. });
+            Activations::quantize(values, m, self.blocks, wide)
         };
         // Work items are weight rows (or tiles of them); each range of them writes its
         // columns of every output row, in place: ranges never share a column.
@@ -330,19 +336,22 @@ fn row_weights(data: &[u8]) -> Weights {
 
 fn tile_weights(data: &[u8], rows: usize, blocks: usize, vnni: bool) -> Weights {
     let tiles = rows.div_ceil(TILE);
-    // 128 is a zero weight, and a zero scale zeroes a padding row's outputs.
-    let mut quants = vec![128u8; tiles * blocks * TILE_BLOCK];
+    // Inputs side by side per row: four for `vpdpbusd`, two for `vpmaddwd` (`avx2::tile`).
+    let run = if vnni { 4 } else { 2 };
+    // A zero weight (stored plus 128 for VNNI); a zero scale zeroes a padding row's outputs.
+    let zero = if vnni { 128u8 } else { 0 };
+    let mut quants = vec![zero; tiles * blocks * TILE_BLOCK];
     let mut scales = vec![0u16; tiles * blocks * TILE];
     for (c, row) in data.chunks_exact(blocks * BLOCK_BYTES).enumerate() {
         let (t, lane) = (c / TILE, c % TILE);
         for (b, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
             let at = t * blocks + b;
             scales[at * TILE + lane] = u16::from_le_bytes([block[0], block[1]]);
-            for (g, four) in block[2..].chunks_exact(4).enumerate() {
-                let to = &mut quants[at * TILE_BLOCK + g * 4 * TILE + lane * 4..][..4];
-                // An i8 plus 128 as a u8: the sign bit flipped.
-                for (to, &q) in to.iter_mut().zip(four) {
-                    *to = q ^ 0x80;
+            for (g, inputs) in block[2..].chunks_exact(run).enumerate() {
+                let to = &mut quants[at * TILE_BLOCK + g * run * TILE + lane * run..][..run];
+                // For VNNI an i8 plus 128 as a u8: the sign bit flipped.
+                for (to, &q) in to.iter_mut().zip(inputs) {
+                    *to = if vnni { q ^ 0x80 } else { q };
                 }
             }
         }
@@ -358,7 +367,8 @@ impl Activations {
     /// Each row's blocks: scale = max |x| / 127 rounded to f16, quants = round(x / scale), as
     /// candle's `BlockQ8_0::from_float` does (its dot products are what the row kernel
     /// reproduces).
-    fn quantize(x: &[f32], rows: usize, blocks: usize) -> Self {
+    /// `wide`: also keep the quants widened to 16 bit.
+    fn quantize(x: &[f32], rows: usize, blocks: usize, wide: bool) -> Self {
         let mut quants = vec![0i8; x.len()];
         let mut scales = Vec::with_capacity(rows * blocks);
         let mut sums = Vec::with_capacity(rows * blocks);
@@ -377,11 +387,17 @@ impl Activations {
             scales.push(f16::from_f32(d).to_f32());
             sums.push(sum);
         }
+        let wide = if wide {
+            quants.iter().map(|&q| i16::from(q)).collect()
+        } else {
+            Vec::new()
+        };
         Self {
             rows,
             quants,
             scales,
             sums,
+            wide,
         }
     }
 
@@ -391,6 +407,10 @@ impl Activations {
             quants: &self.quants[r * k * BLOCK..(r + tall) * k * BLOCK],
             scales: &self.scales[r * k..(r + tall) * k],
             sums: &self.sums[r * k..(r + tall) * k],
+            wide: self
+                .wide
+                .get(r * k * BLOCK..(r + tall) * k * BLOCK)
+                .unwrap_or(&[]),
         }
     }
 }

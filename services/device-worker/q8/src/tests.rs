@@ -91,8 +91,12 @@ fn the_tile_kernels_compute_the_quantized_dot_products() {
         };
         for m in 1..=17 {
             let x = activations(m, k);
-            let acts =
-                Activations::quantize(&x.flatten_all().unwrap().to_vec1().unwrap(), m, blocks);
+            let acts = Activations::quantize(
+                &x.flatten_all().unwrap().to_vec1().unwrap(),
+                m,
+                blocks,
+                false,
+            );
             let got = ours.forward(&x).unwrap().to_vec2::<f32>().unwrap();
             for (r, row) in got.iter().enumerate() {
                 for (c, &value) in row.iter().enumerate() {
