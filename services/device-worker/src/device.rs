@@ -102,12 +102,17 @@ pub fn memory_info(device: &Device) -> Option<(u64, u64)> {
 /// One line on what this build and machine offer, for the start-up log.
 pub fn capabilities() -> String {
     format!(
-        "compiled with cuda={} metal={}; cpu avx={} threads={} q8_0 kernel={}",
+        "compiled with cuda={} metal={}; cpu avx={} threads={} q8_0 kernel={} q4_1 kernel={}",
         candle_core::utils::cuda_is_available(),
         candle_core::utils::metal_is_available(),
         candle_core::utils::with_avx(),
         candle_core::utils::get_num_threads(),
         nomad_q8::Kernel::detect().map_or("candle's", nomad_q8::Kernel::name),
+        if nomad_q8::QuantMatrix::runs(candle_core::quantized::GgmlDType::Q4_1) {
+            "tiles"
+        } else {
+            "none (re-quantized to q8_0 at load)"
+        },
     )
 }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
-use nomad_q8::{Kernel, Q8Matrix};
+use nomad_q8::{Kernel, QuantMatrix};
 
 /// (weight rows, inputs, how many a token passes through): one layer's projections times 30
 /// layers, and the output layer.
@@ -51,9 +51,9 @@ fn main() -> candle_core::Result<()> {
         for _ in 0..uses {
             let w = Tensor::randn(0f32, 0.05, (n, k), &Device::Cpu)?;
             let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
-            let ours: Vec<Q8Matrix> = kernels
+            let ours: Vec<QuantMatrix> = kernels
                 .iter()
-                .map(|&kernel| Q8Matrix::for_kernel(&q, kernel).map(|m| m.expect("supported")))
+                .map(|&kernel| QuantMatrix::for_kernel(&q, kernel).map(|m| m.expect("supported")))
                 .collect::<candle_core::Result<_>>()?;
             weights.push((QMatMul::from_qtensor(q)?, ours, k));
         }

@@ -3,7 +3,9 @@
 //! `vec_dot_q8_0_q8_0` (so bit for bit candle's); the tile kernel (eight weight rows, each
 //! output a lane, as `vnni.rs` describes) on 16-bit products; and the activation quantizer.
 
-use super::{ActivationBlocks, BLOCK, RowBlocks, TILE, TILE_BLOCK, TileBlocks};
+use super::{
+    ActivationBlocks, BLOCK, Q4_TILE_BLOCK, Q4TileBlocks, RowBlocks, TILE, TILE_BLOCK, TileBlocks,
+};
 use std::arch::x86_64::*;
 
 /// One weight row against `R` activation rows over `k` blocks, into `dst[..R]`. One weight
@@ -96,6 +98,73 @@ pub unsafe fn tile<const R: usize>(
             for (r, (acc, sum)) in acc.iter_mut().zip(sums).enumerate() {
                 let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xs.add(r * k + b)));
                 *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), *acc);
+            }
+        }
+    }
+    for (out, acc) in dst.iter_mut().zip(acc) {
+        // SAFETY: `out` is 8 f32s; unaligned store.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    }
+}
+
+/// One Q4_1 tile (eight weight rows, each output a lane) against `R` activation rows over `k`
+/// blocks: `dst[r]` holds activation row r's outputs for the tile's eight rows. A weight is
+/// `d * q + m` with q in 0..16, so a block's part is `(d * dx) * sum(q * a) + (m * dx) * sum(a)`:
+/// the first sum from `vpmaddubsw` on the unsigned values (no sign step), eight of whose 16-bit
+/// pair sums add up without overflow (8 x 2 x 15 x 127 = 30480) before one `vpmaddwd`
+/// widens them; the second is the activation block's sum, kept when quantizing. Integer sums are
+/// exact and each output's operations are the same whatever shares the pass.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q4_tile<const R: usize>(
+    k: usize,
+    w: &Q4TileBlocks<'_>,
+    x: &ActivationBlocks<'_>,
+    dst: &mut [[f32; TILE]],
+) {
+    assert!(w.quants.len() == k * Q4_TILE_BLOCK);
+    assert!(w.scales.len() == k * TILE && w.mins.len() == k * TILE);
+    assert!(x.quants.len() == R * k * BLOCK && x.scales.len() == R * k && x.sums.len() == R * k);
+    assert!(dst.len() == R);
+    let (low, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
+    let mut acc = [_mm256_setzero_ps(); R];
+    let (wq, ws, wm) = (w.quants.as_ptr(), w.scales.as_ptr(), w.mins.as_ptr());
+    let (xq, xs, xsum) = (x.quants.as_ptr(), x.scales.as_ptr(), x.sums.as_ptr());
+    for b in 0..k {
+        // SAFETY: block b of the tile and of each activation row r < R lies inside the
+        // operands (lengths asserted above); unaligned loads.
+        unsafe {
+            let block = wq.add(b * Q4_TILE_BLOCK);
+            let four = |r: usize, at: usize| {
+                let inputs = xq.add((r * k + b) * BLOCK + at);
+                _mm256_set1_epi32(inputs.cast::<i32>().read_unaligned())
+            };
+            let mut sums = [_mm256_setzero_si256(); R];
+            for g in 0..4 {
+                let v = _mm256_loadu_si256(block.add(g * 32).cast());
+                let (lo, hi) = (
+                    _mm256_and_si256(v, low),
+                    _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                );
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    let pairs = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, four(r, 4 * g)),
+                        _mm256_maddubs_epi16(hi, four(r, 16 + 4 * g)),
+                    );
+                    *sum = _mm256_add_epi16(*sum, pairs);
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(b * TILE).cast()));
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(wm.add(b * TILE).cast()));
+            for (r, (acc, sum)) in acc.iter_mut().zip(sums).enumerate() {
+                let at = r * k + b;
+                let dx = _mm256_set1_ps(*xs.add(at));
+                let dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+                *acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), dots, *acc);
+                let total = _mm256_set1_ps(*xsum.add(at) as f32);
+                *acc = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), total, *acc);
             }
         }
     }

@@ -1,5 +1,5 @@
-//! Q8_0 weight matrices multiplied on x86 CPUs, several activation rows per pass, with one of
-//! two kernels:
+//! Q8_0 and Q4_1 weight matrices multiplied on x86 CPUs, several activation rows per pass. Q8_0
+//! takes one of two kernels:
 //!
 //! - **tiles** (AVX2, FMA and F16C; with AVX-512 VNNI where the CPU has it): eight weight rows
 //!   interleaved so that each output is a vector lane of its own; a block costs one conversion
@@ -9,6 +9,10 @@
 //! - **rows** (AVX2 and FMA): one weight row against up to eight activation rows, an
 //!   accumulator per activation row, each output bit for bit candle's `vec_dot_q8_0_q8_0`
 //!   (`avx2::row`).
+//!
+//! Q4_1 takes the tiles too (`avx2::q4_tile`, AVX2, FMA and F16C): its 4-bit values are
+//! unsigned, so `vpmaddubsw` multiplies them by the activations with no sign step, and eight of
+//! its 16-bit sums add up before one `vpmaddwd` widens them.
 //!
 //! Either way, activation rows are quantized to Q8_0 as candle quantizes them, scales are
 //! read without a conversion per use, and an output depends on its activation row and weight
@@ -26,6 +30,11 @@ mod vnni;
 const BLOCK: usize = 32;
 /// Bytes of one Q8_0 block as stored: an f16 scale, then 32 signed bytes.
 const BLOCK_BYTES: usize = 2 + BLOCK;
+/// Bytes of one Q4_1 block as stored: an f16 scale, an f16 minimum, then 16 bytes of two 4-bit
+/// values each (value i in the low half of byte i, value i + 16 in the high half).
+const Q4_BLOCK_BYTES: usize = 4 + BLOCK / 2;
+/// Bytes of one Q4_1 tile's block: 16 bytes of each of its rows.
+const Q4_TILE_BLOCK: usize = BLOCK / 2 * TILE;
 /// Weight rows of a tile.
 const TILE: usize = 8;
 /// Bytes of one tile's block: 32 inputs of each of its rows.
@@ -86,8 +95,8 @@ impl Kernel {
     }
 }
 
-/// A Q8_0 matrix of `rows` weight rows (output features) by `blocks * 32` inputs.
-pub struct Q8Matrix {
+/// A Q8_0 or Q4_1 matrix of `rows` weight rows (output features) by `blocks * 32` inputs.
+pub struct QuantMatrix {
     rows: usize,
     blocks: usize,
     weights: Weights,
@@ -104,6 +113,13 @@ enum Weights {
         quants: Vec<u8>,
         scales: Vec<u16>,
         vnni: bool,
+    },
+    /// Q4_1 in tiles of eight rows (the last one padded with zero rows), as [`Q4TileBlocks`]
+    /// holds them.
+    Q4Tiles {
+        quants: Vec<u8>,
+        scales: Vec<u16>,
+        mins: Vec<u16>,
     },
 }
 
@@ -132,6 +148,16 @@ struct TileBlocks<'a> {
     scales: &'a [u16],
 }
 
+/// One Q4_1 tile of weight rows: `quants[block][group][row][4]`, group j holding inputs
+/// 4j..4j + 4 in its low halves and 16 + 4j.. in its high halves (each row's bytes 4j..4j + 4
+/// as stored), `scales[block][row]` and `mins[block][row]` (f16 bits).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Q4TileBlocks<'a> {
+    quants: &'a [u8],
+    scales: &'a [u16],
+    mins: &'a [u16],
+}
+
 /// Some activation rows: their blocks and each block's sum of quants.
 struct ActivationBlocks<'a> {
     quants: &'a [i8],
@@ -140,7 +166,7 @@ struct ActivationBlocks<'a> {
     wide: &'a [i16],
 }
 
-impl Q8Matrix {
+impl QuantMatrix {
     /// The matrix of a Q8_0 tensor in host memory, `[rows, inputs]`, for the fastest kernel
     /// this CPU runs; None for another type, device or CPU.
     pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
@@ -150,10 +176,15 @@ impl Q8Matrix {
         }
     }
 
-    /// The matrix laid out for `kernel`; None for another type or device, or where this CPU
-    /// does not run `kernel`.
+    /// The matrix laid out for `kernel` (Q4_1 takes the AVX2 tiles whichever tile kernel is
+    /// named); None for another type or device, or where this CPU does not run `kernel`.
     pub fn for_kernel(q: &QTensor, kernel: Kernel) -> Result<Option<Self>> {
-        if q.dtype() != GgmlDType::Q8_0 || !q.device().is_cpu() || !kernel.supported() {
+        let block_bytes = match (q.dtype(), kernel) {
+            (GgmlDType::Q8_0, _) => BLOCK_BYTES,
+            (GgmlDType::Q4_1, Kernel::Tiles | Kernel::TilesVnni) => Q4_BLOCK_BYTES,
+            _ => return Ok(None),
+        };
+        if !q.device().is_cpu() || !kernel.supported() {
             return Ok(None);
         }
         let (rows, inputs) = q.shape().dims2()?;
@@ -162,17 +193,19 @@ impl Q8Matrix {
         }
         let blocks = inputs / BLOCK;
         let data = q.data()?;
-        if data.len() != rows * blocks * BLOCK_BYTES {
+        if data.len() != rows * blocks * block_bytes {
             candle_core::bail!(
-                "a Q8_0 tensor of {rows}x{inputs} holds {} bytes, not {}",
+                "a {:?} tensor of {rows}x{inputs} holds {} bytes, not {}",
+                q.dtype(),
                 data.len(),
-                rows * blocks * BLOCK_BYTES
+                rows * blocks * block_bytes
             );
         }
-        let weights = match kernel {
-            Kernel::Rows => row_weights(&data),
-            Kernel::Tiles => tile_weights(&data, rows, blocks, false),
-            Kernel::TilesVnni => tile_weights(&data, rows, blocks, true),
+        let weights = match (q.dtype(), kernel) {
+            (GgmlDType::Q4_1, _) => q4_tile_weights(&data, rows, blocks),
+            (_, Kernel::Rows) => row_weights(&data),
+            (_, Kernel::Tiles) => tile_weights(&data, rows, blocks, false),
+            (_, Kernel::TilesVnni) => tile_weights(&data, rows, blocks, true),
         };
         Ok(Some(Self {
             rows,
@@ -181,12 +214,21 @@ impl Q8Matrix {
         }))
     }
 
+    /// Whether this CPU runs one of these kernels for weights of `dtype` (Q8_0 or Q4_1).
+    pub fn runs(dtype: GgmlDType) -> bool {
+        match dtype {
+            GgmlDType::Q8_0 => Kernel::detect().is_some(),
+            GgmlDType::Q4_1 => Kernel::Tiles.supported(),
+            _ => false,
+        }
+    }
+
     /// `x @ self^T` for `x` of shape `[m, inputs]` (f32): `[m, rows]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (m, inputs) = x.dims2()?;
         if inputs != self.blocks * BLOCK {
             candle_core::bail!(
-                "a Q8_0 matmul over {} inputs got rows of {inputs}",
+                "a quantized matmul over {} inputs got rows of {inputs}",
                 self.blocks * BLOCK
             );
         }
@@ -195,7 +237,7 @@ impl Q8Matrix {
         let acts = {
             let (storage, layout) = x.storage_and_layout();
             let candle_core::Storage::Cpu(cpu) = &*storage else {
-                candle_core::bail!("a Q8_0 matmul takes host tensors")
+                candle_core::bail!("a quantized matmul takes host tensors")
             };
             let values = &cpu.as_slice::<f32>()?[layout.start_offset()..][..m * inputs];
             let wide = matches!(self.weights, Weights::Tiles { vnni: false, .. });
@@ -205,8 +247,9 @@ impl Q8Matrix {
         // columns of every output row, in place: ranges never share a column.
         let per_item = match self.weights {
             Weights::Rows { .. } => 1,
-            Weights::Tiles { .. } => TILE,
+            Weights::Tiles { .. } | Weights::Q4Tiles { .. } => TILE,
         };
+        let k = self.blocks;
         let mut out = vec![0f32; m * self.rows];
         let base = OutputRows(out.as_mut_ptr());
         candle_core::utils::barrier_pool().execute_chunked(self.rows.div_ceil(per_item), |items| {
@@ -224,7 +267,25 @@ impl Q8Matrix {
                     quants,
                     scales,
                     vnni,
-                } => self.tile_columns(quants, scales, *vnni, &acts, items, &mut dst),
+                } => self.tile_columns(&acts, items, &mut dst, |t, x, out| {
+                    let w = TileBlocks {
+                        quants: &quants[t * k * TILE_BLOCK..(t + 1) * k * TILE_BLOCK],
+                        scales: &scales[t * k * TILE..(t + 1) * k * TILE],
+                    };
+                    tile_pass(k, *vnni, &w, x, out)
+                }),
+                Weights::Q4Tiles {
+                    quants,
+                    scales,
+                    mins,
+                } => self.tile_columns(&acts, items, &mut dst, |t, x, out| {
+                    let w = Q4TileBlocks {
+                        quants: &quants[t * k * Q4_TILE_BLOCK..(t + 1) * k * Q4_TILE_BLOCK],
+                        scales: &scales[t * k * TILE..(t + 1) * k * TILE],
+                        mins: &mins[t * k * TILE..(t + 1) * k * TILE],
+                    };
+                    q4_tile_pass(k, &w, x, out)
+                }),
             }
         });
         Tensor::from_vec(out, (m, self.rows), &candle_core::Device::Cpu)
@@ -269,29 +330,24 @@ impl Q8Matrix {
     }
 
     /// Outputs of the weight rows of `tiles` for every activation row into `dst` (`[m]` slices
-    /// of the tiles' rows short of the padding).
+    /// of the tiles' rows short of the padding); `pass(t, x, out)` multiplies tile t by up to
+    /// `TALL` activation rows.
     fn tile_columns(
         &self,
-        quants: &[u8],
-        scales: &[u16],
-        vnni: bool,
         acts: &Activations,
         tiles: std::ops::Range<usize>,
         dst: &mut [&mut [f32]],
+        pass: impl Fn(usize, &ActivationBlocks<'_>, &mut [[f32; TILE]]),
     ) {
         let (m, k) = (acts.rows, self.blocks);
         let first = tiles.start * TILE;
         let mut values = [[0f32; TILE]; TALL];
         for t in tiles {
-            let w = TileBlocks {
-                quants: &quants[t * k * TILE_BLOCK..(t + 1) * k * TILE_BLOCK],
-                scales: &scales[t * k * TILE..(t + 1) * k * TILE],
-            };
             let (at, n) = (t * TILE - first, (self.rows - t * TILE).min(TILE));
             let mut r = 0;
             while r < m {
                 let tall = (m - r).min(TALL);
-                tile_pass(k, vnni, &w, &acts.blocks(r, tall, k), &mut values[..tall]);
+                pass(t, &acts.blocks(r, tall, k), &mut values[..tall]);
                 for (j, v) in values[..tall].iter().enumerate() {
                     dst[r + j][at..][..n].copy_from_slice(&v[..n]);
                 }
@@ -360,6 +416,30 @@ fn tile_weights(data: &[u8], rows: usize, blocks: usize, vnni: bool) -> Weights 
         quants,
         scales,
         vnni,
+    }
+}
+
+fn q4_tile_weights(data: &[u8], rows: usize, blocks: usize) -> Weights {
+    let tiles = rows.div_ceil(TILE);
+    // Zero scales and minimums zero a padding row's outputs.
+    let mut quants = vec![0u8; tiles * blocks * Q4_TILE_BLOCK];
+    let mut scales = vec![0u16; tiles * blocks * TILE];
+    let mut mins = vec![0u16; tiles * blocks * TILE];
+    for (c, row) in data.chunks_exact(blocks * Q4_BLOCK_BYTES).enumerate() {
+        let (t, lane) = (c / TILE, c % TILE);
+        for (b, block) in row.chunks_exact(Q4_BLOCK_BYTES).enumerate() {
+            let at = t * blocks + b;
+            scales[at * TILE + lane] = u16::from_le_bytes([block[0], block[1]]);
+            mins[at * TILE + lane] = u16::from_le_bytes([block[2], block[3]]);
+            for (g, four) in block[4..].chunks_exact(4).enumerate() {
+                quants[at * Q4_TILE_BLOCK + g * 4 * TILE + lane * 4..][..4].copy_from_slice(four);
+            }
+        }
+    }
+    Weights::Q4Tiles {
+        quants,
+        scales,
+        mins,
     }
 }
 
@@ -440,30 +520,53 @@ fn round_half_away(v: f32) -> i8 {
     (v + JUST_BELOW_HALF.copysign(v)) as i8
 }
 
+/// `$body` with `$r` a constant: `$n` (1 to `TALL`) as a const generic for the kernels.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_rows {
+    ($n:expr, $r:ident => $body:expr) => {
+        match $n {
+            1 => {
+                const $r: usize = 1;
+                $body
+            }
+            2 => {
+                const $r: usize = 2;
+                $body
+            }
+            3 => {
+                const $r: usize = 3;
+                $body
+            }
+            4 => {
+                const $r: usize = 4;
+                $body
+            }
+            5 => {
+                const $r: usize = 5;
+                $body
+            }
+            6 => {
+                const $r: usize = 6;
+                $body
+            }
+            7 => {
+                const $r: usize = 7;
+                $body
+            }
+            _ => {
+                const $r: usize = TALL;
+                $body
+            }
+        }
+    };
+}
+
 /// One weight row against up to `TALL` activation rows: `dst[r]` for activation row r.
+#[cfg(target_arch = "x86_64")]
 fn row_pass(k: usize, w: &RowBlocks<'_>, x: &RowBlocks<'_>, dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
     // SAFETY: a row-laid matrix exists only where `Kernel::Rows` is supported (AVX2 and FMA
     // present); the kernel checks the operands' lengths before reading.
-    unsafe {
-        match dst.len() {
-            1 => avx2::row::<1>(k, w, x, dst),
-            2 => avx2::row::<2>(k, w, x, dst),
-            3 => avx2::row::<3>(k, w, x, dst),
-            4 => avx2::row::<4>(k, w, x, dst),
-            5 => avx2::row::<5>(k, w, x, dst),
-            6 => avx2::row::<6>(k, w, x, dst),
-            7 => avx2::row::<7>(k, w, x, dst),
-            _ => avx2::row::<TALL>(k, w, x, dst),
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!(
-        "Q8Matrix is only built where its kernel runs ({k} {} {} {})",
-        w.scales.len(),
-        x.scales.len(),
-        dst.len()
-    );
+    by_rows!(dst.len(), R => unsafe { avx2::row::<R>(k, w, x, dst) })
 }
 
 /// One tile against up to `TALL` activation rows: `dst[r]` for activation row r.
@@ -475,39 +578,29 @@ fn tile_pass(
     x: &ActivationBlocks<'_>,
     dst: &mut [[f32; TILE]],
 ) {
-    /// # Safety
-    /// The CPU must have the features of the kernel `vnni` picks.
-    unsafe fn pass<const R: usize>(
-        k: usize,
-        vnni: bool,
-        w: &TileBlocks<'_>,
-        x: &ActivationBlocks<'_>,
-        dst: &mut [[f32; TILE]],
-    ) {
-        // SAFETY: passed on from the caller.
-        unsafe {
-            if vnni {
-                vnni::tile::<R>(k, w, x, dst)
-            } else {
-                avx2::tile::<R>(k, w, x, dst)
-            }
-        }
-    }
     // SAFETY: a tiled matrix exists only where its kernel (`Kernel::Tiles` or
     // `Kernel::TilesVnni`, as `vnni` records) is supported; the kernels check the operands'
     // lengths before reading.
-    unsafe {
-        match dst.len() {
-            1 => pass::<1>(k, vnni, w, x, dst),
-            2 => pass::<2>(k, vnni, w, x, dst),
-            3 => pass::<3>(k, vnni, w, x, dst),
-            4 => pass::<4>(k, vnni, w, x, dst),
-            5 => pass::<5>(k, vnni, w, x, dst),
-            6 => pass::<6>(k, vnni, w, x, dst),
-            7 => pass::<7>(k, vnni, w, x, dst),
-            _ => pass::<TALL>(k, vnni, w, x, dst),
+    by_rows!(dst.len(), R => unsafe {
+        if vnni {
+            vnni::tile::<R>(k, w, x, dst)
+        } else {
+            avx2::tile::<R>(k, w, x, dst)
         }
-    }
+    })
+}
+
+/// One Q4_1 tile against up to `TALL` activation rows: `dst[r]` for activation row r.
+#[cfg(target_arch = "x86_64")]
+fn q4_tile_pass(k: usize, w: &Q4TileBlocks<'_>, x: &ActivationBlocks<'_>, dst: &mut [[f32; TILE]]) {
+    // SAFETY: a Q4_1 matrix exists only where `Kernel::Tiles` is supported (AVX2, FMA and
+    // F16C); the kernel checks the operands' lengths before reading.
+    by_rows!(dst.len(), R => unsafe { avx2::q4_tile::<R>(k, w, x, dst) })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn row_pass(k: usize, _: &RowBlocks<'_>, _: &RowBlocks<'_>, _: &mut [f32]) {
+    unreachable!("QuantMatrix is only built where its kernel runs ({k})");
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -515,14 +608,15 @@ fn tile_pass(
     k: usize,
     _: bool,
     _: &TileBlocks<'_>,
-    x: &ActivationBlocks<'_>,
-    dst: &mut [[f32; TILE]],
+    _: &ActivationBlocks<'_>,
+    _: &mut [[f32; TILE]],
 ) {
-    unreachable!(
-        "Q8Matrix is only built where its kernel runs ({k} {} {})",
-        x.scales.len(),
-        dst.len()
-    );
+    unreachable!("QuantMatrix is only built where its kernel runs ({k})");
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn q4_tile_pass(k: usize, _: &Q4TileBlocks<'_>, _: &ActivationBlocks<'_>, _: &mut [[f32; TILE]]) {
+    unreachable!("QuantMatrix is only built where its kernel runs ({k})");
 }
 
 #[cfg(test)]

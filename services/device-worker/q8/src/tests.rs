@@ -19,6 +19,28 @@ fn weights(n: usize, k: usize) -> QTensor {
     QTensor::quantize(&w, GgmlDType::Q8_0).unwrap()
 }
 
+/// Q4_1 weights whose blocks include 4-bit values of 0 and 15 side by side in one byte.
+fn q4_weights(n: usize, k: usize) -> QTensor {
+    let w = Tensor::from_vec(numbers(n * k, 11), (n, k), &Device::Cpu).unwrap();
+    let mut data = QTensor::quantize(&w, GgmlDType::Q4_1)
+        .unwrap()
+        .data()
+        .unwrap()
+        .into_owned();
+    for (i, block) in data.chunks_exact_mut(Q4_BLOCK_BYTES).enumerate() {
+        block[4 + i % 16] = 0xf0;
+        block[4 + (i * 5 + 3) % 16] = 0x0f;
+        block[4 + (i * 3 + 7) % 16] = 0xff;
+    }
+    candle_core::quantized::ggml_file::qtensor_from_ggml(
+        GgmlDType::Q4_1,
+        &data,
+        vec![n, k],
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
 /// `m` activation rows, with a zero value and a whole zero block.
 fn activations(m: usize, k: usize) -> Tensor {
     let mut x = numbers(m * k, 100 + m as u32);
@@ -27,15 +49,15 @@ fn activations(m: usize, k: usize) -> Tensor {
     Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap()
 }
 
-fn matrix(q: &QTensor, kernel: Kernel) -> Option<Q8Matrix> {
+fn matrix(q: &QTensor, kernel: Kernel) -> Option<QuantMatrix> {
     if !kernel.supported() {
         eprintln!("this CPU does not run the {kernel:?} kernel: nothing to check");
         return None;
     }
     Some(
-        Q8Matrix::for_kernel(q, kernel)
+        QuantMatrix::for_kernel(q, kernel)
             .unwrap()
-            .expect("a Q8_0 host tensor"),
+            .expect("a Q8_0 or Q4_1 host tensor"),
     )
 }
 
@@ -124,6 +146,57 @@ fn the_tile_kernels_compute_the_quantized_dot_products() {
     }
 }
 
+/// The Q4_1 tile kernel gives the quantized dot products of candle's own reading of the blocks:
+/// each output within a few roundings of the sum of candle's dequantized weights times the
+/// dequantized activation quants (f64), for weight rows that fill two tiles and part of a
+/// third; and within the activations' rounding of candle's own Q4_1 matmul.
+#[test]
+fn the_q4_tile_kernel_computes_the_quantized_dot_products() {
+    let (n, k) = (21, 96);
+    let q = q4_weights(n, k);
+    let Some(ours) = matrix(&q, Kernel::Tiles) else {
+        return;
+    };
+    let dequantized = q
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let candle = QMatMul::from_qtensor(q).unwrap();
+    let blocks = k / BLOCK;
+    for m in 1..=17 {
+        let x = activations(m, k);
+        let acts = Activations::quantize(
+            &x.flatten_all().unwrap().to_vec1().unwrap(),
+            m,
+            blocks,
+            false,
+        );
+        let got = ours.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        let theirs = candle.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        for (r, row) in got.iter().enumerate() {
+            for (c, &value) in row.iter().enumerate() {
+                let (mut want, mut size) = (0f64, 0f64);
+                for (i, &w) in dequantized[c].iter().enumerate() {
+                    let a =
+                        acts.scales[r * blocks + i / BLOCK] as f64 * acts.quants[r * k + i] as f64;
+                    want += w as f64 * a;
+                    size += (w as f64 * a).abs();
+                }
+                assert!(
+                    (value as f64 - want).abs() <= 1e-5 * size + 1e-9,
+                    "m {m}, row {r}, col {c}: {value} vs {want}"
+                );
+                assert!(
+                    (value - theirs[r][c]).abs() <= 1e-2 * size as f32 + 1e-6,
+                    "m {m}, row {r}, col {c}: {value} vs candle's {}",
+                    theirs[r][c]
+                );
+            }
+        }
+    }
+}
+
 /// The tile kernel gives the same bits with VNNI as without (a CPU's instruction set does not
 /// move an answer).
 #[test]
@@ -135,7 +208,7 @@ fn the_tile_kernels_agree_bit_for_bit() {
         return;
     };
     let x = activations(17, k);
-    let bits = |m: &Q8Matrix| {
+    let bits = |m: &QuantMatrix| {
         m.forward(&x)
             .unwrap()
             .flatten_all()
@@ -154,11 +227,19 @@ fn the_tile_kernels_agree_bit_for_bit() {
 #[test]
 fn an_output_is_the_same_bits_whatever_rows_share_the_pass() {
     let (n, k) = (21, 64);
-    let q = weights(n, k);
-    for kernel in [Kernel::Rows, Kernel::Tiles, Kernel::TilesVnni] {
-        let Some(ours) = matrix(&q, kernel) else {
+    let q4 = q4_weights(n, k);
+    let q8 = weights(n, k);
+    let cases = [
+        (&q8, Kernel::Rows),
+        (&q8, Kernel::Tiles),
+        (&q8, Kernel::TilesVnni),
+        (&q4, Kernel::Tiles),
+    ];
+    for (q, kernel) in cases {
+        let Some(ours) = matrix(q, kernel) else {
             continue;
         };
+        let kernel = format!("{:?} {kernel:?}", q.dtype());
         let x = activations(17, k);
         let together = ours.forward(&x).unwrap().to_vec2::<f32>().unwrap();
         for (r, row) in together.iter().enumerate() {
@@ -168,7 +249,7 @@ fn an_output_is_the_same_bits_whatever_rows_share_the_pass() {
                 .to_vec2::<f32>()
                 .unwrap();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(row), bits(&alone[0]), "{kernel:?}: row {r}");
+            assert_eq!(bits(row), bits(&alone[0]), "{kernel}: row {r}");
         }
     }
 }
@@ -226,10 +307,16 @@ fn rounds_halves_away_from_zero_like_round() {
 fn refuses_rows_of_the_wrong_width_and_skips_other_types() {
     let w = Tensor::from_vec(numbers(4 * 64, 3), (4, 64), &Device::Cpu).unwrap();
     let q4 = QTensor::quantize(&w, GgmlDType::Q4_0).unwrap();
-    assert!(Q8Matrix::from_qtensor(&q4).unwrap().is_none());
+    assert!(QuantMatrix::from_qtensor(&q4).unwrap().is_none());
+    let q4_1 = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
+    assert!(
+        QuantMatrix::for_kernel(&q4_1, Kernel::Rows)
+            .unwrap()
+            .is_none()
+    );
     let q8 = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
     for kernel in [Kernel::Rows, Kernel::Tiles, Kernel::TilesVnni] {
-        if let Some(m) = Q8Matrix::for_kernel(&q8, kernel).unwrap() {
+        if let Some(m) = QuantMatrix::for_kernel(&q8, kernel).unwrap() {
             let x = Tensor::zeros((2, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
             let e = m.forward(&x).unwrap_err().to_string();
             assert!(

@@ -302,6 +302,13 @@ impl Generator {
     }
 }
 
+/// Whether Q4_1 weights are served re-quantized to Q8_0: only where this CPU has no Q4_1 kernel
+/// of the worker's own (candle's Q4_1 runs on a scalar path, several times slower than Q8_0;
+/// BENCHMARKS.md).
+pub fn requantize_q4_1() -> bool {
+    !nomad_q8::QuantMatrix::runs(GgmlDType::Q4_1)
+}
+
 /// What a load is told besides the file.
 #[derive(Clone, Copy)]
 struct Loading<'a> {
@@ -403,9 +410,9 @@ mod tests {
     use super::*;
     use candle_core::Tensor;
 
-    /// The model as served: Q4_1 weights re-quantized to Q8_0 at load.
+    /// The model as served (Q4_1 as shipped, or re-quantized to Q8_0 where it must be).
     fn model() -> Generator {
-        model_with(true)
+        model_with(requantize_q4_1())
     }
 
     fn model_with(q4_1_to_q8_0: bool) -> Generator {

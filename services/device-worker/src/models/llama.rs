@@ -20,30 +20,30 @@ use candle_nn::Embedding;
 use candle_nn::kv_cache::KvCache;
 use candle_transformers::quantized_nn::RmsNorm;
 
-use nomad_q8::Q8Matrix;
+use nomad_q8::QuantMatrix;
 
 use super::attention::Heads;
 use super::host_attention::{self, HostKv, Rotary};
 use super::swiglu::swiglu;
 
-/// A quantized weight: Q8_0 on an x86 CPU with AVX2 (or AVX-512 VNNI) through `nomad_q8`,
-/// anything else through candle.
+/// A quantized weight: Q8_0 or Q4_1 on an x86 CPU with AVX2 (or AVX-512 VNNI) through
+/// `nomad_q8`, anything else through candle.
 enum Quantized {
-    Q8(Q8Matrix),
+    Ours(QuantMatrix),
     Candle(QMatMul),
 }
 
 impl Quantized {
     fn new(q: QTensor) -> Result<Self> {
-        Ok(match Q8Matrix::from_qtensor(&q)? {
-            Some(m) => Self::Q8(m),
+        Ok(match QuantMatrix::from_qtensor(&q)? {
+            Some(m) => Self::Ours(m),
             None => Self::Candle(QMatMul::from_qtensor(q)?),
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Q8(m) => m.forward(x),
+            Self::Ours(m) => m.forward(x),
             Self::Candle(m) => m.forward(x),
         }
     }
@@ -51,7 +51,7 @@ impl Quantized {
     /// Whether a row's result is independent of the rows beside it: a quantized dot product
     /// per row (not a dequantized weight through a shape-dependent matmul).
     fn row_exact(&self) -> bool {
-        matches!(self, Self::Q8(_) | Self::Candle(QMatMul::QTensor(_)))
+        matches!(self, Self::Ours(_) | Self::Candle(QMatMul::QTensor(_)))
     }
 }
 

@@ -150,7 +150,7 @@ pub fn load(spec: &ModelSpec, backend: &Backend) -> Result<Arc<dyn Model>, LoadE
             Ok(Arc::new(generate::Generator::load_configured(
                 path,
                 &Device::Cpu,
-                true,
+                generate::requantize_q4_1(),
                 config,
             )?))
         }

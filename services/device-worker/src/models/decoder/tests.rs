@@ -30,7 +30,7 @@ fn configured(config: DecodeConfig) -> Generator {
     Generator::load_configured(
         &super::super::test_models_dir().join("smollm2-135m-instruct"),
         &super::super::test_device(),
-        true,
+        super::super::generate::requantize_q4_1(),
         config,
     )
     .unwrap()
