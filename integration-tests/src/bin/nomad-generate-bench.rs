@@ -262,8 +262,9 @@ fn row(system: &str, c: usize, l: &Level) {
 async fn bench(llama: Option<String>, levels: Vec<usize>) {
     let models = fleet::models_dir();
     let gguf = models.join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
-    // The worker serves Q4_1 re-quantized to Q8_0; give llama-server the same weights with
-    // `llama-quantize --allow-requantize <Q4_1> <out> Q8_0` and `--llama-model <out>`.
+    // The worker serves the Q4_1 file as shipped on CPUs with AVX2, FMA and F16C (elsewhere it
+    // re-quantizes to Q8_0 at load: then give llama-server the same weights with
+    // `llama-quantize --allow-requantize <Q4_1> <out> Q8_0` and `--llama-model <out>`).
     let llama_model = std::path::PathBuf::from(arg("--llama-model", gguf.to_str().unwrap()));
     let most = *levels.iter().max().unwrap();
     // `--dense-prefill`: the tool's f32 prompt path (README, "Generation").

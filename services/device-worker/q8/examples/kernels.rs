@@ -1,7 +1,8 @@
-//! The Q8_0 kernels side by side on SmolLM2-135M's weights (random, as many matrices of each
-//! shape as a token passes through, so they stream from memory as a model's do): candle's own,
-//! the row kernel and the tile kernel (where this CPU runs them), alternating so that noise hits
-//! each alike. Prints milliseconds per pass over all of them, for each number of rows.
+//! The kernels side by side on SmolLM2-135M's weight shapes (random, as many matrices of each
+//! shape as a token passes through, so they stream from memory as a model's do): candle's own
+//! Q8_0 matmul, our Q8_0 row and tile kernels and the Q4_1 tile kernel (where this CPU runs
+//! them), alternating so that noise hits each alike. Prints milliseconds per pass over all of
+//! them, for each number of rows.
 //!
 //! `cargo run --release -p nomad-q8 --example kernels -- [rows,...] [seconds per row count]`
 //! (`CANDLE_NUM_THREADS` sets the threads, as for the worker).
@@ -32,17 +33,24 @@ fn main() -> candle_core::Result<()> {
     let seconds: f64 = args
         .get(1)
         .map_or(5.0, |s| s.parse().expect("seconds: a number"));
-    let kernels: Vec<Kernel> = [Kernel::Rows, Kernel::Tiles, Kernel::TilesVnni]
-        .into_iter()
-        .filter(|k| k.supported())
-        .collect();
+    // Each of our kernels with the weight type it runs: Q8_0 on all three, and Q4_1 (the same
+    // weights quantized to 4 bits) on the AVX2 tiles.
+    let kernels: Vec<(GgmlDType, Kernel)> = [
+        (GgmlDType::Q8_0, Kernel::Rows),
+        (GgmlDType::Q8_0, Kernel::Tiles),
+        (GgmlDType::Q8_0, Kernel::TilesVnni),
+        (GgmlDType::Q4_1, Kernel::Tiles),
+    ]
+    .into_iter()
+    .filter(|(_, k)| k.supported())
+    .collect();
     let threads = std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "candle's default".into());
     println!("CANDLE_NUM_THREADS: {threads}");
     println!(
-        "| rows | candle ms |  {} |",
+        "| rows | candle Q8_0 ms |  {} |",
         kernels
             .iter()
-            .map(|k| format!("{k:?} ms (x candle)"))
+            .map(|(t, k)| format!("{t:?} {k:?} ms (x candle)"))
             .collect::<Vec<_>>()
             .join(" | ")
     );
@@ -51,9 +59,13 @@ fn main() -> candle_core::Result<()> {
         for _ in 0..uses {
             let w = Tensor::randn(0f32, 0.05, (n, k), &Device::Cpu)?;
             let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
+            let q4 = QTensor::quantize(&w, GgmlDType::Q4_1)?;
             let ours: Vec<QuantMatrix> = kernels
                 .iter()
-                .map(|&kernel| QuantMatrix::for_kernel(&q, kernel).map(|m| m.expect("supported")))
+                .map(|&(dtype, kernel)| {
+                    let q = if dtype == GgmlDType::Q4_1 { &q4 } else { &q };
+                    QuantMatrix::for_kernel(q, kernel).map(|m| m.expect("supported"))
+                })
                 .collect::<candle_core::Result<_>>()?;
             weights.push((QMatMul::from_qtensor(q)?, ours, k));
         }
