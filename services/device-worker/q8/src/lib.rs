@@ -524,35 +524,14 @@ fn round_half_away(v: f32) -> i8 {
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_rows {
     ($n:expr, $r:ident => $body:expr) => {
+        by_rows!(@arms $n, $r, $body, [1, 2, 3, 4, 5, 6, 7])
+    };
+    (@arms $n:expr, $r:ident, $body:expr, [$($k:literal),*]) => {
         match $n {
-            1 => {
-                const $r: usize = 1;
+            $($k => {
+                const $r: usize = $k;
                 $body
-            }
-            2 => {
-                const $r: usize = 2;
-                $body
-            }
-            3 => {
-                const $r: usize = 3;
-                $body
-            }
-            4 => {
-                const $r: usize = 4;
-                $body
-            }
-            5 => {
-                const $r: usize = 5;
-                $body
-            }
-            6 => {
-                const $r: usize = 6;
-                $body
-            }
-            7 => {
-                const $r: usize = 7;
-                $body
-            }
+            })*
             _ => {
                 const $r: usize = TALL;
                 $body

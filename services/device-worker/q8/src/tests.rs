@@ -49,6 +49,17 @@ fn activations(m: usize, k: usize) -> Tensor {
     Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap()
 }
 
+/// `x`'s rows quantized as the kernels quantize them.
+fn quantized(x: &Tensor, blocks: usize) -> Activations {
+    let rows = x.dim(0).unwrap();
+    Activations::quantize(
+        &x.flatten_all().unwrap().to_vec1().unwrap(),
+        rows,
+        blocks,
+        false,
+    )
+}
+
 fn matrix(q: &QTensor, kernel: Kernel) -> Option<QuantMatrix> {
     if !kernel.supported() {
         eprintln!("this CPU does not run the {kernel:?} kernel: nothing to check");
@@ -113,12 +124,7 @@ fn the_tile_kernels_compute_the_quantized_dot_products() {
         };
         for m in 1..=17 {
             let x = activations(m, k);
-            let acts = Activations::quantize(
-                &x.flatten_all().unwrap().to_vec1().unwrap(),
-                m,
-                blocks,
-                false,
-            );
+            let acts = quantized(&x, blocks);
             let got = ours.forward(&x).unwrap().to_vec2::<f32>().unwrap();
             for (r, row) in got.iter().enumerate() {
                 for (c, &value) in row.iter().enumerate() {
@@ -167,12 +173,7 @@ fn the_q4_tile_kernel_computes_the_quantized_dot_products() {
     let blocks = k / BLOCK;
     for m in 1..=17 {
         let x = activations(m, k);
-        let acts = Activations::quantize(
-            &x.flatten_all().unwrap().to_vec1().unwrap(),
-            m,
-            blocks,
-            false,
-        );
+        let acts = quantized(&x, blocks);
         let got = ours.forward(&x).unwrap().to_vec2::<f32>().unwrap();
         let theirs = candle.forward(&x).unwrap().to_vec2::<f32>().unwrap();
         for (r, row) in got.iter().enumerate() {
