@@ -108,10 +108,10 @@ pub fn capabilities() -> String {
         candle_core::utils::with_avx(),
         candle_core::utils::get_num_threads(),
         nomad_q8::Kernel::detect().map_or("candle's", nomad_q8::Kernel::name),
-        if nomad_q8::QuantMatrix::runs(candle_core::quantized::GgmlDType::Q4_1) {
-            "tiles"
-        } else {
-            "none (re-quantized to q8_0 at load)"
+        match nomad_q8::Kernel::detect() {
+            Some(k) if nomad_q8::QuantMatrix::runs(candle_core::quantized::GgmlDType::Q4_1) =>
+                k.name(),
+            _ => "none (re-quantized to q8_0 at load)",
         },
     )
 }

@@ -1,6 +1,6 @@
 //! The kernels side by side on SmolLM2-135M's weight shapes (random, as many matrices of each
 //! shape as a token passes through, so they stream from memory as a model's do): candle's own
-//! Q8_0 matmul, our Q8_0 row and tile kernels and the Q4_1 tile kernel (where this CPU runs
+//! Q8_0 matmul, our Q8_0 row and tile kernels and the Q4_1 tile kernels (where this CPU runs
 //! them), alternating so that noise hits each alike. Prints milliseconds per pass over all of
 //! them, for each number of rows.
 //!
@@ -34,12 +34,13 @@ fn main() -> candle_core::Result<()> {
         .get(1)
         .map_or(5.0, |s| s.parse().expect("seconds: a number"));
     // Each of our kernels with the weight type it runs: Q8_0 on all three, and Q4_1 (the same
-    // weights quantized to 4 bits) on the AVX2 tiles.
+    // weights quantized to 4 bits) on both tile kernels.
     let kernels: Vec<(GgmlDType, Kernel)> = [
         (GgmlDType::Q8_0, Kernel::Rows),
         (GgmlDType::Q8_0, Kernel::Tiles),
         (GgmlDType::Q8_0, Kernel::TilesVnni),
         (GgmlDType::Q4_1, Kernel::Tiles),
+        (GgmlDType::Q4_1, Kernel::TilesVnni),
     ]
     .into_iter()
     .filter(|(_, k)| k.supported())

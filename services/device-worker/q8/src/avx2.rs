@@ -5,6 +5,7 @@
 
 use super::{
     ActivationBlocks, BLOCK, Q4_TILE_BLOCK, Q4TileBlocks, RowBlocks, TILE, TILE_BLOCK, TileBlocks,
+    prefetch,
 };
 use std::arch::x86_64::*;
 
@@ -27,6 +28,7 @@ pub unsafe fn row<const R: usize>(k: usize, w: &RowBlocks<'_>, x: &RowBlocks<'_>
         // SAFETY: block b of the weight row and of each activation row r < R lies inside
         // the operands (lengths asserted above); unaligned loads.
         unsafe {
+            prefetch(wq.add(b * BLOCK).cast(), BLOCK);
             let weights = _mm256_loadu_si256(wq.add(b * BLOCK).cast());
             let magnitudes = _mm256_sign_epi8(weights, weights);
             let dw = _mm256_broadcast_ss(&*ws.add(b));
@@ -74,6 +76,7 @@ pub unsafe fn tile<const R: usize>(
         // operands (lengths asserted above); unaligned loads.
         unsafe {
             let block = wq.add(b * TILE_BLOCK);
+            prefetch(block.cast(), TILE_BLOCK);
             let pair = |p: usize| _mm256_cvtepi8_epi16(_mm_loadu_si128(block.add(p * 16).cast()));
             let two = |r: usize, p: usize| {
                 _mm256_set1_epi32(
@@ -109,11 +112,11 @@ pub unsafe fn tile<const R: usize>(
 
 /// One Q4_1 tile (eight weight rows, each output a lane) against `R` activation rows over `k`
 /// blocks: `dst[r]` holds activation row r's outputs for the tile's eight rows. A weight is
-/// `d * q + m` with q in 0..16, so a block's part is `(d * dx) * sum(q * a) + (m * dx) * sum(a)`:
+/// `d * q + m` with q in 0..16, so a block's part is `(d * dx) * sum(q * a) + m * (dx * sum(a))`:
 /// the first sum from `vpmaddubsw` on the unsigned values (no sign step), eight of whose 16-bit
 /// pair sums add up without overflow (8 x 2 x 15 x 127 = 30480) before one `vpmaddwd`
-/// widens them; the second is the activation block's sum, kept when quantizing. Integer sums are
-/// exact and each output's operations are the same whatever shares the pass.
+/// widens them; the second is the activation block's scaled sum, kept when quantizing. Integer
+/// sums are exact and each output's operations are the same whatever shares the pass.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
@@ -126,17 +129,18 @@ pub unsafe fn q4_tile<const R: usize>(
 ) {
     assert!(w.quants.len() == k * Q4_TILE_BLOCK);
     assert!(w.scales.len() == k * TILE && w.mins.len() == k * TILE);
-    assert!(x.quants.len() == R * k * BLOCK && x.scales.len() == R * k && x.sums.len() == R * k);
-    assert!(dst.len() == R);
+    assert!(x.quants.len() == R * k * BLOCK && x.scales.len() == R * k);
+    assert!(x.scaled_sums.len() == R * k && dst.len() == R);
     let (low, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
     let mut acc = [_mm256_setzero_ps(); R];
     let (wq, ws, wm) = (w.quants.as_ptr(), w.scales.as_ptr(), w.mins.as_ptr());
-    let (xq, xs, xsum) = (x.quants.as_ptr(), x.scales.as_ptr(), x.sums.as_ptr());
+    let (xq, xs, xsum) = (x.quants.as_ptr(), x.scales.as_ptr(), x.scaled_sums.as_ptr());
     for b in 0..k {
         // SAFETY: block b of the tile and of each activation row r < R lies inside the
         // operands (lengths asserted above); unaligned loads.
         unsafe {
             let block = wq.add(b * Q4_TILE_BLOCK);
+            prefetch(block, Q4_TILE_BLOCK);
             let four = |r: usize, at: usize| {
                 let inputs = xq.add((r * k + b) * BLOCK + at);
                 _mm256_set1_epi32(inputs.cast::<i32>().read_unaligned())
@@ -160,11 +164,10 @@ pub unsafe fn q4_tile<const R: usize>(
             let mw = _mm256_cvtph_ps(_mm_loadu_si128(wm.add(b * TILE).cast()));
             for (r, (acc, sum)) in acc.iter_mut().zip(sums).enumerate() {
                 let at = r * k + b;
-                let dx = _mm256_set1_ps(*xs.add(at));
                 let dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
-                *acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), dots, *acc);
-                let total = _mm256_set1_ps(*xsum.add(at) as f32);
-                *acc = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), total, *acc);
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xs.add(at)));
+                *acc = _mm256_fmadd_ps(d, dots, *acc);
+                *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(*xsum.add(at)), *acc);
             }
         }
     }

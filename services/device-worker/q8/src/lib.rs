@@ -10,9 +10,9 @@
 //!   accumulator per activation row, each output bit for bit candle's `vec_dot_q8_0_q8_0`
 //!   (`avx2::row`).
 //!
-//! Q4_1 takes the tiles too (`avx2::q4_tile`, AVX2, FMA and F16C): its 4-bit values are
-//! unsigned, so `vpmaddubsw` multiplies them by the activations with no sign step, and eight of
-//! its 16-bit sums add up before one `vpmaddwd` widens them.
+//! Q4_1 takes the tiles too, in the same two instruction sets with the same bits: its 4-bit
+//! values are unsigned, so `vpmaddubsw` (`avx2::q4_tile`) or `vpdpbusd` (`vnni::q4_tile`)
+//! multiplies them by the activations with no sign step or offset.
 //!
 //! Either way, activation rows are quantized to Q8_0 as candle quantizes them, scales are
 //! read without a conversion per use, and an output depends on its activation row and weight
@@ -115,11 +115,12 @@ enum Weights {
         vnni: bool,
     },
     /// Q4_1 in tiles of eight rows (the last one padded with zero rows), as [`Q4TileBlocks`]
-    /// holds them.
+    /// holds them; `vnni` picks the instruction set (the layout is the same).
     Q4Tiles {
         quants: Vec<u8>,
         scales: Vec<u16>,
         mins: Vec<u16>,
+        vnni: bool,
     },
 }
 
@@ -130,6 +131,8 @@ struct Activations {
     scales: Vec<f32>,
     /// Each block's quants added up (what the VNNI tile kernel takes off again, times 128).
     sums: Vec<i32>,
+    /// Each block's scale times that sum: the activations' sum that Q4_1's minimums multiply.
+    scaled_sums: Vec<f32>,
     /// The quants widened to 16 bit, for the AVX2 tile kernel (empty for the others).
     wide: Vec<i16>,
 }
@@ -163,6 +166,7 @@ struct ActivationBlocks<'a> {
     quants: &'a [i8],
     scales: &'a [f32],
     sums: &'a [i32],
+    scaled_sums: &'a [f32],
     wide: &'a [i16],
 }
 
@@ -176,8 +180,8 @@ impl QuantMatrix {
         }
     }
 
-    /// The matrix laid out for `kernel` (Q4_1 takes the AVX2 tiles whichever tile kernel is
-    /// named); None for another type or device, or where this CPU does not run `kernel`.
+    /// The matrix laid out for `kernel` (Q4_1 takes either tile kernel); None for another type
+    /// or device, or where this CPU does not run `kernel`.
     pub fn for_kernel(q: &QTensor, kernel: Kernel) -> Result<Option<Self>> {
         let block_bytes = match (q.dtype(), kernel) {
             (GgmlDType::Q8_0, _) => BLOCK_BYTES,
@@ -202,7 +206,9 @@ impl QuantMatrix {
             );
         }
         let weights = match (q.dtype(), kernel) {
-            (GgmlDType::Q4_1, _) => q4_tile_weights(&data, rows, blocks),
+            (GgmlDType::Q4_1, _) => {
+                q4_tile_weights(&data, rows, blocks, kernel == Kernel::TilesVnni)
+            }
             (_, Kernel::Rows) => row_weights(&data),
             (_, Kernel::Tiles) => tile_weights(&data, rows, blocks, false),
             (_, Kernel::TilesVnni) => tile_weights(&data, rows, blocks, true),
@@ -278,13 +284,14 @@ impl QuantMatrix {
                     quants,
                     scales,
                     mins,
+                    vnni,
                 } => self.tile_columns(&acts, items, &mut dst, |t, x, out| {
                     let w = Q4TileBlocks {
                         quants: &quants[t * k * Q4_TILE_BLOCK..(t + 1) * k * Q4_TILE_BLOCK],
                         scales: &scales[t * k * TILE..(t + 1) * k * TILE],
                         mins: &mins[t * k * TILE..(t + 1) * k * TILE],
                     };
-                    q4_tile_pass(k, &w, x, out)
+                    q4_tile_pass(k, *vnni, &w, x, out)
                 }),
             }
         });
@@ -419,7 +426,7 @@ fn tile_weights(data: &[u8], rows: usize, blocks: usize, vnni: bool) -> Weights 
     }
 }
 
-fn q4_tile_weights(data: &[u8], rows: usize, blocks: usize) -> Weights {
+fn q4_tile_weights(data: &[u8], rows: usize, blocks: usize, vnni: bool) -> Weights {
     let tiles = rows.div_ceil(TILE);
     // Zero scales and minimums zero a padding row's outputs.
     let mut quants = vec![0u8; tiles * blocks * Q4_TILE_BLOCK];
@@ -440,6 +447,7 @@ fn q4_tile_weights(data: &[u8], rows: usize, blocks: usize) -> Weights {
         quants,
         scales,
         mins,
+        vnni,
     }
 }
 
@@ -452,6 +460,7 @@ impl Activations {
         let mut quants = vec![0i8; x.len()];
         let mut scales = Vec::with_capacity(rows * blocks);
         let mut sums = Vec::with_capacity(rows * blocks);
+        let mut scaled_sums = Vec::with_capacity(rows * blocks);
         #[cfg(target_arch = "x86_64")]
         let vectors = is_x86_feature_detected!("avx2");
         for (block, q) in x.chunks_exact(BLOCK).zip(quants.chunks_exact_mut(BLOCK)) {
@@ -464,8 +473,10 @@ impl Activations {
             };
             #[cfg(not(target_arch = "x86_64"))]
             let (d, sum) = quantize_block(block, q);
-            scales.push(f16::from_f32(d).to_f32());
+            let d = f16::from_f32(d).to_f32();
+            scales.push(d);
             sums.push(sum);
+            scaled_sums.push(d * sum as f32);
         }
         let wide = if wide {
             quants.iter().map(|&q| i16::from(q)).collect()
@@ -477,6 +488,7 @@ impl Activations {
             quants,
             scales,
             sums,
+            scaled_sums,
             wide,
         }
     }
@@ -487,6 +499,7 @@ impl Activations {
             quants: &self.quants[r * k * BLOCK..(r + tall) * k * BLOCK],
             scales: &self.scales[r * k..(r + tall) * k],
             sums: &self.sums[r * k..(r + tall) * k],
+            scaled_sums: &self.scaled_sums[r * k..(r + tall) * k],
             wide: self
                 .wide
                 .get(r * k * BLOCK..(r + tall) * k * BLOCK)
@@ -518,6 +531,23 @@ const JUST_BELOW_HALF: f32 = 0.5f32.next_down();
 /// that float stays below n + 1 in single precision at these magnitudes).
 fn round_half_away(v: f32) -> i8 {
     (v + JUST_BELOW_HALF.copysign(v)) as i8
+}
+
+/// How far past the block it multiplies a kernel asks for weights: far enough that they arrive
+/// from memory in time (16 Q4_1 tile blocks; at 4 the hint gained nothing).
+const PREFETCH_AHEAD: usize = 2048;
+
+/// Asks the CPU to bring the `bytes` of weights `PREFETCH_AHEAD` past `at` into its caches.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(at: *const u8, bytes: usize) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    let ahead = at.wrapping_add(PREFETCH_AHEAD);
+    for line in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults,
+        // wherever it points (past the weights at their end).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast()) };
+    }
 }
 
 /// `$body` with `$r` a constant: `$n` (1 to `TALL`) as a const generic for the kernels.
@@ -571,10 +601,23 @@ fn tile_pass(
 
 /// One Q4_1 tile against up to `TALL` activation rows: `dst[r]` for activation row r.
 #[cfg(target_arch = "x86_64")]
-fn q4_tile_pass(k: usize, w: &Q4TileBlocks<'_>, x: &ActivationBlocks<'_>, dst: &mut [[f32; TILE]]) {
-    // SAFETY: a Q4_1 matrix exists only where `Kernel::Tiles` is supported (AVX2, FMA and
-    // F16C); the kernel checks the operands' lengths before reading.
-    by_rows!(dst.len(), R => unsafe { avx2::q4_tile::<R>(k, w, x, dst) })
+fn q4_tile_pass(
+    k: usize,
+    vnni: bool,
+    w: &Q4TileBlocks<'_>,
+    x: &ActivationBlocks<'_>,
+    dst: &mut [[f32; TILE]],
+) {
+    // SAFETY: a Q4_1 matrix exists only where its kernel (`Kernel::Tiles` or
+    // `Kernel::TilesVnni`, as `vnni` records) is supported; the kernels check the operands'
+    // lengths before reading.
+    by_rows!(dst.len(), R => unsafe {
+        if vnni {
+            vnni::q4_tile::<R>(k, w, x, dst)
+        } else {
+            avx2::q4_tile::<R>(k, w, x, dst)
+        }
+    })
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -594,7 +637,13 @@ fn tile_pass(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn q4_tile_pass(k: usize, _: &Q4TileBlocks<'_>, _: &ActivationBlocks<'_>, _: &mut [[f32; TILE]]) {
+fn q4_tile_pass(
+    k: usize,
+    _: bool,
+    _: &Q4TileBlocks<'_>,
+    _: &ActivationBlocks<'_>,
+    _: &mut [[f32; TILE]],
+) {
     unreachable!("QuantMatrix is only built where its kernel runs ({k})");
 }
 

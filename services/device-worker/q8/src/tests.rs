@@ -152,18 +152,23 @@ fn the_tile_kernels_compute_the_quantized_dot_products() {
     }
 }
 
-/// The Q4_1 tile kernel gives the quantized dot products of candle's own reading of the blocks:
+/// The Q4_1 tile kernels give the quantized dot products of candle's own reading of the blocks:
 /// each output within a few roundings of the sum of candle's dequantized weights times the
 /// dequantized activation quants (f64), for weight rows that fill two tiles and part of a
 /// third; and within the activations' rounding of candle's own Q4_1 matmul.
 #[test]
-fn the_q4_tile_kernel_computes_the_quantized_dot_products() {
+fn the_q4_tile_kernels_compute_the_quantized_dot_products() {
     // An even number of blocks: candle's portable Q4_1 dot product (debug builds) takes pairs.
     let (n, k) = (21, 128);
-    let q = q4_weights(n, k);
-    let Some(ours) = matrix(&q, Kernel::Tiles) else {
-        return;
-    };
+    for kernel in [Kernel::Tiles, Kernel::TilesVnni] {
+        let q = q4_weights(n, k);
+        if let Some(ours) = matrix(&q, kernel) {
+            check_q4_dot_products(q, &ours, k);
+        }
+    }
+}
+
+fn check_q4_dot_products(q: QTensor, ours: &QuantMatrix, k: usize) {
     let dequantized = q
         .dequantize(&Device::Cpu)
         .unwrap()
@@ -199,29 +204,30 @@ fn the_q4_tile_kernel_computes_the_quantized_dot_products() {
     }
 }
 
-/// The tile kernel gives the same bits with VNNI as without (a CPU's instruction set does not
-/// move an answer).
+/// The tile kernels give the same bits with VNNI as without, for Q8_0 and Q4_1 (a CPU's
+/// instruction set does not move an answer).
 #[test]
 fn the_tile_kernels_agree_bit_for_bit() {
     let (n, k) = (21, 96);
-    let q = weights(n, k);
-    let (Some(plain), Some(vnni)) = (matrix(&q, Kernel::Tiles), matrix(&q, Kernel::TilesVnni))
-    else {
-        return;
-    };
-    let x = activations(17, k);
-    let bits = |m: &QuantMatrix| {
-        m.forward(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(bits(&plain), bits(&vnni));
+    for q in [weights(n, k), q4_weights(n, k)] {
+        let (Some(plain), Some(vnni)) = (matrix(&q, Kernel::Tiles), matrix(&q, Kernel::TilesVnni))
+        else {
+            return;
+        };
+        let x = activations(17, k);
+        let bits = |m: &QuantMatrix| {
+            m.forward(&x)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&plain), bits(&vnni), "{:?}", q.dtype());
+    }
 }
 
 /// Every kernel: an activation row's outputs are the same bits computed alone or beside 16
@@ -236,6 +242,7 @@ fn an_output_is_the_same_bits_whatever_rows_share_the_pass() {
         (&q8, Kernel::Tiles),
         (&q8, Kernel::TilesVnni),
         (&q4, Kernel::Tiles),
+        (&q4, Kernel::TilesVnni),
     ];
     for (q, kernel) in cases {
         let Some(ours) = matrix(q, kernel) else {
