@@ -127,20 +127,14 @@ pub unsafe fn q4_tile<const R: usize>(
     x: &ActivationBlocks<'_>,
     dst: &mut [[f32; TILE]],
 ) {
-    assert!(w.quants.len() == k * Q4_TILE_BLOCK);
-    assert!(w.scales.len() == k * TILE && w.mins.len() == k * TILE);
-    assert!(x.quants.len() == R * k * BLOCK && x.scales.len() == R * k);
-    assert!(x.scaled_sums.len() == R * k && dst.len() == R);
     let (low, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
-    let mut acc = [_mm256_setzero_ps(); R];
-    let (wq, ws, wm) = (w.quants.as_ptr(), w.scales.as_ptr(), w.mins.as_ptr());
-    let (xq, xs, xsum) = (x.quants.as_ptr(), x.scales.as_ptr(), x.scaled_sums.as_ptr());
-    for b in 0..k {
-        // SAFETY: block b of the tile and of each activation row r < R lies inside the
-        // operands (lengths asserted above); unaligned loads.
-        unsafe {
+    let (wq, xq) = (w.quants.as_ptr(), x.quants.as_ptr());
+    // SAFETY: the CPU has AVX2, FMA and F16C (the caller's promise); `q4_tiles` checks the
+    // operands' lengths before it asks for block b, and block b of the tile and of each
+    // activation row r < R lies inside them; unaligned loads.
+    unsafe {
+        q4_tiles(k, w, x, dst, |b| {
             let block = wq.add(b * Q4_TILE_BLOCK);
-            prefetch(block, Q4_TILE_BLOCK);
             let four = |r: usize, at: usize| {
                 let inputs = xq.add((r * k + b) * BLOCK + at);
                 _mm256_set1_epi32(inputs.cast::<i32>().read_unaligned())
@@ -160,13 +154,47 @@ pub unsafe fn q4_tile<const R: usize>(
                     *sum = _mm256_add_epi16(*sum, pairs);
                 }
             }
+            sums.map(|sum| _mm256_madd_epi16(sum, ones))
+        })
+    }
+}
+
+/// What both Q4_1 tile kernels share, one function so that they give the same bits: the
+/// operands' checks, the walk over blocks with its prefetch, and each block's part
+/// `(d * dx) * dots + m * (dx * sum)` added to each activation row's outputs. `block_dots(b)`
+/// gives block b's exact integer dot products: for each activation row, one register of the
+/// tile's eight rows.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C, and what `block_dots` uses.
+#[inline(always)]
+pub(super) unsafe fn q4_tiles<const R: usize>(
+    k: usize,
+    w: &Q4TileBlocks<'_>,
+    x: &ActivationBlocks<'_>,
+    dst: &mut [[f32; TILE]],
+    block_dots: impl Fn(usize) -> [__m256i; R],
+) {
+    assert!(w.quants.len() == k * Q4_TILE_BLOCK);
+    assert!(w.scales.len() == k * TILE && w.mins.len() == k * TILE);
+    assert!(x.quants.len() == R * k * BLOCK && x.scales.len() == R * k);
+    assert!(x.scaled_sums.len() == R * k && dst.len() == R);
+    // SAFETY: the CPU has AVX (the caller's promise).
+    let mut acc = [unsafe { _mm256_setzero_ps() }; R];
+    let (wq, ws, wm) = (w.quants.as_ptr(), w.scales.as_ptr(), w.mins.as_ptr());
+    let (xs, xsum) = (x.scales.as_ptr(), x.scaled_sums.as_ptr());
+    for b in 0..k {
+        // SAFETY: block b of the tile and of each activation row r < R lies inside the
+        // operands (lengths asserted above); unaligned loads.
+        unsafe {
+            prefetch(wq.add(b * Q4_TILE_BLOCK), Q4_TILE_BLOCK);
+            let dots = block_dots(b);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(b * TILE).cast()));
             let mw = _mm256_cvtph_ps(_mm_loadu_si128(wm.add(b * TILE).cast()));
-            for (r, (acc, sum)) in acc.iter_mut().zip(sums).enumerate() {
+            for (r, (acc, dots)) in acc.iter_mut().zip(dots).enumerate() {
                 let at = r * k + b;
-                let dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
                 let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xs.add(at)));
-                *acc = _mm256_fmadd_ps(d, dots, *acc);
+                *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dots), *acc);
                 *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(*xsum.add(at)), *acc);
             }
         }

@@ -80,20 +80,14 @@ pub unsafe fn q4_tile<const R: usize>(
     x: &ActivationBlocks<'_>,
     dst: &mut [[f32; TILE]],
 ) {
-    assert!(w.quants.len() == k * Q4_TILE_BLOCK);
-    assert!(w.scales.len() == k * TILE && w.mins.len() == k * TILE);
-    assert!(x.quants.len() == R * k * BLOCK && x.scales.len() == R * k);
-    assert!(x.scaled_sums.len() == R * k && dst.len() == R);
     let low = _mm256_set1_epi8(0x0f);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let (wq, ws, wm) = (w.quants.as_ptr(), w.scales.as_ptr(), w.mins.as_ptr());
-    let (xq, xs, xsum) = (x.quants.as_ptr(), x.scales.as_ptr(), x.scaled_sums.as_ptr());
-    for b in 0..k {
-        // SAFETY: block b of the tile and of each activation row r < R lies inside the
-        // operands (lengths asserted above); unaligned loads.
-        unsafe {
+    let (wq, xq) = (w.quants.as_ptr(), x.quants.as_ptr());
+    // SAFETY: the CPU has what this function enables (the caller's promise); `q4_tiles`
+    // checks the operands' lengths before it asks for block b, and block b of the tile and of
+    // each activation row r < R lies inside them; unaligned loads.
+    unsafe {
+        super::avx2::q4_tiles::<R>(k, w, x, dst, |b| {
             let block = wq.add(b * Q4_TILE_BLOCK);
-            prefetch(block, Q4_TILE_BLOCK);
             let four = |r: usize, at: usize| {
                 let inputs = xq.add((r * k + b) * BLOCK + at);
                 _mm256_set1_epi32(inputs.cast::<i32>().read_unaligned())
@@ -112,19 +106,7 @@ pub unsafe fn q4_tile<const R: usize>(
                     highs[r] = _mm256_dpbusd_epi32(highs[r], hi, four(r, 16 + 4 * g));
                 }
             }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(b * TILE).cast()));
-            let mw = _mm256_cvtph_ps(_mm_loadu_si128(wm.add(b * TILE).cast()));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let at = r * k + b;
-                let dots = _mm256_cvtepi32_ps(_mm256_add_epi32(lows[r], highs[r]));
-                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xs.add(at)));
-                *acc = _mm256_fmadd_ps(d, dots, *acc);
-                *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(*xsum.add(at)), *acc);
-            }
-        }
-    }
-    for (out, acc) in dst.iter_mut().zip(acc) {
-        // SAFETY: `out` is 8 f32s; unaligned store.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+            std::array::from_fn(|r| _mm256_add_epi32(lows[r], highs[r]))
+        })
     }
 }
