@@ -10,6 +10,9 @@
 //!
 //! Every output is `sum over blocks b, in order, of (dw_b * dx_b) * isum_b` with one rounding per
 //! multiply-add: the same operations whatever rows or tiles share the pass.
+//!
+//! The Q4_1 kernel (`q4_tile`) takes the AVX2 Q4_1 tiles as they are: their 4-bit values are
+//! unsigned already, so no offset is added or taken off.
 
 use super::{
     ActivationBlocks, BLOCK, Q4_TILE_BLOCK, Q4TileBlocks, TILE, TILE_BLOCK, TileBlocks, prefetch,
