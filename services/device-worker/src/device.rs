@@ -1,7 +1,9 @@
 //! The device a worker drives, parsed from `--device cpu | cuda:N | metal:N`.
 
 use candle_core::Device;
+use candle_core::quantized::GgmlDType;
 use nomad_proto::v1::DeviceInfo;
+use nomad_q8::{Kernel, QuantMatrix};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceSpec {
@@ -107,12 +109,9 @@ pub fn capabilities() -> String {
         candle_core::utils::metal_is_available(),
         candle_core::utils::with_avx(),
         candle_core::utils::get_num_threads(),
-        nomad_q8::Kernel::detect().map_or("candle's", nomad_q8::Kernel::name),
-        match nomad_q8::Kernel::detect() {
-            Some(k) if nomad_q8::QuantMatrix::runs(candle_core::quantized::GgmlDType::Q4_1) =>
-                k.name(),
-            _ => "none (re-quantized to q8_0 at load)",
-        },
+        QuantMatrix::kernel_for(GgmlDType::Q8_0).map_or("candle's", Kernel::name),
+        QuantMatrix::kernel_for(GgmlDType::Q4_1)
+            .map_or("none (re-quantized to q8_0 at load)", Kernel::name),
     )
 }
 

@@ -171,10 +171,10 @@ struct ActivationBlocks<'a> {
 }
 
 impl QuantMatrix {
-    /// The matrix of a Q8_0 tensor in host memory, `[rows, inputs]`, for the fastest kernel
-    /// this CPU runs; None for another type, device or CPU.
+    /// The matrix of a Q8_0 or Q4_1 tensor in host memory, `[rows, inputs]`, for the kernel
+    /// `kernel_for` names; None for another type, device or CPU.
     pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
-        match Kernel::detect() {
+        match Self::kernel_for(q.dtype()) {
             Some(kernel) => Self::for_kernel(q, kernel),
             None => Ok(None),
         }
@@ -220,12 +220,14 @@ impl QuantMatrix {
         }))
     }
 
-    /// Whether this CPU runs one of these kernels for weights of `dtype` (Q8_0 or Q4_1).
-    pub fn runs(dtype: GgmlDType) -> bool {
+    /// The fastest kernel this CPU runs for weights of `dtype`: any for Q8_0, a tile kernel for
+    /// Q4_1; None for other types, or where this CPU runs none of them.
+    pub fn kernel_for(dtype: GgmlDType) -> Option<Kernel> {
+        let kernel = Kernel::detect()?;
         match dtype {
-            GgmlDType::Q8_0 => Kernel::detect().is_some(),
-            GgmlDType::Q4_1 => Kernel::Tiles.supported(),
-            _ => false,
+            GgmlDType::Q8_0 => Some(kernel),
+            GgmlDType::Q4_1 => (kernel != Kernel::Rows).then_some(kernel),
+            _ => None,
         }
     }
 

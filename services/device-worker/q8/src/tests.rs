@@ -212,7 +212,7 @@ fn the_tile_kernels_agree_bit_for_bit() {
     for q in [weights(n, k), q4_weights(n, k)] {
         let (Some(plain), Some(vnni)) = (matrix(&q, Kernel::Tiles), matrix(&q, Kernel::TilesVnni))
         else {
-            return;
+            continue;
         };
         let x = activations(17, k);
         let bits = |m: &QuantMatrix| {

@@ -306,7 +306,7 @@ impl Generator {
 /// of the worker's own (candle's Q4_1 runs on a scalar path, several times slower than Q8_0;
 /// BENCHMARKS.md).
 pub fn requantize_q4_1() -> bool {
-    !nomad_q8::QuantMatrix::runs(GgmlDType::Q4_1)
+    nomad_q8::QuantMatrix::kernel_for(GgmlDType::Q4_1).is_none()
 }
 
 /// What a load is told besides the file.
