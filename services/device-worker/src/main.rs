@@ -20,6 +20,9 @@ use clap::{Parser, Subcommand};
 
 use crate::device::DeviceSpec;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "nomad-device-worker", version, about = "Nomad device worker")]
 struct Cli {
