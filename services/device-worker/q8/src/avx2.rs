@@ -5,7 +5,7 @@
 
 use super::{
     ActivationBlocks, BLOCK, Q4_TILE_BLOCK, Q4TileBlocks, RowBlocks, TILE, TILE_BLOCK, TileBlocks,
-    prefetch,
+    prefetch_ahead,
 };
 use std::arch::x86_64::*;
 
@@ -28,7 +28,7 @@ pub unsafe fn row<const R: usize>(k: usize, w: &RowBlocks<'_>, x: &RowBlocks<'_>
         // SAFETY: block b of the weight row and of each activation row r < R lies inside
         // the operands (lengths asserted above); unaligned loads.
         unsafe {
-            prefetch(wq.add(b * BLOCK).cast(), BLOCK);
+            prefetch_ahead(wq.add(b * BLOCK).cast(), BLOCK);
             let weights = _mm256_loadu_si256(wq.add(b * BLOCK).cast());
             let magnitudes = _mm256_sign_epi8(weights, weights);
             let dw = _mm256_broadcast_ss(&*ws.add(b));
@@ -76,7 +76,7 @@ pub unsafe fn tile<const R: usize>(
         // operands (lengths asserted above); unaligned loads.
         unsafe {
             let block = wq.add(b * TILE_BLOCK);
-            prefetch(block.cast(), TILE_BLOCK);
+            prefetch_ahead(block.cast(), TILE_BLOCK);
             let pair = |p: usize| _mm256_cvtepi8_epi16(_mm_loadu_si128(block.add(p * 16).cast()));
             let two = |r: usize, p: usize| {
                 _mm256_set1_epi32(
@@ -187,7 +187,7 @@ pub(super) unsafe fn q4_tiles<const R: usize>(
         // SAFETY: block b of the tile and of each activation row r < R lies inside the
         // operands (lengths asserted above); unaligned loads.
         unsafe {
-            prefetch(wq.add(b * Q4_TILE_BLOCK), Q4_TILE_BLOCK);
+            prefetch_ahead(wq.add(b * Q4_TILE_BLOCK), Q4_TILE_BLOCK);
             let dots = block_dots(b);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(b * TILE).cast()));
             let mw = _mm256_cvtph_ps(_mm_loadu_si128(wm.add(b * TILE).cast()));

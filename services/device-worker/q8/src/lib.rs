@@ -20,6 +20,8 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Result, Tensor};
+use std::mem::MaybeUninit;
+
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
@@ -258,11 +260,13 @@ impl QuantMatrix {
             Weights::Tiles { .. } | Weights::Q4Tiles { .. } => TILE,
         };
         let k = self.blocks;
-        let mut out = vec![0f32; m * self.rows];
-        let base = OutputRows(out.as_mut_ptr());
+        // Not zeroed first: the pass writes every output (its ranges cover every column of
+        // every row), and clearing a buffer that just left the caches cost more than a copy.
+        let mut out: Vec<f32> = Vec::with_capacity(m * self.rows);
+        let base = OutputRows(out.spare_capacity_mut().as_mut_ptr());
         candle_core::utils::barrier_pool().execute_chunked(self.rows.div_ceil(per_item), |items| {
             let cols = items.start * per_item..(items.end * per_item).min(self.rows);
-            let mut dst: Vec<&mut [f32]> = (0..m)
+            let mut dst: Vec<&mut [MaybeUninit<f32>]> = (0..m)
                 // SAFETY: row r's columns `cols` lie inside `out` (m rows of self.rows), which
                 // outlives the pool's pass; no other range writes or reads them.
                 .map(|r| unsafe { base.columns(r * self.rows + cols.start, cols.len()) })
@@ -297,6 +301,9 @@ impl QuantMatrix {
                 }),
             }
         });
+        // SAFETY: the pass above initialized all m * rows outputs (see `row_columns` and
+        // `tile_columns`: every column of every row).
+        unsafe { out.set_len(m * self.rows) };
         Tensor::from_vec(out, (m, self.rows), &candle_core::Device::Cpu)
     }
 
@@ -308,7 +315,7 @@ impl QuantMatrix {
         scales: &[f32],
         acts: &Activations,
         cols: std::ops::Range<usize>,
-        dst: &mut [&mut [f32]],
+        dst: &mut [&mut [MaybeUninit<f32>]],
     ) {
         let (m, k) = (acts.rows, self.blocks);
         let mut values = [0f32; TALL];
@@ -331,7 +338,7 @@ impl QuantMatrix {
                     &mut values[..tall],
                 );
                 for (j, &v) in values[..tall].iter().enumerate() {
-                    dst[r + j][i] = v;
+                    dst[r + j][i].write(v);
                 }
                 r += tall;
             }
@@ -345,7 +352,7 @@ impl QuantMatrix {
         &self,
         acts: &Activations,
         tiles: std::ops::Range<usize>,
-        dst: &mut [&mut [f32]],
+        dst: &mut [&mut [MaybeUninit<f32>]],
         pass: impl Fn(usize, &ActivationBlocks<'_>, &mut [[f32; TILE]]),
     ) {
         let (m, k) = (acts.rows, self.blocks);
@@ -358,7 +365,9 @@ impl QuantMatrix {
                 let tall = (m - r).min(TALL);
                 pass(t, &acts.blocks(r, tall, k), &mut values[..tall]);
                 for (j, v) in values[..tall].iter().enumerate() {
-                    dst[r + j][at..][..n].copy_from_slice(&v[..n]);
+                    for (out, &v) in dst[r + j][at..][..n].iter_mut().zip(v) {
+                        out.write(v);
+                    }
                 }
                 r += tall;
             }
@@ -369,7 +378,7 @@ impl QuantMatrix {
 /// Where a matmul's outputs go, shared by the ranges of a pass that each write columns of
 /// their own.
 #[derive(Clone, Copy)]
-struct OutputRows(*mut f32);
+struct OutputRows(*mut MaybeUninit<f32>);
 
 // SAFETY: ranges of a pass write disjoint columns (see `OutputRows::columns`).
 unsafe impl Send for OutputRows {}
@@ -382,7 +391,7 @@ impl OutputRows {
     /// They must lie inside the buffer, which must outlive the slice, and no other slice of
     /// them may exist meanwhile.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn columns(&self, at: usize, len: usize) -> &mut [f32] {
+    unsafe fn columns(&self, at: usize, len: usize) -> &mut [MaybeUninit<f32>] {
         // SAFETY: as the caller promises.
         unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
     }
@@ -539,17 +548,24 @@ fn round_half_away(v: f32) -> i8 {
 /// from memory in time (16 Q4_1 tile blocks; at 4 the hint gained nothing).
 const PREFETCH_AHEAD: usize = 2048;
 
-/// Asks the CPU to bring the `bytes` of weights `PREFETCH_AHEAD` past `at` into its caches.
+/// Asks the CPU to bring the `bytes` from `at` into its caches: for a loop streaming through
+/// memory once (weights here, a key/value cache in attention).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch(at: *const u8, bytes: usize) {
+pub fn prefetch(at: *const u8, bytes: usize) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    let ahead = at.wrapping_add(PREFETCH_AHEAD);
     for line in (0..bytes).step_by(64) {
         // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults,
         // wherever it points (past the weights at their end).
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast()) };
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line).cast()) };
     }
+}
+
+/// [`prefetch`] of the `bytes` of weights `PREFETCH_AHEAD` past `at`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_ahead(at: *const u8, bytes: usize) {
+    prefetch(at.wrapping_add(PREFETCH_AHEAD), bytes)
 }
 
 /// `$body` with `$r` a constant: `$n` (1 to `TALL`) as a const generic for the kernels.

@@ -15,7 +15,8 @@
 //! unsigned already, so no offset is added or taken off.
 
 use super::{
-    ActivationBlocks, BLOCK, Q4_TILE_BLOCK, Q4TileBlocks, TILE, TILE_BLOCK, TileBlocks, prefetch,
+    ActivationBlocks, BLOCK, Q4_TILE_BLOCK, Q4TileBlocks, TILE, TILE_BLOCK, TileBlocks,
+    prefetch_ahead,
 };
 use std::arch::x86_64::*;
 
@@ -42,7 +43,7 @@ pub unsafe fn tile<const R: usize>(
         // operands (lengths asserted above); unaligned loads.
         unsafe {
             let block = wq.add(b * TILE_BLOCK);
-            prefetch(block, TILE_BLOCK);
+            prefetch_ahead(block, TILE_BLOCK);
             let weights: [__m256i; 8] =
                 std::array::from_fn(|g| _mm256_loadu_si256(block.add(g * 32).cast()));
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(b * TILE).cast()));

@@ -43,7 +43,7 @@ fn attend_avx2(
         at,
         d,
         out,
-        |q, k, d, s| dots_avx2(q, k, d, s),
+        |q, k, d, s| dots_avx2(q, k, values, d, s),
         |w, v, d, y| weighted_sum_avx2(w, v, d, y),
     )
 }
@@ -125,9 +125,12 @@ fn dots(query: &[f32], keys: &[f32], d: usize, scores: &mut [f32]) {
 /// set the pace).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn dots_avx2(query: &[f32], keys: &[f32], d: usize, scores: &mut [f32]) {
+fn dots_avx2(query: &[f32], keys: &[f32], values: &[f32], d: usize, scores: &mut [f32]) {
     use std::arch::x86_64::*;
     const KEYS: usize = 8;
+    /// How far ahead keys are asked for (floats: 8 KiB): four groups' time covers a trip to
+    /// memory where one did not.
+    const KEYS_AHEAD: usize = 2048;
     assert!(query.len() == d);
     let full = d - d % 8;
     let mut groups = scores.chunks_exact_mut(KEYS);
@@ -135,6 +138,14 @@ fn dots_avx2(query: &[f32], keys: &[f32], d: usize, scores: &mut [f32]) {
     for group in &mut groups {
         // Bounds checked here, once a group, not at every load of the loop below.
         let rows: [&[f32]; KEYS] = std::array::from_fn(|k| &keys[(first + k) * d..][..d]);
+        // A cache's first read in a step comes from memory: ask for keys well ahead, and for
+        // these keys' values, which the weighted sum reads after the scores.
+        let at = first * d;
+        nomad_q8::prefetch(
+            keys.as_ptr().wrapping_add(at + KEYS_AHEAD).cast(),
+            KEYS * d * 4,
+        );
+        nomad_q8::prefetch(values.as_ptr().wrapping_add(at).cast(), KEYS * d * 4);
         let mut acc = [_mm256_setzero_ps(); KEYS];
         for c in (0..full).step_by(8) {
             // SAFETY: c + 8 <= full <= d, the length of the query and of every row; unaligned.
@@ -291,7 +302,7 @@ mod tests {
                 let (mut a, mut b) = (vec![0f32; keys], vec![0f32; keys]);
                 dots(&query, &rows, d, &mut a);
                 // SAFETY: AVX2 checked above.
-                unsafe { dots_avx2(&query, &rows, d, &mut b) };
+                unsafe { dots_avx2(&query, &rows, &rows, d, &mut b) };
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&a), bits(&b), "{keys} keys of {d}");
             }

@@ -15,38 +15,53 @@ use candle_core::{Device, Result, Storage, Tensor};
 
 use super::attention::{Heads, attend};
 
-/// One layer's keys and values of one sequence: `[kv_heads][capacity][d]` each.
+/// One layer's keys and values of one sequence: per kv head, rows of `d` from position 0.
+/// Room for `capacity` positions is reserved up front but filled as tokens come (never
+/// cleared first: a new sequence's cache costs no pass over memory it has not used yet).
 pub struct HostKv {
-    keys: Vec<f32>,
-    values: Vec<f32>,
+    heads: Vec<HeadKv>,
     capacity: usize,
     shape: Heads,
+}
+
+/// One kv head's keys and values, `[len][d]` each.
+struct HeadKv {
+    keys: Vec<f32>,
+    values: Vec<f32>,
 }
 
 impl HostKv {
     /// Room for `capacity` positions.
     pub fn new(shape: Heads, capacity: usize) -> Self {
-        let len = shape.kv_heads * capacity * shape.head_dim;
+        let room = capacity * shape.head_dim;
+        let heads = (0..shape.kv_heads)
+            .map(|_| HeadKv {
+                keys: Vec::with_capacity(room),
+                values: Vec::with_capacity(room),
+            })
+            .collect();
         Self {
-            keys: vec![0.0; len],
-            values: vec![0.0; len],
+            heads,
             capacity,
             shape,
         }
     }
 
+    /// Positions held.
+    fn len(&self) -> usize {
+        self.heads
+            .first()
+            .map_or(0, |h| h.keys.len() / self.shape.head_dim.max(1))
+    }
+
     /// A copy of positions `0..len` in room for `capacity` (at least `len`).
     pub fn prefix(&self, len: usize, capacity: usize) -> Self {
-        let (shape, len) = (self.shape, len.min(self.capacity));
+        let (shape, len) = (self.shape, len.min(self.len()));
         let mut copy = Self::new(shape, capacity.max(len));
-        let (from, to) = (
-            self.capacity * shape.head_dim,
-            copy.capacity * shape.head_dim,
-        );
         let kept = len * shape.head_dim;
-        for h in 0..shape.kv_heads {
-            copy.keys[h * to..][..kept].copy_from_slice(&self.keys[h * from..][..kept]);
-            copy.values[h * to..][..kept].copy_from_slice(&self.values[h * from..][..kept]);
+        for (to, from) in copy.heads.iter_mut().zip(&self.heads) {
+            to.keys.extend_from_slice(&from.keys[..kept]);
+            to.values.extend_from_slice(&from.values[..kept]);
         }
         copy
     }
@@ -107,8 +122,8 @@ struct Item<'a> {
     n: usize,
     at: usize,
     kv_head: usize,
-    keys: &'a mut [f32],
-    values: &'a mut [f32],
+    /// Its cache, holding positions `0..at`.
+    kv: &'a mut HeadKv,
 }
 
 /// The attention of every sequence of a step for one layer, appending each new token's key and
@@ -126,7 +141,7 @@ pub fn layer(
     if width != (shape.heads + 2 * shape.kv_heads) * d {
         candle_core::bail!("attention got rows of {width} values for {shape:?}");
     }
-    for s in sequences.iter() {
+    for s in sequences.iter_mut() {
         if s.row + s.n > rows || s.at + s.n > s.kv.capacity.min(rotary.positions()) {
             candle_core::bail!(
                 "a sequence's tokens {}..{} do not fit its cache of {} positions or the \
@@ -137,6 +152,18 @@ pub fn layer(
                 rotary.positions()
             );
         }
+        if s.kv.len() < s.at {
+            candle_core::bail!(
+                "a sequence's step starts at position {} but its cache holds {}",
+                s.at,
+                s.kv.len()
+            );
+        }
+        // A step the cache has gone past (one that failed part way) is computed again.
+        for h in &mut s.kv.heads {
+            h.keys.truncate(s.at * d);
+            h.values.truncate(s.at * d);
+        }
     }
     let qkv = qkv.contiguous()?;
     let (storage, layout) = qkv.storage_and_layout();
@@ -146,16 +173,13 @@ pub fn layer(
     let data = &cpu.as_slice::<f32>()?[layout.start_offset()..][..rows * width];
     let mut items = Vec::with_capacity(sequences.len() * shape.kv_heads);
     for s in sequences.iter_mut() {
-        let room = s.kv.capacity * d;
-        let heads = s.kv.keys.chunks_mut(room).zip(s.kv.values.chunks_mut(room));
-        for (kv_head, (keys, values)) in heads.enumerate() {
+        for (kv_head, kv) in s.kv.heads.iter_mut().enumerate() {
             items.push(Some(Item {
                 row: s.row,
                 n: s.n,
                 at: s.at,
                 kv_head,
-                keys,
-                values,
+                kv,
             }));
         }
     }
@@ -198,21 +222,23 @@ fn run(
         n,
         at,
         kv_head,
-        keys,
-        values,
+        kv,
     } = item;
     let k_at = (shape.heads + kv_head) * d;
     let v_at = (shape.heads + shape.kv_heads + kv_head) * d;
+    // Within the room reserved: `layer` checked that these positions fit.
     for i in 0..n {
         let source = &data[(row + i) * width..][..width];
         let position = at + i;
+        kv.keys.resize((position + 1) * d, 0.0);
         rotary.rotate(
             &source[k_at..][..d],
             position,
-            &mut keys[position * d..][..d],
+            &mut kv.keys[position * d..][..d],
         );
-        values[position * d..][..d].copy_from_slice(&source[v_at..][..d]);
+        kv.values.extend_from_slice(&source[v_at..][..d]);
     }
+    let (keys, values) = (&kv.keys, &kv.values);
     let per_kv = shape.heads / shape.kv_heads;
     (kv_head * per_kv..(kv_head + 1) * per_kv)
         .map(|h| {

@@ -25,10 +25,12 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         candle_core::bail!("swiglu runs on CPU tensors only")
     };
     let (g, u) = (g.as_slice::<f32>()?, u.as_slice::<f32>()?);
-    let mut out = vec![0f32; rows * width];
-    // Work items are pieces of rows: (row, the piece's first column, its elements).
+    // Not zeroed first: every element is written by one piece below.
+    let mut out: Vec<f32> = Vec::with_capacity(rows * width);
+    // Work items are pieces of rows: (output, gate, up), each the same elements.
     let mut pieces = Vec::new();
-    for (r, out_row) in out.chunks_mut(width.max(1)).enumerate() {
+    let spare = &mut out.spare_capacity_mut()[..rows * width];
+    for (r, out_row) in spare.chunks_mut(width.max(1)).enumerate() {
         let (g, u) = (row(g, g_layout, r, width)?, row(u, u_layout, r, width)?);
         for ((y, g), u) in out_row
             .chunks_mut(PIECE)
@@ -46,10 +48,12 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
                 return;
             };
             for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                *y = g / (1.0 + (-g).exp()) * u;
+                y.write(g / (1.0 + (-g).exp()) * u);
             }
         }
     });
+    // SAFETY: the pass took every piece (one per item), and the pieces cover all of `out`.
+    unsafe { out.set_len(rows * width) };
     Tensor::from_vec(out, (rows, width), gate.device())
 }
 

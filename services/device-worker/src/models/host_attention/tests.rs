@@ -103,7 +103,7 @@ fn matches_candles_rotation_and_attention() {
     let keys = keys.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let d = SHAPE.head_dim;
     for h in 0..SHAPE.kv_heads {
-        let cached = &kv.keys[h * kv.capacity * d..][..(at + n) * d];
+        let cached = &kv.heads[h].keys[..(at + n) * d];
         assert_eq!(
             bits(cached),
             bits(&keys[h * (at + n) * d..][..(at + n) * d]),
@@ -169,7 +169,8 @@ fn a_row_is_the_same_bits_however_its_sequence_is_split_or_batched() {
     }
 }
 
-/// Tokens beyond a cache's room or the rotary tables are refused, naming both.
+/// Tokens beyond a cache's room or the rotary tables, or past what the cache holds, are
+/// refused, naming which.
 #[test]
 fn refuses_tokens_past_the_cache_or_the_context() {
     let qkv = random((4, WIDTH));
@@ -196,6 +197,19 @@ fn refuses_tokens_past_the_cache_or_the_context() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("context of 16"), "{e}");
+    let mut sequences = [Sequence {
+        row: 0,
+        n: 4,
+        at: 5,
+        kv: &mut room,
+    }];
+    let e = layer(&qkv, &mut sequences, &tables, SHAPE)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("starts at position 5 but its cache holds 0"),
+        "{e}"
+    );
     let narrow = random((4, WIDTH - 1));
     let mut sequences = [Sequence {
         row: 0,
