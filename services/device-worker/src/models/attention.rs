@@ -5,6 +5,8 @@
 //! kept prefix would not be the ones computing that prefix afresh gives, and greedy answers
 //! would depend on what ran before.
 
+use super::exp::exp_shifted;
+
 /// Heads of a model's attention.
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
@@ -69,11 +71,8 @@ fn attend_with(
         dots(query, keys, d, visible);
         visible.iter_mut().for_each(|w| *w *= scale);
         let max = max_of(visible);
-        let mut sum = 0f32;
-        for w in visible.iter_mut() {
-            *w = (*w - max).exp();
-            sum += *w;
-        }
+        exp_shifted(visible, max);
+        let sum = visible.iter().fold(0f32, |sum, w| sum + w);
         let y = &mut out[i * d..][..d];
         weighted_sum(visible, values, d, y);
         let inverse = 1.0 / sum;

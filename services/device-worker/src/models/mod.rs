@@ -4,6 +4,7 @@
 mod attention;
 pub mod decoder;
 pub mod embed;
+mod exp;
 pub mod generate;
 mod gguf;
 mod host_attention;
