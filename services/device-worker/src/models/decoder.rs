@@ -213,6 +213,8 @@ fn run(engine: Engine, bounds: Bounds, intake: Receiver<Job>) {
         0
     };
     let mut kept = PrefixCache::new(kept_entries);
+    // Caches of sequences gone, whose memory serves the next ones.
+    let mut spare: Vec<Cache> = Vec::with_capacity(bounds.max_running);
     let mut open = true;
     loop {
         if running.is_empty() && waiting.is_empty() {
@@ -232,13 +234,22 @@ fn run(engine: Engine, bounds: Bounds, intake: Receiver<Job>) {
             }
         }
         // Callers that went away: their place and cache are freed now.
-        running.retain(|s| !s.job.events.is_closed());
+        for gone in running.extract_if(.., |s| s.job.events.is_closed()) {
+            recycle(&mut spare, gone.cache, bounds);
+        }
         waiting.retain(|j| !j.events.is_closed());
-        admit(&engine, bounds, &mut waiting, &mut running, &mut kept);
+        admit(
+            &engine,
+            bounds,
+            &mut waiting,
+            &mut running,
+            &mut kept,
+            &mut spare,
+        );
         if running.is_empty() {
             continue;
         }
-        if let Err(e) = step(&engine, bounds, &mut running, &mut kept) {
+        if let Err(e) = step(&engine, bounds, &mut running, &mut kept, &mut spare) {
             // The pass failed for every sequence in it.
             let message = ExecError::from(e);
             for s in running.drain(..) {
@@ -248,15 +259,22 @@ fn run(engine: Engine, bounds: Bounds, intake: Receiver<Job>) {
     }
 }
 
-/// Starts waiting requests while places and KV budget allow (kept caches give way to them);
-/// one that could never fit is answered out of memory.
+/// Starts waiting requests while places and KV budget allow (spare and kept caches give way
+/// to them); one that could never fit is answered out of memory.
 fn admit(
     engine: &Engine,
     bounds: Bounds,
     waiting: &mut VecDeque<Job>,
     running: &mut Vec<Sequence>,
     kept: &mut PrefixCache<Cache>,
+    spare: &mut Vec<Cache>,
 ) {
+    let held = |spare: &Vec<Cache>| -> u64 {
+        spare
+            .iter()
+            .map(|c| c.capacity() as u64 * bounds.kv_bytes_per_token)
+            .sum()
+    };
     let mut reserved: u64 = running.iter().map(|s| s.kv_bytes).sum();
     while running.len() < bounds.max_running {
         let Some(job) = waiting.front() else { break };
@@ -276,10 +294,14 @@ fn admit(
         if reserved + need > bounds.kv_budget_bytes {
             break;
         }
-        while reserved + kept.bytes() + need > bounds.kv_budget_bytes && kept.evict() {}
+        // A spare cache's memory serves this request (counted in `need` from here on).
+        let memory = spare.pop();
+        while reserved + kept.bytes() + held(spare) + need > bounds.kv_budget_bytes
+            && (spare.pop().is_some() || kept.evict().is_some())
+        {}
         let job = waiting.pop_front().expect("front exists");
         reserved += need;
-        let (cache, cached) = start_cache(engine, kept, &job.prompt, tokens);
+        let (cache, cached) = start_cache(engine, kept, &job.prompt, tokens, memory);
         running.push(Sequence {
             cache,
             fed: cached,
@@ -296,26 +318,46 @@ fn admit(
 
 /// A cache of `capacity` tokens for `prompt`, holding what a kept cache shares with it (all but
 /// the prompt's last token at most: its logits give the first new token), and how many
-/// tokens that is.
+/// tokens that is; in `memory` where there is one (a gone sequence's cache), so that a new
+/// sequence allocates nothing.
 fn start_cache(
     engine: &Engine,
     kept: &mut PrefixCache<Cache>,
     prompt: &[u32],
     capacity: usize,
+    mut memory: Option<Cache>,
 ) -> (Cache, usize) {
     if let Some((cache, shared)) = kept.longest(prompt) {
         let len = shared.min(prompt.len().saturating_sub(1));
-        if len > 0
-            && let Ok(copy) = cache.prefix(len, capacity)
-        {
-            return (copy, len);
+        if len > 0 {
+            let copy = match memory.take() {
+                Some(mut into) => into.reuse(cache, len, capacity).map(|()| into),
+                None => cache.prefix(len, capacity),
+            };
+            if let Ok(copy) = copy {
+                return (copy, len);
+            }
         }
     }
-    (engine.model.cache(capacity), 0)
+    match memory {
+        Some(mut cache) => {
+            cache.reset(capacity);
+            (cache, 0)
+        }
+        None => (engine.model.cache(capacity), 0),
+    }
 }
 
-/// Keeps the cache of a finished sequence for prompts that start the same way.
-fn keep(s: &Sequence, kept: &mut PrefixCache<Cache>, kv_bytes_per_token: u64) {
+/// A gone sequence's cache kept for its memory, up to one per running place.
+fn recycle(spare: &mut Vec<Cache>, cache: Cache, bounds: Bounds) {
+    if spare.len() < bounds.max_running {
+        spare.push(cache);
+    }
+}
+
+/// Keeps the cache of a finished sequence for prompts that start the same way (moved, not
+/// copied: counted at the room it holds); what the kept caches no longer hold is recycled.
+fn keep(s: Sequence, kept: &mut PrefixCache<Cache>, spare: &mut Vec<Cache>, bounds: Bounds) {
     let len = s.cache.len();
     let tokens: Vec<u32> = s
         .job
@@ -325,11 +367,14 @@ fn keep(s: &Sequence, kept: &mut PrefixCache<Cache>, kv_bytes_per_token: u64) {
         .take(len)
         .copied()
         .collect();
-    // Compact: the kept copy holds what was fed, not the room reserved for `max_tokens`.
-    if tokens.len() == len
-        && let Ok(cache) = s.cache.prefix(len, len)
-    {
-        kept.insert(tokens, cache, len as u64 * kv_bytes_per_token);
+    let no_longer_kept = if tokens.len() == len {
+        let bytes = s.cache.capacity() as u64 * bounds.kv_bytes_per_token;
+        kept.insert(tokens, s.cache, bytes)
+    } else {
+        vec![s.cache]
+    };
+    for cache in no_longer_kept {
+        recycle(spare, cache, bounds);
     }
 }
 
@@ -339,6 +384,7 @@ fn step(
     bounds: Bounds,
     running: &mut Vec<Sequence>,
     kept: &mut PrefixCache<Cache>,
+    spare: &mut Vec<Cache>,
 ) -> candle_core::Result<()> {
     // (index into `running`, range of its prompt to feed, or None for a decode step)
     let mut plan: Vec<(usize, Option<std::ops::Range<usize>>)> = Vec::new();
@@ -404,7 +450,7 @@ fn step(
             finish_reason,
         };
         let _ = s.job.events.try_send(Event::Done(Ok(done)));
-        keep(&s, kept, bounds.kv_bytes_per_token);
+        keep(s, kept, spare, bounds);
     }
     Ok(())
 }

@@ -56,14 +56,40 @@ impl HostKv {
 
     /// A copy of positions `0..len` in room for `capacity` (at least `len`).
     pub fn prefix(&self, len: usize, capacity: usize) -> Self {
-        let (shape, len) = (self.shape, len.min(self.len()));
-        let mut copy = Self::new(shape, capacity.max(len));
-        let kept = len * shape.head_dim;
-        for (to, from) in copy.heads.iter_mut().zip(&self.heads) {
+        let mut copy = Self::new(self.shape, 0);
+        copy.reuse(self, len, capacity);
+        copy
+    }
+
+    /// This cache's memory holding a copy of positions `0..len` of `from`, with room for
+    /// `capacity` (at least `len`): a new sequence's cache without allocating (fresh memory
+    /// costs page faults, and with transparent huge pages, milliseconds).
+    pub fn reuse(&mut self, from: &HostKv, len: usize, capacity: usize) {
+        let len = len.min(from.len());
+        self.shape = from.shape;
+        self.reset(capacity.max(len));
+        let kept = len * from.shape.head_dim;
+        for (to, from) in self.heads.iter_mut().zip(&from.heads) {
             to.keys.extend_from_slice(&from.keys[..kept]);
             to.values.extend_from_slice(&from.values[..kept]);
         }
-        copy
+    }
+
+    /// Empty, in this cache's memory, with room for `capacity` positions.
+    pub fn reset(&mut self, capacity: usize) {
+        let shape = self.shape;
+        let room = capacity * shape.head_dim;
+        self.heads.resize_with(shape.kv_heads, || HeadKv {
+            keys: Vec::new(),
+            values: Vec::new(),
+        });
+        for head in &mut self.heads {
+            for v in [&mut head.keys, &mut head.values] {
+                v.clear();
+                v.reserve_exact(room);
+            }
+        }
+        self.capacity = capacity;
     }
 }
 

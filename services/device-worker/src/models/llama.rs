@@ -238,6 +238,8 @@ pub struct Cache {
     layers: Layers,
     /// Tokens the cache holds (the position of the next token).
     len: usize,
+    /// Tokens it has room for.
+    capacity: usize,
 }
 
 /// Each layer's keys and values: in host memory on the CPU (`host_attention`), as candle's
@@ -282,7 +284,46 @@ impl Cache {
                 Layers::Device(copies)
             }
         };
-        Ok(Cache { layers, len })
+        Ok(Cache {
+            layers,
+            len,
+            capacity: capacity.max(len).max(1),
+        })
+    }
+
+    /// Tokens it has room for.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// This cache made into what `from.prefix(len, capacity)` gives, in its own memory where
+    /// it can (host caches of as many layers; an accelerator's are made anew).
+    pub fn reuse(&mut self, from: &Cache, len: usize, capacity: usize) -> Result<()> {
+        match (&mut self.layers, &from.layers) {
+            (Layers::Host(to), Layers::Host(layers)) if to.len() == layers.len() => {
+                let len = len.min(from.len);
+                let capacity = capacity.max(len).max(1);
+                for (to, from) in to.iter_mut().zip(layers) {
+                    to.reuse(from, len, capacity);
+                }
+                (self.len, self.capacity) = (len, capacity);
+            }
+            _ => *self = from.prefix(len, capacity)?,
+        }
+        Ok(())
+    }
+
+    /// This cache emptied for a sequence of at most `capacity` tokens, in its own memory on
+    /// the host.
+    pub fn reset(&mut self, capacity: usize) {
+        let capacity = capacity.max(1);
+        match &mut self.layers {
+            Layers::Host(layers) => layers.iter_mut().for_each(|kv| kv.reset(capacity)),
+            Layers::Device(layers) => layers
+                .iter_mut()
+                .for_each(|kv| *kv = KvCache::new(2, capacity)),
+        }
+        (self.len, self.capacity) = (0, capacity);
     }
 }
 
@@ -441,7 +482,11 @@ impl Llama {
         } else {
             Layers::Device((0..count).map(|_| KvCache::new(2, capacity)).collect())
         };
-        Cache { layers, len: 0 }
+        Cache {
+            layers,
+            len: 0,
+            capacity,
+        }
     }
 
     /// Runs every sequence's new tokens in one pass, appending them to its cache; returns each

@@ -57,10 +57,11 @@ impl<C> PrefixCache<C> {
 
     /// Keeps `cache`, which holds `tokens`. An entry whose tokens all start `tokens` is replaced
     /// (the new one covers it); if an entry already covers `tokens`, that one is kept instead.
-    /// Beyond `max_entries`, the least recently used go.
-    pub fn insert(&mut self, tokens: Vec<u32>, cache: C, bytes: u64) {
+    /// Beyond `max_entries`, the least recently used go. Returns the caches no longer kept
+    /// (`cache` itself where it is not), for their memory to serve again.
+    pub fn insert(&mut self, tokens: Vec<u32>, cache: C, bytes: u64) -> Vec<C> {
         if self.max_entries == 0 || tokens.is_empty() {
-            return;
+            return vec![cache];
         }
         if let Some(at) = self
             .entries
@@ -69,13 +70,15 @@ impl<C> PrefixCache<C> {
         {
             let entry = self.entries.remove(at).expect("index from the scan");
             self.entries.push_back(entry);
-            return;
+            return vec![cache];
         }
+        let mut gone = Vec::new();
         let mut i = 0;
         while i < self.entries.len() {
             if tokens.starts_with(&self.entries[i].tokens) {
-                let gone = self.entries.remove(i).expect("in range");
-                self.bytes -= gone.bytes;
+                let replaced = self.entries.remove(i).expect("in range");
+                self.bytes -= replaced.bytes;
+                gone.push(replaced.cache);
             } else {
                 i += 1;
             }
@@ -87,19 +90,16 @@ impl<C> PrefixCache<C> {
             bytes,
         });
         while self.entries.len() > self.max_entries {
-            self.evict();
+            gone.extend(self.evict());
         }
+        gone
     }
 
-    /// Drops the least recently used entry; false when none is left.
-    pub fn evict(&mut self) -> bool {
-        match self.entries.pop_front() {
-            Some(gone) => {
-                self.bytes -= gone.bytes;
-                true
-            }
-            None => false,
-        }
+    /// Takes out the least recently used entry's cache; None when none is left.
+    pub fn evict(&mut self) -> Option<C> {
+        let gone = self.entries.pop_front()?;
+        self.bytes -= gone.bytes;
+        Some(gone.cache)
     }
 
     #[cfg(test)]
@@ -131,10 +131,10 @@ mod tests {
     fn a_covering_entry_replaces_what_it_covers_and_is_not_duplicated() {
         let mut kept = PrefixCache::new(4);
         kept.insert(vec![1, 2], "short", 20);
-        kept.insert(vec![1, 2, 3, 4], "long", 40);
+        assert_eq!(kept.insert(vec![1, 2, 3, 4], "long", 40), ["short"]);
         assert_eq!((kept.len(), kept.bytes()), (1, 40));
-        // Covered by "long": nothing new is kept.
-        kept.insert(vec![1, 2, 3], "covered", 30);
+        // Covered by "long": nothing new is kept, and the new cache comes back.
+        assert_eq!(kept.insert(vec![1, 2, 3], "covered", 30), ["covered"]);
         assert_eq!((kept.len(), kept.bytes()), (1, 40));
         assert_eq!(kept.longest(&[1, 2, 3, 4, 5]), Some((&"long", 4)));
     }
@@ -145,13 +145,15 @@ mod tests {
         kept.insert(vec![1], "one", 1);
         kept.insert(vec![2], "two", 2);
         assert!(kept.longest(&[1]).is_some()); // "one" is now the most recent
-        kept.insert(vec![3], "three", 3);
+        assert_eq!(kept.insert(vec![3], "three", 3), ["two"]);
         assert_eq!(kept.longest(&[2]), None, "the least recently used went");
         assert_eq!((kept.len(), kept.bytes()), (2, 4));
-        assert!(kept.evict() && kept.evict() && !kept.evict());
+        assert_eq!(kept.evict(), Some("one"));
+        assert_eq!(kept.evict(), Some("three"));
+        assert_eq!(kept.evict(), None);
         assert_eq!(kept.bytes(), 0);
         let mut none = PrefixCache::new(0);
-        none.insert(vec![1], "kept nowhere", 1);
+        assert_eq!(none.insert(vec![1], "kept nowhere", 1), ["kept nowhere"]);
         assert_eq!(none.len(), 0);
     }
 }

@@ -222,3 +222,35 @@ fn refuses_tokens_past_the_cache_or_the_context() {
         .to_string();
     assert!(e.contains("rows of 199"), "{e}");
 }
+
+/// A cache made in another sequence's memory (holding more positions than the new one will,
+/// of other tokens) answers with the bits a new cache gives: emptied, and holding a copied
+/// prefix.
+#[test]
+fn a_cache_in_reused_memory_is_a_new_ones_bits() {
+    let len = 40;
+    let (_, _, tables) = rotary(len);
+    let (qkv, stale) = (random((len, WIDTH)), random((len, WIDTH)));
+    let whole = pass(&qkv, 0, len, &mut HostKv::new(SHAPE, len), &tables);
+    let mut used = HostKv::new(SHAPE, len);
+    pass(&stale, 0, len, &mut used, &tables);
+    used.reset(len);
+    let emptied = pass(&qkv, 0, 25, &mut used, &tables);
+    for (i, row) in emptied.iter().enumerate() {
+        assert_eq!(bits(row), bits(&whole[i]), "emptied, position {i}");
+    }
+    // `used` now holds 25 positions of `qkv`: a copy of 10 of them, in memory holding 40 of
+    // `stale` again.
+    let mut donor = HostKv::new(SHAPE, len);
+    pass(&stale, 0, len, &mut donor, &tables);
+    donor.reuse(&used, 10, len);
+    let after_copy = pass(&qkv, 10, 5, &mut donor, &tables);
+    for (i, row) in after_copy.iter().enumerate() {
+        assert_eq!(
+            bits(row),
+            bits(&whole[10 + i]),
+            "after a copied prefix, position {}",
+            10 + i
+        );
+    }
+}
