@@ -14,6 +14,30 @@ pub use fleet::{Fleet, FleetOptions, HeadRun, Service};
 pub use receiver::OtlpReceiver;
 pub use spans::SpanRecord;
 
+/// Checks a bench's command line: `--help` (or `-h`) prints `usage` and exits; an argument that
+/// is none of the options (`values` take the argument after them, `switches` none) or an option
+/// missing its value is refused, naming it, with the usage (exit status 2).
+pub fn check_args(usage: &str, values: &[&str], switches: &[&str]) {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let refuse = |why: String| -> ! {
+        eprintln!("{why}\n\n{usage}");
+        std::process::exit(2)
+    };
+    let mut at = 0;
+    while let Some(a) = args.get(at).map(String::as_str) {
+        match a {
+            "--help" | "-h" => {
+                println!("{usage}");
+                std::process::exit(0)
+            }
+            _ if values.contains(&a) && at + 1 < args.len() => at += 2,
+            _ if values.contains(&a) => refuse(format!("{a} needs a value")),
+            _ if switches.contains(&a) => at += 1,
+            _ => refuse(format!("unknown argument {a:?}")),
+        }
+    }
+}
+
 /// The value after `name` on the command line, else `default` (the benchmarks' flags).
 pub fn arg(name: &str, default: &str) -> String {
     let args: Vec<String> = std::env::args().collect();

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::{Fleet, FleetOptions, arg};
+use nomad_integration_tests::{Fleet, FleetOptions, arg, check_args};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{
@@ -475,7 +475,29 @@ async fn latency(samples: usize) -> Vec<(String, Duration, Duration)> {
     ]
 }
 
+const USAGE: &str = "\
+Usage: nomad-bench [--seconds S] [--concurrency N] [--samples N] [--workers 1,4,16,64]
+       nomad-bench --soak MINUTES [--callers N]
+       nomad-bench --collector-outage run [--rounds N]
+Scheduler dispatch throughput and added latency per hop (defaults: 5 s, 256 callers, 5000
+samples); --soak: mixed traffic with every service's RSS checked; --collector-outage: throughput
+with OTLP export healthy, refused and black-holed.";
+
 fn main() {
+    check_args(
+        USAGE,
+        &[
+            "--seconds",
+            "--concurrency",
+            "--samples",
+            "--workers",
+            "--soak",
+            "--callers",
+            "--collector-outage",
+            "--rounds",
+        ],
+        &[],
+    );
     let seconds: f64 = arg("--seconds", "5").parse().expect("--seconds");
     let concurrency: usize = arg("--concurrency", "256").parse().expect("--concurrency");
     let samples: usize = arg("--samples", "5000").parse().expect("--samples");

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::{Fleet, FleetOptions, arg, fleet};
+use nomad_integration_tests::{Fleet, FleetOptions, arg, check_args, fleet};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{CallToolRequest, ExecuteBatchRequest, ToolInput, tool_input};
@@ -235,7 +235,12 @@ async fn run(seconds: f64, batch_size: usize) {
     fleet.terminate().await;
 }
 
+const USAGE: &str = "\
+Usage: nomad-embed-bench [--seconds S] [--batch-size N]
+`embed` through the scheduler beside the worker's own batch rates (defaults: 5 s, batch 32).";
+
 fn main() {
+    check_args(USAGE, &["--seconds", "--batch-size"], &[]);
     let seconds: f64 = arg("--seconds", "5").parse().expect("--seconds");
     let batch_size: usize = arg("--batch-size", "32").parse().expect("--batch-size");
     let rt = tokio::runtime::Builder::new_multi_thread()

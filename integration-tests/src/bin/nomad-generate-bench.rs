@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use nomad_integration_tests::{Fleet, FleetOptions, Service, arg, fleet};
+use nomad_integration_tests::{Fleet, FleetOptions, Service, arg, check_args, fleet};
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{CallToolRequest, ToolInput, call_tool_stream_event, tool_input};
 use nomad_rpc::Channel;
@@ -316,7 +316,20 @@ async fn bench(llama: Option<String>, levels: Vec<usize>) {
     fleet.terminate().await;
 }
 
+const USAGE: &str = "\
+Usage: nomad-generate-bench [--llama-server PATH [--llama-model GGUF]] [--concurrency 1,4,8,16]
+                            [--dense-prefill] [--unique-prefix]
+`generate` through the scheduler (and llama-server on the same GGUF, interleaved, with
+--llama-server): output tokens/s, time to first token and latency per number of callers, each
+request 64 greedy tokens. CANDLE_NUM_THREADS is passed to the worker; NOMAD_TEST_DEVICE picks its
+device.";
+
 fn main() {
+    check_args(
+        USAGE,
+        &["--llama-server", "--llama-model", "--concurrency"],
+        &["--dense-prefill", "--unique-prefix"],
+    );
     let llama = Some(arg("--llama-server", "")).filter(|s| !s.is_empty());
     let levels: Vec<usize> = arg("--concurrency", "1,4,8,16")
         .split(',')

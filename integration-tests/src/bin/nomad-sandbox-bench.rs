@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::{Fleet, FleetOptions, Service};
+use nomad_integration_tests::{Fleet, FleetOptions, Service, check_args};
 use nomad_integration_tests::{arg, fleet::models_dir};
 use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::{ExecuteCodeRequest, GatewayCallToolRequest, GatewayStatusRequest};
@@ -125,8 +125,13 @@ fn row(name: &str, samples: &mut [Duration]) {
     );
 }
 
+const USAGE: &str = "\
+Usage: nomad-sandbox-bench [--samples N] [--python PATH]
+The sandbox's start-up and run latency: bare python, under bwrap, and the gateway's ExecuteCode\nwarm and cold, then at concurrency 8 (defaults: 40 samples, /usr/bin/python3; needs bwrap).";
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    check_args(USAGE, &["--samples", "--python"], &[]);
     let samples: usize = arg("--samples", "40").parse().unwrap();
     let python = arg("--python", "/usr/bin/python3");
     let warm_fleet = fleet(2).await;
