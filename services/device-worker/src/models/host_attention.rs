@@ -86,6 +86,9 @@ impl HostKv {
         for head in &mut self.heads {
             for v in [&mut head.keys, &mut head.values] {
                 v.clear();
+                // Room beyond `capacity` (a longer sequence's) goes back: a cache holds what the
+                // KV budget counts for it.
+                v.shrink_to(room);
                 v.reserve_exact(room);
             }
         }

@@ -225,7 +225,7 @@ fn refuses_tokens_past_the_cache_or_the_context() {
 
 /// A cache made in another sequence's memory (holding more positions than the new one will,
 /// of other tokens) answers with the bits a new cache gives: emptied, and holding a copied
-/// prefix.
+/// prefix; emptied for fewer positions, it keeps no more room than that.
 #[test]
 fn a_cache_in_reused_memory_is_a_new_ones_bits() {
     let len = 40;
@@ -245,6 +245,13 @@ fn a_cache_in_reused_memory_is_a_new_ones_bits() {
     pass(&stale, 0, len, &mut donor, &tables);
     donor.reuse(&used, 10, len);
     let after_copy = pass(&qkv, 10, 5, &mut donor, &tables);
+    // Emptied for fewer positions, a cache gives back the room it no longer has to hold.
+    let d = SHAPE.head_dim;
+    donor.reset(8);
+    for h in &donor.heads {
+        assert!(h.keys.capacity() < len * d && h.values.capacity() < len * d);
+        assert!(h.keys.capacity() >= 8 * d && h.values.capacity() >= 8 * d);
+    }
     for (i, row) in after_copy.iter().enumerate() {
         assert_eq!(
             bits(row),
