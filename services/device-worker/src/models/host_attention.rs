@@ -33,18 +33,13 @@ struct HeadKv {
 impl HostKv {
     /// Room for `capacity` positions.
     pub fn new(shape: Heads, capacity: usize) -> Self {
-        let room = capacity * shape.head_dim;
-        let heads = (0..shape.kv_heads)
-            .map(|_| HeadKv {
-                keys: Vec::with_capacity(room),
-                values: Vec::with_capacity(room),
-            })
-            .collect();
-        Self {
-            heads,
-            capacity,
+        let mut kv = Self {
+            heads: Vec::new(),
+            capacity: 0,
             shape,
-        }
+        };
+        kv.reset(capacity);
+        kv
     }
 
     /// Positions held.
