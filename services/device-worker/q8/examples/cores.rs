@@ -44,6 +44,9 @@ unsafe fn fma_stream() -> f32 {
     _mm256_cvtss_f32(sum)
 }
 
+/// A workload's name and one run of it.
+type Workload = (&'static str, fn() -> f64);
+
 /// Seconds `work` takes on one thread, and on `threads` threads at once (the slowest).
 fn seconds(work: fn() -> f64, threads: usize) -> (f64, f64) {
     let timed = || {
@@ -71,8 +74,7 @@ fn main() {
     let rounds: usize = args
         .get(1)
         .map_or(3, |s| s.parse().expect("rounds: a number"));
-    let mut workloads: Vec<(&str, fn() -> f64)> =
-        vec![("integer add chain", || add_chain() as f64)];
+    let mut workloads: Vec<Workload> = vec![("integer add chain", || add_chain() as f64)];
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         // SAFETY: AVX2 and FMA checked just above.
         workloads.push(("AVX2 FMA stream", || f64::from(unsafe { fma_stream() })));
