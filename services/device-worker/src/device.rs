@@ -104,11 +104,13 @@ pub fn memory_info(device: &Device) -> Option<(u64, u64)> {
 /// One line on what this build and machine offer, for the start-up log.
 pub fn capabilities() -> String {
     format!(
-        "compiled with cuda={} metal={}; cpu avx={} threads={} q8_0 kernel={} q4_1 kernel={}",
+        "compiled with cuda={} metal={}; cpu avx={} threads={} matmul_threads={} q8_0 kernel={} \
+         q4_1 kernel={}",
         candle_core::utils::cuda_is_available(),
         candle_core::utils::metal_is_available(),
         candle_core::utils::with_avx(),
         candle_core::utils::get_num_threads(),
+        nomad_q8::pool_threads(),
         QuantMatrix::kernel_for(GgmlDType::Q8_0).map_or("candle's", Kernel::name),
         QuantMatrix::kernel_for(GgmlDType::Q4_1)
             .map_or("none (re-quantized to q8_0 at load)", Kernel::name),

@@ -265,9 +265,9 @@ impl QuantMatrix {
         let mut out: Vec<f32> = Vec::with_capacity(m * self.rows);
         let base = OutputRows(out.spare_capacity_mut().as_mut_ptr());
         // One contiguous run of items per thread, so each streams its weights in order and
-        // fetching ahead stays useful (the pool's default of eight interleaved grabs a thread
-        // broke both: 12-18 % more time for the kernels at one and eight rows). A thread that
-        // comes late finds its run taken by the other.
+        // fetching ahead stays useful (the pool's default, eight interleaved grabs a thread,
+        // broke both: the kernels took 15-20 % less time at one and eight rows on two threads
+        // once it went). A thread that comes late finds its run taken by another.
         let items = self.rows.div_ceil(per_item);
         let runs = pool_threads().min(items);
         let per_run = items.div_ceil(runs);
@@ -386,9 +386,9 @@ impl QuantMatrix {
     }
 }
 
-/// Threads of candle's barrier pool, its caller included, by candle's own rule:
-/// `CANDLE_NUM_THREADS`, else its default.
-fn pool_threads() -> usize {
+/// Threads a quantized matmul runs on: candle's barrier pool, its caller included, by candle's
+/// own rule (`CANDLE_NUM_THREADS`, else its default).
+pub fn pool_threads() -> usize {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *THREADS.get_or_init(|| {
         std::env::var("CANDLE_NUM_THREADS")

@@ -175,51 +175,29 @@ fn a_row_is_the_same_bits_however_its_sequence_is_split_or_batched() {
 fn refuses_tokens_past_the_cache_or_the_context() {
     let qkv = random((4, WIDTH));
     let (_, _, tables) = rotary(16);
-    let mut small = HostKv::new(SHAPE, 3);
-    let mut sequences = [Sequence {
-        row: 0,
-        n: 4,
-        at: 0,
-        kv: &mut small,
-    }];
-    let e = layer(&qkv, &mut sequences, &tables, SHAPE)
-        .unwrap_err()
-        .to_string();
+    // The error of one step of four tokens from position `at`.
+    let refusal = |qkv: &Tensor, kv: &mut HostKv, at: usize| {
+        let mut sequences = [Sequence {
+            row: 0,
+            n: 4,
+            at,
+            kv,
+        }];
+        layer(qkv, &mut sequences, &tables, SHAPE)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = refusal(&qkv, &mut HostKv::new(SHAPE, 3), 0);
     assert!(e.contains("0..4") && e.contains("cache of 3"), "{e}");
     let mut room = HostKv::new(SHAPE, 32);
-    let mut sequences = [Sequence {
-        row: 0,
-        n: 4,
-        at: 14,
-        kv: &mut room,
-    }];
-    let e = layer(&qkv, &mut sequences, &tables, SHAPE)
-        .unwrap_err()
-        .to_string();
+    let e = refusal(&qkv, &mut room, 14);
     assert!(e.contains("context of 16"), "{e}");
-    let mut sequences = [Sequence {
-        row: 0,
-        n: 4,
-        at: 5,
-        kv: &mut room,
-    }];
-    let e = layer(&qkv, &mut sequences, &tables, SHAPE)
-        .unwrap_err()
-        .to_string();
+    let e = refusal(&qkv, &mut room, 5);
     assert!(
         e.contains("starts at position 5 but its cache holds 0"),
         "{e}"
     );
-    let narrow = random((4, WIDTH - 1));
-    let mut sequences = [Sequence {
-        row: 0,
-        n: 4,
-        at: 0,
-        kv: &mut room,
-    }];
-    let e = layer(&narrow, &mut sequences, &tables, SHAPE)
-        .unwrap_err()
-        .to_string();
+    let e = refusal(&random((4, WIDTH - 1)), &mut room, 0);
     assert!(e.contains("rows of 199"), "{e}");
 }
 
