@@ -37,6 +37,28 @@ pub struct ServeArgs {
     /// Worker id (default: host-pid-device).
     #[arg(long)]
     worker_id: Option<String>,
+    /// Python models' environments, cloned model sources and the model host program live here
+    /// (default: $XDG_CACHE_HOME/nomad, else ~/.cache/nomad). Workers on one host share it.
+    #[arg(long, env = "NOMAD_CACHE_DIR")]
+    cache_dir: Option<std::path::PathBuf>,
+    /// The interpreter of a Python model that names none (`python:`); with `env`, the one its
+    /// environment is built from.
+    #[arg(long, env = "NOMAD_PYTHON", default_value = "python3")]
+    python: String,
+    /// How long building a Python model's environment, or loading the model, may take.
+    #[arg(long, default_value_t = 1800.0)]
+    env_timeout_seconds: f64,
+}
+
+/// The default cache: `$XDG_CACHE_HOME/nomad`, else `~/.cache/nomad`, else one in the temp dir.
+fn default_cache_dir() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return std::path::PathBuf::from(dir).join("nomad");
+    }
+    match std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+        Some(home) => std::path::PathBuf::from(home).join(".cache/nomad"),
+        None => std::env::temp_dir().join("nomad-cache"),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -110,6 +132,23 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let registering = tokio::spawn(registration.run());
 
+    let python_settings = models::python::PythonSettings {
+        cache: args.cache_dir.clone().unwrap_or_else(default_cache_dir),
+        python: args.python.clone(),
+        env_timeout: nomad_config::seconds("--env-timeout-seconds", args.env_timeout_seconds)
+            .map_err(anyhow::Error::msg)?,
+        // A host sees this worker's GPU only (as its cuda:0), or none on a CPU worker.
+        visible_devices: match args.device {
+            DeviceSpec::Cuda(index) => index.to_string(),
+            DeviceSpec::Cpu | DeviceSpec::Metal(_) => String::new(),
+        },
+        device: match args.device {
+            DeviceSpec::Cuda(_) => "cuda",
+            DeviceSpec::Metal(_) => "mps",
+            DeviceSpec::Cpu => "cpu",
+        },
+        service_name: format!("nomad/{}", service.identity.name),
+    };
     let mut server = nomad_rpc::RpcServer::new();
     server.routes().add_service(
         DeviceWorkerServer::new(service::WorkerService {
@@ -120,6 +159,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             },
             device_name: args.device.to_string(),
             on_accelerator,
+            python: python_settings,
         })
         .max_decoding_message_size(nomad_rpc::WORKER_MESSAGE_LIMIT)
         .max_encoding_message_size(nomad_rpc::WORKER_MESSAGE_LIMIT),

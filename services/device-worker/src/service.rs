@@ -5,10 +5,10 @@ use std::time::Instant;
 
 use nomad_proto::v1::device_worker_server::DeviceWorker;
 use nomad_proto::v1::{
-    BatchResults, ClearCacheRequest, ClearCacheResponse, ExecuteBatchRequest, ExecuteBatchResponse,
-    LoadRequest, LoadResponse, OffloadRequest, OffloadResponse, OutOfMemory, PlaceRequest,
-    PlaceResponse, StatsRequest, UnloadRequest, UnloadResponse, WorkerStats,
-    execute_batch_response,
+    BatchResults, ClearCacheRequest, ClearCacheResponse, DescribeRequest, ExecuteBatchRequest,
+    ExecuteBatchResponse, LoadRequest, LoadResponse, OffloadRequest, OffloadResponse, OutOfMemory,
+    PlaceRequest, PlaceResponse, StatsRequest, ToolDescription, UnloadRequest, UnloadResponse,
+    WorkerStats, execute_batch_response,
 };
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions};
 use opentelemetry::trace::{Link, TraceContextExt as _};
@@ -23,6 +23,7 @@ pub struct WorkerService {
     pub limits: models::ExecLimits,
     pub device_name: String,
     pub on_accelerator: bool,
+    pub python: models::python::PythonSettings,
 }
 
 fn store_status(e: StoreError) -> Status {
@@ -34,6 +35,22 @@ fn store_status(e: StoreError) -> Status {
             Status::resource_exhausted(format!("out of memory: {m}"))
         }
         StoreError::Exec(ExecError::Failed(m)) => Status::internal(m),
+    }
+}
+
+fn load_status(e: LoadError) -> Status {
+    use models::source::SourceError;
+    match e {
+        LoadError::NotFound { .. } | LoadError::Source(SourceError::NotFound(_)) => {
+            Status::not_found(e.to_string())
+        }
+        LoadError::Source(SourceError::NotCached { .. }) => Status::not_found(e.to_string()),
+        LoadError::Environment { .. } | LoadError::Host { .. } => {
+            Status::failed_precondition(e.to_string())
+        }
+        LoadError::Invalid { .. } | LoadError::UnknownKind(_) | LoadError::Source(_) => {
+            Status::invalid_argument(e.to_string())
+        }
     }
 }
 
@@ -98,16 +115,10 @@ impl DeviceWorker for WorkerService {
         }
         let span = self.device_span("nomad.device.load", &tool);
         let started = Instant::now();
-        let backend = self.backend.clone();
-        let loaded = blocking(move || models::load(&spec, &backend)).await?;
+        let loaded = models::open::open(spec, self.backend.clone(), &self.python).await;
         let model = loaded.map_err(|e| {
             span.set_error("load_failed", e.to_string());
-            match e {
-                LoadError::NotFound { .. } => Status::not_found(e.to_string()),
-                LoadError::Invalid { .. } | LoadError::UnknownKind(_) => {
-                    Status::invalid_argument(e.to_string())
-                }
-            }
+            load_status(e)
         })?;
         let (bytes, inserted) = self.store.insert(&tool, model);
         span.set_attribute(KeyValue::new("nomad.model.bytes", bytes as i64));
@@ -136,9 +147,12 @@ impl DeviceWorker for WorkerService {
         &self,
         request: Request<OffloadRequest>,
     ) -> Result<Response<OffloadResponse>, Status> {
-        let tool = required_tool(&request.get_ref().tool)?;
-        let _span = self.device_span("nomad.device.offload", tool);
-        self.store.offload(tool).map_err(store_status)?;
+        let tool = required_tool(&request.get_ref().tool)?.to_owned();
+        let _span = self.device_span("nomad.device.offload", &tool);
+        let store = self.store.clone();
+        blocking(move || store.offload(&tool))
+            .await?
+            .map_err(store_status)?;
         Ok(Response::new(OffloadResponse {}))
     }
 
@@ -196,11 +210,20 @@ impl DeviceWorker for WorkerService {
             })
             .collect();
         let limits = self.limits;
+        // A model in another process joins the first request's trace (its host sees the W3C
+        // context of the current span).
+        let joined = shares.first().map(|s| s.context().clone());
         let executed = match model.streaming() {
             Some(streaming) => {
                 crate::models::generate::run_batch(streaming, &inputs, &limits).await
             }
-            None => blocking(move || model.execute(&inputs, &limits)).await?,
+            None => {
+                blocking(move || {
+                    let _joined = joined.map(Context::attach);
+                    model.execute(&inputs, &limits)
+                })
+                .await?
+            }
         };
         let outcome = match executed {
             Ok(items) => execute_batch_response::Outcome::Results(BatchResults { items }),
@@ -279,12 +302,16 @@ impl DeviceWorker for WorkerService {
         _request: Request<ClearCacheRequest>,
     ) -> Result<Response<ClearCacheResponse>, Status> {
         let _span = self.device_span("nomad.device.cache_clear", "");
-        // The CPU backend keeps no allocator cache; the simulated device releases its reserve.
+        // Candle keeps no allocator cache, a model host's torch does; the simulated device
+        // releases its reserve.
         let released_bytes = match self.backend.as_ref() {
             models::Backend::Sim(device) => {
                 Some(device.clear_cache(crate::stats::placed_bytes(&self.store)))
             }
-            models::Backend::Candle => None,
+            models::Backend::Candle => {
+                let store = self.store.clone();
+                blocking(move || store.clear_caches()).await?
+            }
         };
         Ok(Response::new(ClearCacheResponse { released_bytes }))
     }
@@ -298,5 +325,24 @@ impl DeviceWorker for WorkerService {
             &self.backend,
             self.on_accelerator,
         )))
+    }
+
+    async fn describe(
+        &self,
+        request: Request<DescribeRequest>,
+    ) -> Result<Response<ToolDescription>, Status> {
+        let spec = request
+            .into_inner()
+            .model
+            .ok_or_else(|| Status::invalid_argument("`model` is required"))?;
+        required_tool(&spec.tool)?;
+        let span = self.device_span("nomad.device.describe", &spec.tool);
+        let described = models::open::describe(&spec, &self.backend, &self.python)
+            .await
+            .map_err(|e| {
+                span.set_error("describe_failed", e.to_string());
+                load_status(e)
+            })?;
+        Ok(Response::new(described))
     }
 }

@@ -91,14 +91,30 @@ impl ModelStore {
         Ok(())
     }
 
-    /// Drops the device copy, keeping the host copy.
+    /// Drops the device copy, keeping the host copy (a model in another process moves its
+    /// weights back to host memory there first). Blocks while it does.
     pub fn offload(&self, tool: &str) -> Result<(), StoreError> {
-        let mut entries = self.lock();
-        let entry = entries
-            .get_mut(tool)
-            .ok_or_else(|| StoreError::NotLoaded(tool.to_owned()))?;
-        entry.placed = None;
+        let placed = {
+            let mut entries = self.lock();
+            let entry = entries
+                .get_mut(tool)
+                .ok_or_else(|| StoreError::NotLoaded(tool.to_owned()))?;
+            entry.placed.take()
+        };
+        if let Some(placed) = placed {
+            placed.offload()?;
+        }
         Ok(())
+    }
+
+    /// Asks every model to release the device memory its own allocator caches; the bytes
+    /// released, when any model knows them. Blocks while they do.
+    pub fn clear_caches(&self) -> Option<u64> {
+        let models: Vec<Arc<dyn Model>> = self.lock().values().map(|e| e.host.clone()).collect();
+        models
+            .iter()
+            .filter_map(|m| m.clear_cache())
+            .reduce(|a, b| a + b)
     }
 
     /// Drops the model entirely; true when it was held.

@@ -1,5 +1,6 @@
 //! `nomad-scheduler`: the tool manager (rules in `nomad-scheduler-core`, run by `driver`).
 
+mod catalog;
 mod config;
 mod driver;
 mod metrics;
@@ -38,17 +39,18 @@ fn main() -> ExitCode {
 async fn serve(args: Args) -> anyhow::Result<ExitCode> {
     let service = Service::start(ServerType::Scheduler, &args.service)?;
     let manager: config::ToolManagerConfig = service.config.section("tool_manager")?;
-    let tools = config::validate(service.config.section("tools")?, &manager)?;
-    if tools.is_empty() {
-        tracing::warn!("no tools configured: every call will be rejected as unknown_tool");
-    }
+    let tools = config::load_tools(&service.config, &manager)?;
     let registry = Arc::new(workers::WorkerRegistry::default());
     let timing = manager.timing().map_err(anyhow::Error::msg)?;
     let deadlines = manager.deadlines().map_err(anyhow::Error::msg)?;
     let driver = driver::start(tools.clone(), timing, deadlines, registry.clone());
     let handle = driver.handle.clone();
-    let heartbeat = Duration::from_millis(u64::from(manager.heartbeat_interval_ms.max(50)));
-    let reaper = tokio::spawn(driver::reap(registry.clone(), handle.clone(), heartbeat));
+    let reaper = tokio::spawn(driver::reap(
+        registry.clone(),
+        handle.clone(),
+        manager.heartbeat(),
+    ));
+    let catalog = Arc::new(catalog::Catalog::new(tools, deadlines.prepare));
 
     let (listener, _) = service
         .listen(
@@ -61,7 +63,7 @@ async fn serve(args: Args) -> anyhow::Result<ExitCode> {
     server
         .routes()
         .add_service(SchedulerServer::new(service::SchedulerService::new(
-            tools, &driver, registry, &manager,
+            catalog, &driver, registry, &manager,
         )));
     // On SIGINT/SIGTERM: refuse new requests, let accepted ones finish, then stop serving.
     let closing = handle.clone();

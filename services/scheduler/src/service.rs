@@ -4,14 +4,14 @@ use std::sync::Arc;
 
 use nomad_proto::v1::scheduler_server::Scheduler;
 use nomad_proto::v1::{
-    CallToolRequest, CallToolResponse, CallToolStreamEvent, HeartbeatRequest, HeartbeatResponse,
-    ListToolsRequest, ListToolsResponse, ListWorkersRequest, ListWorkersResponse,
-    RegisterWorkerRequest, RegisterWorkerResponse, SchedulerSnapshot, SchedulerSnapshotRequest,
-    ToolActivity, ToolInfo, ToolInput, call_tool_stream_event,
+    CallToolRequest, CallToolResponse, CallToolStreamEvent, GetModelCardRequest, HeartbeatRequest,
+    HeartbeatResponse, ListToolsRequest, ListToolsResponse, ListWorkersRequest,
+    ListWorkersResponse, ModelCard, RegisterWorkerRequest, RegisterWorkerResponse,
+    SchedulerSnapshot, SchedulerSnapshotRequest, ToolActivity, ToolInput, call_tool_stream_event,
 };
 use tonic::{Request, Response, Status};
 
-use crate::config::ToolConfig;
+use crate::catalog::Catalog;
 use crate::driver::{Handle, Served};
 
 /// Text events a streamed call buffers before its worker call waits for the caller to read.
@@ -38,7 +38,7 @@ fn response(served: Served) -> CallToolResponse {
 use crate::workers::WorkerRegistry;
 
 pub struct SchedulerService {
-    pub tools: Vec<ToolConfig>,
+    pub catalog: Arc<Catalog>,
     pub driver: Handle,
     pub workers: Arc<WorkerRegistry>,
     pub heartbeat_interval_ms: u32,
@@ -48,13 +48,13 @@ pub struct SchedulerService {
 
 impl SchedulerService {
     pub fn new(
-        tools: Vec<ToolConfig>,
+        catalog: Arc<Catalog>,
         driver: &crate::driver::Running,
         workers: Arc<WorkerRegistry>,
         manager: &crate::config::ToolManagerConfig,
     ) -> Self {
         Self {
-            tools,
+            catalog,
             driver: driver.handle.clone(),
             workers,
             heartbeat_interval_ms: manager.heartbeat_interval_ms.max(50),
@@ -70,20 +70,9 @@ impl Scheduler for SchedulerService {
         &self,
         _request: Request<ListToolsRequest>,
     ) -> Result<Response<ListToolsResponse>, Status> {
-        let tools = self
-            .tools
-            .iter()
-            .map(|t| ToolInfo {
-                name: t.name.clone(),
-                kind: t.kind.clone(),
-                description: t.description.clone(),
-                batch_size: t.batch_size,
-                max_devices: t.max_devices,
-                max_pending: t.max_pending,
-                max_running: t.max_running.unwrap_or(0),
-            })
-            .collect();
-        Ok(Response::new(ListToolsResponse { tools }))
+        Ok(Response::new(ListToolsResponse {
+            tools: self.catalog.infos(),
+        }))
     }
 
     async fn call_tool(
@@ -91,6 +80,7 @@ impl Scheduler for SchedulerService {
         request: Request<CallToolRequest>,
     ) -> Result<Response<CallToolResponse>, Status> {
         let (tool, input) = request_parts(request.into_inner())?;
+        self.catalog.check_call(&tool, &input)?;
         let served = self.driver.call(&tool, input).await?;
         Ok(Response::new(response(served)))
     }
@@ -104,6 +94,7 @@ impl Scheduler for SchedulerService {
     ) -> Result<Response<Self::CallToolStreamStream>, Status> {
         use opentelemetry::trace::FutureExt as _;
         let (tool, input) = request_parts(request.into_inner())?;
+        self.catalog.check_call(&tool, &input)?;
         let (text, texts) = tokio::sync::mpsc::channel(STREAM_BUFFER);
         let driver = self.driver.clone();
         // Dropping the stream drops the call, which cancels the request.
@@ -181,8 +172,9 @@ impl Scheduler for SchedulerService {
                 .worker_down(old, "the worker registered again".into())
                 .await;
         }
-        self.driver.worker_up(worker).await;
+        self.driver.worker_up(worker.clone()).await;
         tracing::info!(%worker_id, %address, "worker registered");
+        self.catalog.describe_on(worker, self.driver.clone());
         Ok(Response::new(RegisterWorkerResponse {
             heartbeat_interval_ms: self.heartbeat_interval_ms,
         }))
@@ -240,5 +232,14 @@ impl Scheduler for SchedulerService {
             workers: self.workers.infos(),
             window_seconds: crate::recent::WINDOW.as_secs_f64(),
         }))
+    }
+
+    async fn get_model_card(
+        &self,
+        request: Request<GetModelCardRequest>,
+    ) -> Result<Response<ModelCard>, Status> {
+        let tool = request.into_inner().tool;
+        let text = self.catalog.model_card(&tool)?;
+        Ok(Response::new(ModelCard { tool, text }))
     }
 }

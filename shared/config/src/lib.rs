@@ -9,8 +9,15 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use figment::Figment;
-use figment::providers::{Format, Toml, Yaml};
+use figment::providers::{Format, Serialized, Toml, Yaml};
 use serde::de::DeserializeOwned;
+
+mod explain;
+mod interpolate;
+pub use explain::{explain, suggest};
+/// A config value before it is typed: what a section of several shapes is read as first.
+pub use figment::value::Value;
+pub use interpolate::expand;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -18,6 +25,21 @@ pub enum ConfigError {
     NotFound { path: PathBuf },
     #[error("config file {path}: unsupported extension (use .yaml, .yml or .toml)")]
     UnsupportedFormat { path: PathBuf },
+    #[error("config file {path}: not valid {format}: {source}")]
+    Syntax {
+        path: PathBuf,
+        format: &'static str,
+        #[source]
+        source: Box<figment::Error>,
+    },
+    #[error(
+        "config file {path}: {location}: ${{{variable}}} is not set and has no default (write ${{{variable}:default}} to give one)"
+    )]
+    UnsetVariable {
+        path: PathBuf,
+        location: String,
+        variable: String,
+    },
     #[error("config section `{section}`: {source}")]
     Section {
         section: String,
@@ -42,8 +64,15 @@ pub struct ConfigFile {
 }
 
 impl ConfigFile {
-    /// Reads `path` as YAML (`.yaml`, `.yml`) or TOML (`.toml`); `None` gives an empty config.
+    /// Reads `path` as YAML (`.yaml`, `.yml`) or TOML (`.toml`), with `${VAR}` and
+    /// `${VAR:DEFAULT}` in its strings replaced from the environment (as the original Nomad's
+    /// config does); `None` gives an empty config.
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load_with(path, &ProcessEnv)
+    }
+
+    /// As [`ConfigFile::load`], with the variables from `env`.
+    pub fn load_with(path: Option<&Path>, env: &(impl Env + ?Sized)) -> Result<Self, ConfigError> {
         let Some(path) = path else {
             return Ok(Self::default());
         };
@@ -52,17 +81,29 @@ impl ConfigFile {
                 path: path.to_owned(),
             });
         }
-        let figment = match path.extension().and_then(|e| e.to_str()) {
-            Some("yaml" | "yml") => Figment::from(Yaml::file_exact(path)),
-            Some("toml") => Figment::from(Toml::file_exact(path)),
+        let (figment, format) = match path.extension().and_then(|e| e.to_str()) {
+            Some("yaml" | "yml") => (Figment::from(Yaml::file_exact(path)), "YAML"),
+            Some("toml") => (Figment::from(Toml::file_exact(path)), "TOML"),
             _ => {
                 return Err(ConfigError::UnsupportedFormat {
                     path: path.to_owned(),
                 });
             }
         };
+        // Parsed whole here, so that a syntax error is the file's, not the first section's.
+        let tree: figment::value::Dict = figment.extract().map_err(|e| ConfigError::Syntax {
+            path: path.to_owned(),
+            format,
+            source: Box::new(e),
+        })?;
+        let tree =
+            expand(tree, env).map_err(|(location, variable)| ConfigError::UnsetVariable {
+                path: path.to_owned(),
+                location,
+                variable,
+            })?;
         Ok(Self {
-            figment,
+            figment: Figment::from(Serialized::defaults(tree)),
             path: Some(path.to_owned()),
         })
     }
@@ -256,6 +297,33 @@ mod tests {
         let from_toml: Section = ConfigFile::load(Some(&t)).unwrap().section("sec").unwrap();
         assert_eq!(from_yaml, from_toml);
         assert_eq!(from_yaml.b.as_deref(), Some("hi"));
+    }
+
+    #[test]
+    fn variables_expand_at_load_and_a_syntax_error_is_the_files() {
+        let dir = std::env::temp_dir().join(format!("nomad-config-vars-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let y = dir.join("c.yaml");
+        std::fs::write(&y, "sec:\n  a: 7\n  b: ${WHO:nobody}-${HOME}\n").unwrap();
+        let env: &[(&str, &str)] = &[("HOME", "/h")];
+        let sec: Section = ConfigFile::load_with(Some(&y), env)
+            .unwrap()
+            .section("sec")
+            .unwrap();
+        assert_eq!(sec.b.as_deref(), Some("nobody-/h"));
+        let unset = ConfigFile::load_with(Some(&y), &[] as &[(&str, &str)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            unset.contains("sec.b") && unset.contains("${HOME} is not set"),
+            "{unset}"
+        );
+        std::fs::write(&y, "tls:\n  a: [1\nsec:\n  a: 2\n").unwrap();
+        let syntax = ConfigFile::load(Some(&y)).unwrap_err().to_string();
+        assert!(
+            syntax.contains("not valid YAML") && syntax.contains("line"),
+            "{syntax}"
+        );
     }
 
     #[test]

@@ -39,6 +39,9 @@ pub struct OptionSpec {
 pub enum InputType {
     Text,
     Tensor,
+    /// A JSON object of arguments, checked by the model's own schema (a Python model's
+    /// `args_schema`, reported when the model is described).
+    Json,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -220,8 +223,20 @@ pub const MLP: KindSpec = KindSpec {
     options: &[],
 };
 
+/// A Python model served by a model host in its own environment: the original Nomad's
+/// `fmod_models` (a TorchModuleTool-like class) and callable `tools`. Its arguments, output and
+/// description are the model's own.
+pub const PYTHON: KindSpec = KindSpec {
+    name: "python",
+    input: InputType::Json,
+    pads: false,
+    continuous: false,
+    input_description: "The arguments, as the model's `args_schema` describes them.",
+    options: &[],
+};
+
 /// Every kind.
-pub const KINDS: &[KindSpec] = &[EMBED, GENERATE, MLP];
+pub const KINDS: &[KindSpec] = &[EMBED, GENERATE, MLP, PYTHON];
 
 /// The kind called `name`.
 pub fn kind(name: &str) -> Option<&'static KindSpec> {

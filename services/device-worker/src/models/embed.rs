@@ -116,6 +116,12 @@ impl Embedder {
             Some(tool_input::Value::Tensor(_)) => {
                 return Err(invalid(index, "embed takes a text input, got a tensor"));
             }
+            Some(tool_input::Value::Json(_)) => {
+                return Err(invalid(
+                    index,
+                    "embed takes a text input, got JSON arguments",
+                ));
+            }
         };
         let truncate = Options::parse(index, &input.options_json, &kinds::EMBED)?.flag("truncate");
         let encoding = self

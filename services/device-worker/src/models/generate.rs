@@ -236,6 +236,12 @@ impl Generator {
             Some(tool_input::Value::Tensor(_)) => {
                 return Err(invalid(index, "generate takes a text prompt, got a tensor"));
             }
+            Some(tool_input::Value::Json(_)) => {
+                return Err(invalid(
+                    index,
+                    "generate takes a text prompt (and options), got JSON arguments",
+                ));
+            }
         };
         let messages = opts.messages("messages");
         let prompt = match (text.trim().is_empty(), messages.is_empty()) {

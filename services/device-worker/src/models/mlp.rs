@@ -88,7 +88,7 @@ impl Mlp {
         let width = self.input_width();
         let tensor = match &input.value {
             Some(tool_input::Value::Tensor(t)) => t,
-            Some(tool_input::Value::Text(_)) => {
+            Some(tool_input::Value::Text(_) | tool_input::Value::Json(_)) => {
                 return Err(invalid(index, "mlp takes a tensor input, got text"));
             }
             None => {

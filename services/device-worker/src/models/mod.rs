@@ -11,9 +11,12 @@ mod host_attention;
 mod length_groups;
 mod llama;
 pub mod mlp;
+pub mod open;
 mod options;
 mod prefix_cache;
+pub mod python;
 pub mod sim;
+pub mod source;
 mod swiglu;
 
 use std::path::{Path, PathBuf};
@@ -36,6 +39,16 @@ pub trait Model: Send + Sync + 'static {
     ) -> Result<Vec<ItemResult>, ExecError>;
     /// A model that serves requests one by one as they come (generation's decode loop).
     fn streaming(&self) -> Option<&dyn Streaming> {
+        None
+    }
+    /// Called on the device copy before it is dropped: a model that lives in another process
+    /// moves its weights back to host memory there.
+    fn offload(&self) -> Result<(), ExecError> {
+        Ok(())
+    }
+    /// Releases cached, unused device memory the model's own allocator holds; the bytes released
+    /// when it knows them.
+    fn clear_cache(&self) -> Option<u64> {
         None
     }
 }
@@ -94,8 +107,18 @@ pub enum LoadError {
     NotFound { path: PathBuf },
     #[error("model source {path}: {reason}")]
     Invalid { path: PathBuf, reason: String },
-    #[error("unknown model kind {0:?} (this worker runs: embed, generate, mlp)")]
+    #[error("unknown model kind {0:?} (this worker runs: {kinds})", kinds = nomad_proto::kinds::names().join(", "))]
     UnknownKind(String),
+    #[error(transparent)]
+    Source(#[from] source::SourceError),
+    #[error("{tool}: {source}")]
+    Environment {
+        tool: String,
+        #[source]
+        source: Box<python::EnvError>,
+    },
+    #[error("{tool}: loading the model in its host failed: {reason}")]
+    Host { tool: String, reason: String },
 }
 
 #[derive(Debug, Clone, thiserror::Error)]

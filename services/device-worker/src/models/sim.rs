@@ -186,6 +186,7 @@ fn echo(input: &ToolInput) -> Option<ToolOutput> {
     let value = match input.value.as_ref()? {
         tool_input::Value::Text(t) => tool_output::Value::Text(t.clone()),
         tool_input::Value::Tensor(t) => tool_output::Value::Tensor(t.clone()),
+        tool_input::Value::Json(j) => tool_output::Value::Json(j.clone()),
     };
     Some(ToolOutput { value: Some(value) })
 }

@@ -1,9 +1,11 @@
 //! The built-in `nomad` upstream: the scheduler's tools, called with JSON arguments.
 
+use std::collections::HashSet;
+
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{
-    CallToolRequest, CallToolResponse, CallToolStreamEvent, ListToolsRequest,
-    call_tool_stream_event,
+    CallToolRequest, CallToolResponse, CallToolStreamEvent, GetModelCardRequest, ListToolsRequest,
+    ToolInfo, ToolState, call_tool_stream_event,
 };
 use serde_json::{Value, json};
 
@@ -11,6 +13,9 @@ use super::nomad_json;
 use crate::sandbox::ToolSpec;
 
 pub const NAME: &str = "nomad";
+
+/// The original Nomad's tool that reads a model tool's model card.
+pub const MODEL_CARD_TOOL: &str = "get_model_card";
 
 /// How long listing the scheduler's tools may take.
 const LIST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
@@ -30,6 +35,8 @@ pub fn input_schema(kind: &str) -> Value {
             );
             "text"
         }
+        // The model's own schema replaces this once the model is described.
+        InputType::Json => return json!({"type": "object"}),
         InputType::Tensor => {
             properties.insert(
                 "input".into(),
@@ -70,11 +77,54 @@ pub fn input_schema(kind: &str) -> Value {
     json!({"type": "object", "properties": properties, "required": [required]})
 }
 
+/// The scheduler's tools as listed at `at`.
+struct Listing {
+    at: std::time::Instant,
+    tools: Vec<ToolSpec>,
+    /// The Python models among them (their arguments go as one JSON object).
+    python: HashSet<String>,
+}
+
 pub struct Nomad {
     scheduler: SchedulerClient<nomad_rpc::Channel>,
     /// The scheduler's tools as last listed, kept for `ttl`.
-    listing: tokio::sync::Mutex<Option<(std::time::Instant, Vec<ToolSpec>)>>,
+    listing: tokio::sync::Mutex<Option<Listing>>,
     ttl: std::time::Duration,
+}
+
+/// The tool spec of a scheduler's tool: a Python model's own schemas once it is described, else
+/// its kind's.
+fn tool_spec(t: ToolInfo) -> ToolSpec {
+    let parse = |text: &str| {
+        serde_json::from_str::<Value>(text)
+            .ok()
+            .filter(Value::is_object)
+    };
+    ToolSpec {
+        description: if t.description.is_empty() {
+            format!("{} model", t.kind)
+        } else {
+            t.description
+        },
+        input_schema: parse(&t.input_schema_json).unwrap_or_else(|| input_schema(&t.kind)),
+        title: String::new(),
+        output_schema: parse(&t.output_schema_json),
+        name: t.name,
+    }
+}
+
+fn model_card_spec() -> ToolSpec {
+    ToolSpec {
+        name: MODEL_CARD_TOOL.into(),
+        description: "Return the Markdown model card (the README.md of its model directory) of \
+                      one of this server's model tools."
+            .into(),
+        input_schema: json!({"type": "object", "required": ["tool_name"],
+            "properties": {"tool_name": {"type": "string",
+                "description": "Name of the tool whose model card to fetch."}}}),
+        title: String::new(),
+        output_schema: Some(json!({"type": "string"})),
+    }
 }
 
 impl Nomad {
@@ -88,11 +138,16 @@ impl Nomad {
 
     /// The scheduler's tools: the kept listing while it is fresh, else a new one.
     pub async fn tools(&self) -> Result<Vec<ToolSpec>, String> {
+        Ok(self.listing().await?.0)
+    }
+
+    /// The kept listing while it is fresh, else a new one: the tools, and the Python ones.
+    async fn listing(&self) -> Result<(Vec<ToolSpec>, HashSet<String>), String> {
         let mut listing = self.listing.lock().await;
-        if let Some((at, tools)) = listing.as_ref()
-            && at.elapsed() < self.ttl
+        if let Some(l) = listing.as_ref()
+            && l.at.elapsed() < self.ttl
         {
-            return Ok(tools.clone());
+            return Ok((l.tools.clone(), l.python.clone()));
         }
         let tools = tokio::time::timeout(LIST_DEADLINE, self.list())
             .await
@@ -102,8 +157,13 @@ impl Nomad {
                     LIST_DEADLINE.as_secs()
                 )
             })??;
-        *listing = Some((std::time::Instant::now(), tools.clone()));
-        Ok(tools)
+        let (tools, python) = tools;
+        *listing = Some(Listing {
+            at: std::time::Instant::now(),
+            tools: tools.clone(),
+            python: python.clone(),
+        });
+        Ok((tools, python))
     }
 
     /// Whether the last listing, however old, has `tool`; never lists.
@@ -111,32 +171,33 @@ impl Nomad {
         let listing = self.listing.lock().await;
         listing
             .as_ref()
-            .is_some_and(|(_, tools)| tools.iter().any(|t| t.name == tool))
+            .is_some_and(|l| l.tools.iter().any(|t| t.name == tool))
     }
 
-    async fn list(&self) -> Result<Vec<ToolSpec>, String> {
+    /// Tools that failed to load are left out (the scheduler's log says why).
+    async fn list(&self) -> Result<(Vec<ToolSpec>, HashSet<String>), String> {
         let listed = self
             .scheduler
             .clone()
             .list_tools(ListToolsRequest {})
             .await
             .map_err(|s| format!("listing the scheduler's tools: {}", s.message()))?;
-        Ok(listed
+        let tools: Vec<ToolInfo> = listed
             .into_inner()
             .tools
             .into_iter()
-            .map(|t| ToolSpec {
-                description: if t.description.is_empty() {
-                    format!("{} model", t.kind)
-                } else {
-                    t.description
-                },
-                input_schema: input_schema(&t.kind),
-                title: String::new(),
-                output_schema: None,
-                name: t.name,
-            })
-            .collect())
+            .filter(|t| t.state() != ToolState::Failed)
+            .collect();
+        let python = tools
+            .iter()
+            .filter(|t| t.kind == nomad_proto::kinds::PYTHON.name)
+            .map(|t| t.name.clone())
+            .collect();
+        let mut specs: Vec<ToolSpec> = tools.into_iter().map(tool_spec).collect();
+        if !specs.iter().any(|t| t.name == MODEL_CARD_TOOL) {
+            specs.push(model_card_spec());
+        }
+        Ok((specs, python))
     }
 
     /// Calls `tool`; the caller's context is current (the client layer injects it). With
@@ -148,8 +209,16 @@ impl Nomad {
         arguments: &Value,
         progress: Option<&tokio::sync::mpsc::Sender<String>>,
     ) -> Result<Value, tonic::Status> {
-        let input = nomad_json::input_from_value(arguments)
-            .map_err(|e| tonic::Status::invalid_argument(format!("{NAME}.{tool}: {e}")))?;
+        let (_, python) = self.listing().await.map_err(tonic::Status::unavailable)?;
+        if tool == MODEL_CARD_TOOL && !python.contains(tool) {
+            return self.model_card(arguments).await;
+        }
+        let input = if python.contains(tool) {
+            nomad_json::arguments_input(arguments)
+        } else {
+            nomad_json::input_from_value(arguments)
+        }
+        .map_err(|e| tonic::Status::invalid_argument(format!("{NAME}.{tool}: {e}")))?;
         let request = CallToolRequest {
             tool: tool.to_owned(),
             input: Some(input),
@@ -168,6 +237,26 @@ impl Nomad {
         })?;
         nomad_json::output_to_json(&output, reply.generation.as_ref())
             .map_err(|e| tonic::Status::internal(format!("{NAME}.{tool}: {e}")))
+    }
+}
+
+impl Nomad {
+    /// `get_model_card(tool_name)`: the tool's model card, as text.
+    async fn model_card(&self, arguments: &Value) -> Result<Value, tonic::Status> {
+        let Some(tool) = arguments.get("tool_name").and_then(Value::as_str) else {
+            return Err(tonic::Status::invalid_argument(format!(
+                "{NAME}.{MODEL_CARD_TOOL}: arguments need `tool_name` (a string)"
+            )));
+        };
+        let card = self
+            .scheduler
+            .clone()
+            .get_model_card(GetModelCardRequest {
+                tool: tool.to_owned(),
+            })
+            .await
+            .map_err(|s| unreachable_scheduler(MODEL_CARD_TOOL, s))?;
+        Ok(Value::String(card.into_inner().text))
     }
 }
 

@@ -104,8 +104,20 @@ pub fn input_from_value(value: &Value) -> Result<ToolInput, ArgumentError> {
     })
 }
 
+/// A Python model's input: its arguments as they are, one JSON object (its own schema checks
+/// them in its host).
+pub fn arguments_input(value: &Value) -> Result<ToolInput, ArgumentError> {
+    if !value.is_object() {
+        return Err(ArgumentError::NotObject(type_name(value)));
+    }
+    Ok(ToolInput {
+        value: Some(tool_input::Value::Json(value.to_string())),
+        options_json: String::new(),
+    })
+}
+
 /// Converts a tool's output to its JSON result; a generation's text comes with its token counts
-/// and why it ended.
+/// and why it ended; a Python model's output is its JSON.
 pub fn output_to_json(
     output: &ToolOutput,
     generation: Option<&GenerationStats>,
@@ -124,6 +136,9 @@ pub fn output_to_json(
         Some(tool_output::Value::Tensor(t)) => {
             let values = t.to_f32_vec().map_err(|e| e.to_string())?;
             Ok(json!({ "output": values, "shape": t.shape }))
+        }
+        Some(tool_output::Value::Json(text)) => {
+            serde_json::from_str(text).map_err(|e| format!("the tool's output is not JSON: {e}"))
         }
         None => Err("the tool returned an empty output".into()),
     }

@@ -104,11 +104,20 @@ pub enum Outcome {
     Cancelled,
 }
 
+/// Why the model did not answer one request of a batch that otherwise ran.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ItemFailure {
+    /// The request's own input was refused.
+    InvalidInput(String),
+    /// The model failed on this request alone (its batch-mates were answered).
+    Failed(String),
+}
+
 /// How one batch ended, as the driver reports it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BatchResult {
-    /// One entry per request, in dispatch order: `None` is success, `Some(msg)` an invalid input.
-    Done(Vec<Option<String>>),
+    /// One entry per request, in dispatch order: `None` is success.
+    Done(Vec<Option<ItemFailure>>),
     OutOfMemory(String),
     Failed(String),
 }

@@ -164,6 +164,16 @@ impl Core {
         }
     }
 
+    /// Sets `tool`'s configured batch size (a model that reports its own once it is described);
+    /// the size in force follows at once.
+    pub fn set_batch_size(&mut self, tool: ToolId, batch_size: u32) {
+        if let Some(t) = self.tools.get_mut(tool) {
+            t.spec.batch_size = batch_size.max(1);
+            t.batch_size = t.spec.batch_size;
+            t.good_batches = 0;
+        }
+    }
+
     /// Actions produced since the last call, in order.
     pub fn take_actions(&mut self) -> Vec<Action> {
         std::mem::take(&mut self.actions)
@@ -394,7 +404,8 @@ impl Core {
                 for (request, item) in b.requests.iter().zip(items) {
                     let outcome = match item {
                         None => Outcome::Ok,
-                        Some(message) => Outcome::InvalidInput(message),
+                        Some(ItemFailure::InvalidInput(message)) => Outcome::InvalidInput(message),
+                        Some(ItemFailure::Failed(message)) => Outcome::Failed(message),
                     };
                     self.complete(*request, outcome, now);
                 }

@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use nomad_proto::v1::{
     ClearCacheRequest, ExecuteBatchRequest, ExecuteBatchResponse, ItemResult, LoadRequest,
-    ModelSpec, OffloadRequest, PlaceRequest, UnloadRequest, execute_batch_response, item_result,
+    OffloadRequest, PlaceRequest, UnloadRequest, execute_batch_response, item_result,
 };
-use nomad_scheduler_core::{BatchId, BatchResult, LoadKind, SlotId, ToolId};
+use nomad_scheduler_core::{BatchId, BatchResult, ItemFailure, LoadKind, SlotId, ToolId};
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions};
 use opentelemetry::trace::FutureExt as _;
 use tokio::sync::mpsc;
@@ -191,11 +191,11 @@ async fn report(
         .await;
 }
 
-/// Per item: the answer, or why the model refused that input.
+/// Per item: the answer, or why the model did not give one.
 fn split_items(
     items: Vec<ItemResult>,
     expected: usize,
-) -> (Vec<Option<Answer>>, Vec<Option<String>>) {
+) -> (Vec<Option<Answer>>, Vec<Option<ItemFailure>>) {
     let mut outputs = Vec::with_capacity(expected);
     let mut refusals = Vec::with_capacity(expected);
     for item in items {
@@ -209,11 +209,17 @@ fn split_items(
             }
             Some(item_result::Result::InvalidInput(m)) => {
                 outputs.push(None);
-                refusals.push(Some(m));
+                refusals.push(Some(ItemFailure::InvalidInput(m)));
+            }
+            Some(item_result::Result::Error(m)) => {
+                outputs.push(None);
+                refusals.push(Some(ItemFailure::Failed(m)));
             }
             None => {
                 outputs.push(None);
-                refusals.push(Some("the worker returned an empty result".into()));
+                refusals.push(Some(ItemFailure::Failed(
+                    "the worker returned an empty result".into(),
+                )));
             }
         }
     }
@@ -309,14 +315,7 @@ async fn prepare_on_worker(
         let started = Instant::now();
         client
             .load(LoadRequest {
-                model: Some(ModelSpec {
-                    tool: config.name.clone(),
-                    kind: config.kind.clone(),
-                    source: config.source.clone(),
-                    max_running: config.max_running.unwrap_or(0),
-                    kv_budget_bytes: config.kv_budget_bytes,
-                    dense_prefill: config.dense_prefill,
-                }),
+                model: Some(config.model_spec()),
             })
             .await?;
         metrics

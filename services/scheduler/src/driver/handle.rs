@@ -48,6 +48,11 @@ pub(super) enum Command {
         request: RequestId,
     },
     WorkerUp(Worker),
+    /// A tool's model reported its own batch size.
+    SetBatchSize {
+        tool: String,
+        batch_size: u32,
+    },
     WorkerDown {
         slot: SlotId,
         reason: String,
@@ -167,6 +172,17 @@ impl Handle {
 
     pub async fn worker_up(&self, worker: Worker) {
         let _ = self.tx.send(Command::WorkerUp(worker)).await;
+    }
+
+    /// Makes `batch_size` the tool's configured batch size (its model said so).
+    pub async fn set_batch_size(&self, tool: &str, batch_size: u32) {
+        let _ = self
+            .tx
+            .send(Command::SetBatchSize {
+                tool: tool.to_owned(),
+                batch_size,
+            })
+            .await;
     }
 
     pub async fn worker_down(&self, slot: SlotId, reason: String) {

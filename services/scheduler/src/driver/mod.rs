@@ -210,6 +210,13 @@ impl Driver {
                 self.workers.insert(slot, worker);
                 self.core.worker_registered(slot, now);
             }
+            Command::SetBatchSize { tool, batch_size } => {
+                if let Some(id) = self.core.tool_id(&tool) {
+                    self.core.set_batch_size(id, batch_size);
+                    self.tools[id].batch_size = batch_size;
+                    tracing::info!(%tool, batch_size, "batch size from the model");
+                }
+            }
             Command::WorkerDown { slot, reason } => self.worker_lost(slot, &reason, now),
             Command::Prepared {
                 slot,

@@ -249,3 +249,17 @@ fn prepares_of(actions: &[Action]) -> Vec<SlotId> {
         })
         .collect()
 }
+
+#[test]
+fn a_batch_size_set_once_the_model_says_it_forms_the_next_batches() {
+    let mut h = Harness::new(vec![spec("a", 1, 1, 1000)], 1);
+    let first: Vec<_> = (0..3).map(|_| h.submit("a")).collect();
+    let actions = h.take();
+    let d = dispatches(&h.prepare_ok(&actions));
+    assert_eq!(d[0].2, first[..1], "one at a time before the size is known");
+    h.core.set_batch_size(0, 4);
+    assert_eq!(h.core.snapshot().tools[0].batch_size, 4);
+    let more: Vec<_> = (0..3).map(|_| h.submit("a")).collect();
+    let next = dispatches(&h.finish(d[0].0, BatchResult::Done(vec![None])));
+    assert_eq!(next[0].2, [&first[1..], &more[..2]].concat());
+}

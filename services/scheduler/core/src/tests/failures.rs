@@ -193,20 +193,40 @@ fn a_failed_prepare_fails_the_requests_waiting_for_that_tool() {
 }
 
 #[test]
-fn model_errors_fail_the_whole_batch_and_invalid_inputs_only_their_request() {
+fn model_errors_fail_the_whole_batch_and_item_failures_only_their_request() {
     let mut h = Harness::new(vec![spec("a", 2, 1, 64)], 1);
     let ids = [h.submit("a"), h.submit("a")];
     let actions = h.take();
     let d = dispatches(&h.prepare_ok(&actions));
     let done = h.finish(
         d[0].0,
-        BatchResult::Done(vec![Some("request 0: bad".into()), None]),
+        BatchResult::Done(vec![
+            Some(ItemFailure::InvalidInput("request 0: bad".into())),
+            None,
+        ]),
     );
     assert_eq!(
         completions(&done),
         vec![
             (ids[0], Outcome::InvalidInput("request 0: bad".into())),
             (ids[1], Outcome::Ok)
+        ]
+    );
+    // A model that fails on one request alone fails that request, not its batch-mate.
+    let ids = [h.submit("a"), h.submit("a")];
+    let d = dispatches(&h.take());
+    let done = h.finish(
+        d[0].0,
+        BatchResult::Done(vec![
+            None,
+            Some(ItemFailure::Failed("ValueError: no".into())),
+        ]),
+    );
+    assert_eq!(
+        completions(&done),
+        vec![
+            (ids[0], Outcome::Ok),
+            (ids[1], Outcome::Failed("ValueError: no".into()))
         ]
     );
     let ids = [h.submit("a"), h.submit("a")];

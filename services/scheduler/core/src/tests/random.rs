@@ -88,7 +88,11 @@ fn every_accepted_request_completes_exactly_once_under_random_events() {
                         1 => BatchResult::Failed("boom".into()),
                         _ => BatchResult::Done(
                             (0..len)
-                                .map(|i| (i % 5 == 4).then(|| "bad".to_owned()))
+                                .map(|i| match i % 7 {
+                                    4 => Some(ItemFailure::InvalidInput("bad".into())),
+                                    6 => Some(ItemFailure::Failed("raised".into())),
+                                    _ => None,
+                                })
                                 .collect(),
                         ),
                     };

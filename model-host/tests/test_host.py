@@ -1,0 +1,160 @@
+"""The model host as the device worker drives it: a real host process on a socket pair, speaking
+length-prefixed JSON frames. Run with an interpreter that has pydantic:
+`python -m unittest discover model-host/tests`."""
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HOST = os.path.join(HERE, "..", "nomad_model_host.py")
+FIXTURES = os.path.join(HERE, "fixtures")
+
+
+class Host:
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(NOMAD_HOST_FD=str(theirs.fileno()), NOMAD_HOST_PATH=FIXTURES)
+        self.process = subprocess.Popen(
+            [sys.executable, "-u", HOST],
+            env=env,
+            pass_fds=[theirs.fileno()],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        theirs.close()
+        self.sock = ours
+        self.sock.settimeout(30)
+        self.reader = ours.makefile("rb")
+
+    def call(self, request: dict):
+        payload = json.dumps(request).encode()
+        self.sock.sendall(struct.pack(">I", len(payload)) + payload)
+        header = self.reader.read(4)
+        if len(header) < 4:
+            return None
+        (length,) = struct.unpack(">I", header)
+        return json.loads(self.reader.read(length))
+
+    def close(self):
+        self.reader.close()
+        self.sock.close()
+        out, err = self.process.communicate(timeout=30)
+        return self.process.returncode, out.decode(), err.decode()
+
+
+class HostTests(unittest.TestCase):
+    def setUp(self):
+        self.weights = tempfile.mkdtemp()
+        with open(os.path.join(self.weights, "factor.txt"), "w") as f:
+            f.write("2.5")
+        self.host = Host()
+
+    def tearDown(self):
+        if self.host.process.poll() is None:
+            self.host.close()
+
+    def load(self, target="toy_models.Doubler", entry="model_class", **extra):
+        request = {"op": "load", "entry": entry, "target": target, "source": self.weights}
+        request.update(extra)
+        return self.host.call(request)
+
+    def batch(self, *items):
+        return self.host.call({"op": "batch", "items": list(items), "trace": {}})
+
+    def test_a_class_is_described_from_the_class_alone(self):
+        reply = self.load(instantiate=False)["ok"]
+        self.assertFalse(reply["instantiated"])
+        self.assertEqual(reply["batch_size"], 4)
+        self.assertIn("values", reply["input_schema"]["properties"])
+        self.assertIn("result", reply["output_schema"]["properties"])
+        self.assertTrue(reply["description"].startswith("Multiplies values"))
+
+    def test_a_class_that_needs_its_weights_to_say_what_it_takes_is_instantiated(self):
+        reply = self.load(target="toy_models.Lazy", instantiate=False)["ok"]
+        self.assertTrue(reply["instantiated"])
+        self.assertEqual(reply["description"], "built by from_pretrained")
+
+    def test_a_batch_answers_each_item_and_refuses_a_bad_one_by_its_field(self):
+        self.load()
+        reply = self.batch({"values": [1, 2]}, {"scale": 2}, {"values": [4], "scale": 2})["ok"]
+        results = reply["results"]
+        self.assertEqual(results[0], {"output": {"result": [2.5, 5.0], "batch": 2}})
+        self.assertIn("values", results[1]["invalid"])
+        self.assertEqual(results[2], {"output": {"result": [20.0], "batch": 2}})
+
+    def test_an_item_that_raises_gets_its_error_and_its_batch_mates_are_answered(self):
+        self.load()
+        results = self.batch({"values": [1]}, {"values": [1], "scale": 13}, {"values": [2]})["ok"][
+            "results"
+        ]
+        self.assertEqual(results[0]["output"]["result"], [2.5])
+        self.assertIn("ValueError: scale 13 is unlucky", results[1]["error"])
+        self.assertEqual(results[2]["output"]["result"], [5.0])
+
+    def test_out_of_memory_is_reported_as_such(self):
+        self.load()
+        reply = self.batch({"values": [1], "scale": 7}, {"values": [1]}, {"values": [1]})
+        self.assertEqual(reply["error"]["kind"], "out_of_memory")
+        self.assertIn("CUDA out of memory", reply["error"]["message"])
+        # Halved below the size that fails, the same items are served.
+        results = self.batch({"values": [1], "scale": 7}, {"values": [1]})["ok"]["results"]
+        self.assertEqual(results[0]["output"]["result"], [17.5])
+
+    def test_printing_model_code_leaves_the_protocol_intact(self):
+        self.load()
+        for _ in range(3):
+            self.assertIn("ok", self.batch({"values": [1]}))
+        code, out, _ = self.host.close()
+        self.assertEqual(code, 0)
+        self.assertEqual(out.count("forward of 1"), 3)
+
+    def test_a_host_that_dies_under_a_batch_closes_its_socket(self):
+        self.load()
+        self.assertIsNone(self.batch({"values": [1], "scale": 99}))
+        self.assertEqual(self.host.process.wait(timeout=30), 3)
+
+    def test_callables_validate_their_arguments_and_run_per_item(self):
+        reply = self.load(target="toy_models.add", entry="callable")["ok"]
+        self.assertEqual(reply["input_schema"]["required"], ["a"])
+        self.assertEqual(reply["output_schema"], {"type": "integer"})
+        self.assertEqual(reply["description"], "Adds two integers.")
+        results = self.batch({"a": 2, "b": 3}, {"a": "x"}, {"a": 4})["ok"]["results"]
+        self.assertEqual(results[0], {"output": 5})
+        self.assertIn("a", results[1]["invalid"])
+        self.assertEqual(results[2], {"output": 5})
+
+    def test_a_factory_is_called_with_its_keyword_arguments(self):
+        self.load(target="toy_models.make_scaler", entry="callable", tool_kwargs={"factor": 3})
+        self.assertEqual(self.batch({"x": 2})["ok"]["results"], [{"output": 6.0}])
+
+    def test_an_async_callable_is_awaited(self):
+        self.load(target="toy_models.shout", entry="callable")
+        self.assertEqual(self.batch({"text": "hi"})["ok"]["results"], [{"output": "HI"}])
+
+    def test_bad_requests_are_refused_by_name(self):
+        self.assertEqual(self.batch({"values": [1]})["error"]["kind"], "bad_request")
+        self.assertIn("unknown op", self.host.call({"op": "nope"})["error"]["message"])
+        missing = self.load(target="toy_models.Nothing")["error"]
+        self.assertIn("has no 'Nothing'", missing["message"])
+        unimportable = self.load(target="no_such_package.Model")["error"]
+        self.assertIn("cannot import 'no_such_package'", unimportable["message"])
+        self.assertIn("`env`", unimportable["message"])
+
+    def test_a_frame_over_the_limit_is_refused_without_reading_it(self):
+        self.host.sock.sendall(struct.pack(">I", (64 << 20) + 1))
+        header = self.host.reader.read(4)
+        (length,) = struct.unpack(">I", header)
+        reply = json.loads(self.host.reader.read(length))
+        self.assertEqual(reply["error"]["kind"], "bad_request")
+        self.assertEqual(self.host.process.wait(timeout=30), 0)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,70 @@
+//! Opening a model from its spec: the source found (cloned, or read from the Hugging Face cache)
+//! first, then the backend that runs its kind — candle for the built-in kinds, a model host for
+//! `python`, the simulator under `--backend sim`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use nomad_proto::v1::{ModelSpec, ToolDescription};
+
+use super::python::{self, PythonSettings};
+use super::{Backend, LoadError, Model, source};
+
+/// The longest model card a description carries.
+const MAX_MODEL_CARD: u64 = 1 << 20;
+
+/// Reads a model from its source into host memory.
+pub async fn open(
+    mut spec: ModelSpec,
+    backend: Arc<Backend>,
+    settings: &PythonSettings,
+) -> Result<Arc<dyn Model>, LoadError> {
+    if !matches!(*backend, Backend::Sim(_)) {
+        if spec.kind == nomad_proto::kinds::PYTHON.name {
+            return Ok(Arc::new(python::load(&spec, settings).await?));
+        }
+        let path = source::resolve(&spec.source, &spec.base_dir, &settings.cache).await?;
+        spec.source = path.to_string_lossy().into_owned();
+    }
+    tokio::task::spawn_blocking(move || super::load(&spec, &backend))
+        .await
+        .map_err(|e| LoadError::Host {
+            tool: String::new(),
+            reason: format!("the loading task failed: {e}"),
+        })?
+}
+
+/// What a tool is, without loading it: for a Python model its own schemas and description (its
+/// environment built and its class imported), for every kind its model card; a source that is
+/// missing fails here, as loading it would.
+pub async fn describe(
+    spec: &ModelSpec,
+    backend: &Backend,
+    settings: &PythonSettings,
+) -> Result<ToolDescription, LoadError> {
+    if matches!(backend, Backend::Sim(_)) {
+        return Ok(ToolDescription::default());
+    }
+    let (description, dir) = if spec.kind == nomad_proto::kinds::PYTHON.name {
+        python::describe(spec, settings).await?
+    } else {
+        let path = source::resolve(&spec.source, &spec.base_dir, &settings.cache).await?;
+        (python::Description::default(), Some(path))
+    };
+    Ok(ToolDescription {
+        description: description.description,
+        input_schema_json: description.input_schema,
+        output_schema_json: description.output_schema,
+        batch_size: description.batch_size,
+        model_card: dir.as_deref().and_then(model_card),
+    })
+}
+
+/// The README.md of a model directory (cut at [`MAX_MODEL_CARD`]).
+fn model_card(dir: &Path) -> Option<String> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(dir.join("README.md")).ok()?;
+    let mut text = Vec::new();
+    file.take(MAX_MODEL_CARD).read_to_end(&mut text).ok()?;
+    Some(String::from_utf8_lossy(&text).into_owned())
+}

@@ -1,0 +1,430 @@
+//! A Python model's environment: its `env` requirements installed into a virtual environment
+//! named by what it holds (the requirements, Nomad's version, the interpreter), built once per
+//! host under a file lock and reused by every later start.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest as _, Sha256};
+
+/// The oldest interpreter the model host runs on.
+const MIN_PYTHON: (u32, u32) = (3, 9);
+/// `nomad-scifm` (the original's `TorchModuleTool`) needs this one.
+const SCIFM_PYTHON: (u32, u32) = (3, 12);
+/// Lines of the installer's output a failure quotes.
+const QUOTED_LINES: usize = 25;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EnvError {
+    #[error("python interpreter {python:?}: {reason}")]
+    Interpreter { python: String, reason: String },
+    #[error(
+        "installing the environment ({requirements}) with {installer} failed{status}; its last \
+         lines:\n{tail}\n(full log: {log})"
+    )]
+    Install {
+        requirements: String,
+        installer: &'static str,
+        status: String,
+        tail: String,
+        log: String,
+    },
+    #[error("installing the environment ({requirements}) took over {} s; stopped", .timeout.as_secs())]
+    Timeout {
+        requirements: String,
+        timeout: Duration,
+    },
+    #[error("environment cache {path}: {reason}")]
+    Cache { path: String, reason: String },
+}
+
+/// Where environments are kept, and how long building one may take.
+#[derive(Debug, Clone)]
+pub struct EnvCache {
+    pub root: PathBuf,
+    pub timeout: Duration,
+}
+
+/// An interpreter, as it reports itself.
+#[derive(Debug, Clone)]
+pub struct Interpreter {
+    pub path: PathBuf,
+    pub version: (u32, u32, u32),
+}
+
+impl Interpreter {
+    /// Asks `python` (a path or a name on PATH) where it is and which version it is.
+    pub async fn probe(python: &str) -> Result<Self, EnvError> {
+        let fail = |reason: String| EnvError::Interpreter {
+            python: python.to_owned(),
+            reason,
+        };
+        let output = tokio::time::timeout(
+            Duration::from_secs(30),
+            tokio::process::Command::new(python)
+                .args([
+                    "-c",
+                    "import sys; print(sys.executable); print(*sys.version_info[:3])",
+                ])
+                .stdin(Stdio::null())
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .map_err(|_| fail("no answer within 30 s".into()))?
+        .map_err(|e| {
+            fail(format!(
+                "cannot run it: {e} (set `python:` to an interpreter)"
+            ))
+        })?;
+        if !output.status.success() {
+            return Err(fail(format!(
+                "exited with {}: {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            )));
+        }
+        let text = String::from_utf8_lossy(&output.stdout);
+        let mut lines = text.lines();
+        let path = PathBuf::from(lines.next().unwrap_or_default());
+        let numbers: Vec<u32> = lines
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|n| n.parse().ok())
+            .collect();
+        let [major, minor, patch] = numbers[..] else {
+            return Err(fail(format!("unexpected answer {text:?}")));
+        };
+        let version = (major, minor, patch);
+        if (major, minor) < MIN_PYTHON {
+            return Err(fail(format!(
+                "is Python {major}.{minor}; the model host needs {}.{} or newer",
+                MIN_PYTHON.0, MIN_PYTHON.1
+            )));
+        }
+        Ok(Self { path, version })
+    }
+
+    fn version_text(&self) -> String {
+        let (a, b, c) = self.version;
+        format!("{a}.{b}.{c}")
+    }
+}
+
+/// Whether a requirement names the original Nomad's package.
+fn needs_scifm(requirement: &str) -> bool {
+    let name: String = requirement
+        .trim()
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        .collect();
+    name.to_ascii_lowercase().replace(['_', '.'], "-") == "nomad-scifm"
+}
+
+/// The directory name of an environment: a digest of everything that makes it what it is.
+pub fn key(interpreter: &Interpreter, requirements: &[String]) -> String {
+    let mut hash = Sha256::new();
+    hash.update(b"nomad-env-v1\n");
+    hash.update(env!("CARGO_PKG_VERSION").as_bytes());
+    hash.update(b"\n");
+    hash.update(interpreter.path.as_os_str().as_encoded_bytes());
+    hash.update(b"\n");
+    hash.update(interpreter.version_text().as_bytes());
+    for r in requirements {
+        hash.update(b"\n");
+        hash.update(r.trim().as_bytes());
+    }
+    hash.finalize()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A file whose presence says the environment in its directory is complete.
+const READY: &str = ".nomad-env-ready";
+
+impl EnvCache {
+    /// The interpreter to run the host with: `python` itself without requirements, else the one
+    /// of the environment holding them, built here first when no worker built it before.
+    pub async fn ensure(
+        &self,
+        tool: &str,
+        python: &str,
+        requirements: &[String],
+    ) -> Result<PathBuf, EnvError> {
+        let interpreter = Interpreter::probe(python).await?;
+        if requirements.iter().any(|r| needs_scifm(r)) && interpreter.version < (3, 12, 0) {
+            return Err(EnvError::Interpreter {
+                python: python.to_owned(),
+                reason: format!(
+                    "is Python {}; nomad-scifm needs {}.{} or newer: set `python:` on the tool \
+                     (or `model_host.python`) to such an interpreter",
+                    interpreter.version_text(),
+                    SCIFM_PYTHON.0,
+                    SCIFM_PYTHON.1
+                ),
+            });
+        }
+        if requirements.is_empty() {
+            return Ok(interpreter.path);
+        }
+        let dir = self.root.join("envs").join(key(&interpreter, requirements));
+        let python_in_env = dir.join("bin").join("python");
+        if dir.join(READY).is_file() {
+            tracing::info!(%tool, env = %dir.display(), "model environment reused");
+            return Ok(python_in_env);
+        }
+        let deadline = Instant::now() + self.timeout;
+        let lock = self.lock(&dir, tool, deadline).await?;
+        // Another worker may have built it while this one waited for the lock.
+        if !dir.join(READY).is_file() {
+            self.build(tool, &interpreter, requirements, &dir, deadline)
+                .await?;
+        }
+        drop(lock);
+        Ok(python_in_env)
+    }
+
+    /// Holds `<dir>.lock` exclusively, waiting for another builder until `deadline`.
+    async fn lock(
+        &self,
+        dir: &Path,
+        tool: &str,
+        deadline: Instant,
+    ) -> Result<std::fs::File, EnvError> {
+        let cache_error = |path: &Path, e: std::io::Error| EnvError::Cache {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        };
+        let parent = dir.parent().expect("an environment lives in a directory");
+        std::fs::create_dir_all(parent).map_err(|e| cache_error(parent, e))?;
+        let path = dir.with_extension("lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| cache_error(&path, e))?;
+        let mut told = false;
+        loop {
+            match file.try_lock() {
+                Ok(()) => return Ok(file),
+                Err(std::fs::TryLockError::WouldBlock) => {}
+                Err(std::fs::TryLockError::Error(e)) => return Err(cache_error(&path, e)),
+            }
+            if !told {
+                tracing::info!(%tool, env = %dir.display(), "another process is building this model environment; waiting for it");
+                told = true;
+            }
+            if Instant::now() >= deadline {
+                return Err(EnvError::Timeout {
+                    requirements: String::new(),
+                    timeout: self.timeout,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn build(
+        &self,
+        tool: &str,
+        interpreter: &Interpreter,
+        requirements: &[String],
+        dir: &Path,
+        deadline: Instant,
+    ) -> Result<(), EnvError> {
+        let listed = requirements.join(", ");
+        let cache_error = |e: std::io::Error| EnvError::Cache {
+            path: dir.display().to_string(),
+            reason: e.to_string(),
+        };
+        // A build that was interrupted left a partial environment: start it afresh.
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).map_err(cache_error)?;
+        }
+        let log = dir.with_extension("log");
+        let installer = Installer::find();
+        tracing::info!(%tool, env = %dir.display(), installer = installer.name(), requirements = %listed, "building the model environment (once per host; later starts reuse it)");
+        let started = Instant::now();
+        let python_in_env = dir.join("bin").join("python");
+        let steps = installer.steps(&interpreter.path, dir, &python_in_env, requirements);
+        let log_file = std::fs::File::create(&log).map_err(cache_error)?;
+        for mut step in steps {
+            let out = log_file.try_clone().map_err(cache_error)?;
+            let err = log_file.try_clone().map_err(cache_error)?;
+            step.stdin(Stdio::null())
+                .stdout(out)
+                .stderr(err)
+                .kill_on_drop(true);
+            let mut child = step.spawn().map_err(|e| EnvError::Install {
+                requirements: listed.clone(),
+                installer: installer.name(),
+                status: String::new(),
+                tail: format!("cannot start it: {e}"),
+                log: log.display().to_string(),
+            })?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let status = match tokio::time::timeout(left, child.wait()).await {
+                Ok(status) => status.map_err(cache_error)?,
+                Err(_) => {
+                    let _ = child.kill().await;
+                    return Err(EnvError::Timeout {
+                        requirements: listed,
+                        timeout: self.timeout,
+                    });
+                }
+            };
+            if !status.success() {
+                return Err(EnvError::Install {
+                    requirements: listed,
+                    installer: installer.name(),
+                    status: format!(" ({status})"),
+                    tail: tail(&log, QUOTED_LINES),
+                    log: log.display().to_string(),
+                });
+            }
+        }
+        std::fs::write(dir.join(READY), requirements.join("\n")).map_err(cache_error)?;
+        tracing::info!(%tool, env = %dir.display(), seconds = started.elapsed().as_secs_f64(), "model environment built");
+        Ok(())
+    }
+}
+
+/// What builds environments: `uv` when it is on PATH (much faster), else `venv` and `pip`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Installer {
+    Uv,
+    Pip,
+}
+
+impl Installer {
+    fn find() -> Self {
+        let uv = std::process::Command::new("uv")
+            .arg("--version")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if uv.is_ok_and(|s| s.success()) {
+            Installer::Uv
+        } else {
+            Installer::Pip
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Installer::Uv => "uv",
+            Installer::Pip => "pip",
+        }
+    }
+
+    fn steps(
+        self,
+        python: &Path,
+        dir: &Path,
+        python_in_env: &Path,
+        requirements: &[String],
+    ) -> Vec<tokio::process::Command> {
+        let command = |program: &Path| tokio::process::Command::new(program);
+        match self {
+            Installer::Uv => {
+                let mut venv = command(Path::new("uv"));
+                venv.arg("venv")
+                    .arg("--quiet")
+                    .arg("--python")
+                    .arg(python)
+                    .arg(dir);
+                let mut install = command(Path::new("uv"));
+                install
+                    .args(["pip", "install", "--python"])
+                    .arg(python_in_env)
+                    .args(requirements);
+                vec![venv, install]
+            }
+            Installer::Pip => {
+                let mut venv = command(python);
+                venv.args(["-m", "venv"]).arg(dir);
+                let mut install = command(python_in_env);
+                install
+                    .args([
+                        "-m",
+                        "pip",
+                        "install",
+                        "--disable-pip-version-check",
+                        "--no-input",
+                        "--progress-bar",
+                        "off",
+                    ])
+                    .args(requirements);
+                vec![venv, install]
+            }
+        }
+    }
+}
+
+/// The last `lines` lines of a log file.
+fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn interpreter(path: &str, version: (u32, u32, u32)) -> Interpreter {
+        Interpreter {
+            path: path.into(),
+            version,
+        }
+    }
+
+    #[test]
+    fn the_key_changes_with_every_input_and_nothing_else() {
+        let reqs = |r: &[&str]| r.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let a = key(&interpreter("/py", (3, 12, 1)), &reqs(&["numpy==2.0"]));
+        assert_eq!(
+            a,
+            key(&interpreter("/py", (3, 12, 1)), &reqs(&[" numpy==2.0 "]))
+        );
+        assert_ne!(
+            a,
+            key(&interpreter("/py", (3, 12, 2)), &reqs(&["numpy==2.0"]))
+        );
+        assert_ne!(
+            a,
+            key(&interpreter("/other", (3, 12, 1)), &reqs(&["numpy==2.0"]))
+        );
+        assert_ne!(
+            a,
+            key(&interpreter("/py", (3, 12, 1)), &reqs(&["numpy==2.1"]))
+        );
+        assert_eq!(a.len(), 16);
+    }
+
+    #[test]
+    fn the_original_package_is_recognised_in_any_spelling() {
+        for r in [
+            "nomad-scifm==0.2.1",
+            "nomad_scifm",
+            "Nomad.SciFM>=0.2",
+            " nomad-scifm [otel]",
+        ] {
+            assert!(needs_scifm(r), "{r}");
+        }
+        for r in [
+            "nomad",
+            "nomad-scifm-extra",
+            "torch",
+            "pkg @ file:///nomad-scifm",
+        ] {
+            assert!(!needs_scifm(r), "{r}");
+        }
+    }
+}

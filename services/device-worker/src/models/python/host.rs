@@ -1,0 +1,287 @@
+//! One model host process and the frames it speaks: a task owns the process and its end of the
+//! socket, and callers send it requests over a channel (one request at a time on the socket, as
+//! the host serves them). The host's stdout and stderr go to this worker's log, never into the
+//! protocol, which runs on a socket of its own (`NOMAD_HOST_FD`).
+
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use bytes::Bytes;
+use command_fds::{CommandFdExt as _, FdMapping};
+use futures::{SinkExt as _, StreamExt as _};
+use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
+
+/// The descriptor the host reads its socket from.
+const HOST_FD: i32 = 3;
+/// The largest frame either side sends (the worker hop's message limit).
+pub const MAX_FRAME: usize = 64 << 20;
+/// How long a host may take to exit when asked before it is killed.
+const EXIT_GRACE: Duration = Duration::from_secs(5);
+/// The longest line of the host's output copied to the log.
+const MAX_LOG_LINE: usize = 8 << 10;
+
+/// How a host call failed (as opposed to an error the host reported).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HostError {
+    #[error("the model host exited ({0})")]
+    Exited(String),
+    #[error("the model host gave no answer within {} s and was stopped", .0.as_secs_f64())]
+    Timeout(Duration),
+    #[error("the model host broke the protocol: {0}")]
+    Protocol(String),
+    #[error("cannot start the model host: {0}")]
+    Spawn(String),
+}
+
+/// What starts a host: the interpreter, the host file and its environment.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    pub tool: String,
+    pub python: PathBuf,
+    pub host_file: PathBuf,
+    /// Directories first on the host's import path.
+    pub import_paths: Vec<PathBuf>,
+    /// `CUDA_VISIBLE_DEVICES` for the host: its worker's GPU only, or none on a CPU worker.
+    pub visible_devices: String,
+    /// `service.name` of the spans the host exports itself.
+    pub service_name: String,
+}
+
+struct Call {
+    frame: Bytes,
+    timeout: Duration,
+    reply: oneshot::Sender<Result<Bytes, HostError>>,
+}
+
+/// A running host. Dropping it asks the process to exit (and kills it after a grace period).
+pub struct Host {
+    calls: mpsc::Sender<Call>,
+    pub pid: u32,
+}
+
+impl Host {
+    pub fn start(launch: &Launch) -> Result<Self, HostError> {
+        let spawn = |e: std::io::Error| HostError::Spawn(e.to_string());
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn)?;
+        ours.set_nonblocking(true).map_err(spawn)?;
+        let mut child = {
+            let mut command = tokio::process::Command::new(&launch.python);
+            command
+                .arg("-u")
+                .arg(&launch.host_file)
+                .env("NOMAD_HOST_FD", HOST_FD.to_string())
+                .env("NOMAD_HOST_MAX_FRAME", MAX_FRAME.to_string())
+                .env("NOMAD_HOST_SERVICE_NAME", &launch.service_name)
+                .env("CUDA_VISIBLE_DEVICES", &launch.visible_devices)
+                .env(
+                    "NOMAD_HOST_PATH",
+                    std::env::join_paths(&launch.import_paths).map_err(|e| {
+                        HostError::Spawn(format!("an import path holds a separator: {e}"))
+                    })?,
+                )
+                // The fleet's credential is the services', not the model's.
+                .env_remove("NOMAD_AUTH_TOKEN")
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                // A Ctrl-C at the terminal reaches the worker, which stops its hosts itself.
+                .process_group(0)
+                .kill_on_drop(true);
+            command
+                .fd_mappings(vec![FdMapping {
+                    parent_fd: OwnedFd::from(theirs),
+                    child_fd: HOST_FD,
+                }])
+                .map_err(|e| HostError::Spawn(e.to_string()))?;
+            // The command holds the host's end until it is dropped here, so that the host's exit
+            // closes the socket.
+            command
+                .spawn()
+                .map_err(|e| HostError::Spawn(format!("{}: {e}", launch.python.display())))?
+        };
+        let pid = child.id().unwrap_or(0);
+        for (stream, name) in [
+            (child.stdout.take().map(Output::Out), "stdout"),
+            (child.stderr.take().map(Output::Err), "stderr"),
+        ] {
+            if let Some(stream) = stream {
+                tokio::spawn(copy_to_log(stream, launch.tool.clone(), name));
+            }
+        }
+        let socket = tokio::net::UnixStream::from_std(ours).map_err(spawn)?;
+        let framed = Framed::new(
+            socket,
+            LengthDelimitedCodec::builder()
+                .length_field_length(4)
+                .big_endian()
+                .max_frame_length(MAX_FRAME)
+                .new_codec(),
+        );
+        let (calls, rx) = mpsc::channel(1);
+        tokio::spawn(serve(child, framed, rx));
+        Ok(Self { calls, pid })
+    }
+
+    /// Sends `frame` and waits for the host's answer, at most `timeout`.
+    pub async fn call(&self, frame: Bytes, timeout: Duration) -> Result<Bytes, HostError> {
+        let (reply, answer) = oneshot::channel();
+        let call = Call {
+            frame,
+            timeout,
+            reply,
+        };
+        if self.calls.send(call).await.is_err() {
+            return Err(HostError::Exited("it had already stopped".into()));
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Err(HostError::Exited("it stopped".into())))
+    }
+
+    /// [`Host::call`] from a thread outside the runtime (a blocking task).
+    pub fn call_blocking(&self, frame: Bytes, timeout: Duration) -> Result<Bytes, HostError> {
+        let (reply, answer) = oneshot::channel();
+        let call = Call {
+            frame,
+            timeout,
+            reply,
+        };
+        if self.calls.blocking_send(call).is_err() {
+            return Err(HostError::Exited("it had already stopped".into()));
+        }
+        answer
+            .blocking_recv()
+            .unwrap_or_else(|_| Err(HostError::Exited("it stopped".into())))
+    }
+}
+
+enum Output {
+    Out(tokio::process::ChildStdout),
+    Err(tokio::process::ChildStderr),
+}
+
+/// Copies the host's output to the log line by line (long lines cut).
+async fn copy_to_log(stream: Output, tool: String, name: &'static str) {
+    let reader: Box<dyn tokio::io::AsyncRead + Unpin + Send> = match stream {
+        Output::Out(s) => Box::new(s),
+        Output::Err(s) => Box::new(s),
+    };
+    let mut reader = tokio::io::BufReader::new(reader);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        // Read at most one bounded line; the rest of an overlong line is skipped.
+        let read = (&mut reader)
+            .take(MAX_LOG_LINE as u64)
+            .read_until(b'\n', &mut line)
+            .await;
+        match read {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if line.last() != Some(&b'\n') && line.len() == MAX_LOG_LINE {
+            let mut rest = Vec::new();
+            let _ = reader.read_until(b'\n', &mut rest).await;
+        }
+        let text = String::from_utf8_lossy(&line);
+        tracing::info!(target: "nomad_model_host", %tool, stream = name, "{}", text.trim_end());
+    }
+}
+
+/// Owns the process and the socket: one request on the wire at a time, and every caller
+/// answered, also when the process dies under its request.
+async fn serve(
+    mut child: tokio::process::Child,
+    mut framed: Framed<tokio::net::UnixStream, LengthDelimitedCodec>,
+    mut calls: mpsc::Receiver<Call>,
+) {
+    let exited = |status: std::io::Result<std::process::ExitStatus>| match status {
+        Ok(s) => HostError::Exited(describe_exit(s)),
+        Err(e) => HostError::Exited(e.to_string()),
+    };
+    loop {
+        let call = tokio::select! {
+            call = calls.recv() => call,
+            status = child.wait() => {
+                let error = exited(status);
+                tracing::warn!("{error}");
+                calls.close();
+                while let Some(call) = calls.recv().await {
+                    let _ = call.reply.send(Err(error.clone()));
+                }
+                return;
+            }
+        };
+        let Some(call) = call else {
+            // Every handle is gone: ask the host to exit, then make sure it did.
+            let _ = framed.send(Bytes::from_static(br#"{"op":"exit"}"#)).await;
+            if tokio::time::timeout(EXIT_GRACE, child.wait())
+                .await
+                .is_err()
+            {
+                let _ = child.kill().await;
+            }
+            return;
+        };
+        let answer = tokio::time::timeout(call.timeout, async {
+            framed
+                .send(call.frame)
+                .await
+                .map_err(|e| HostError::Protocol(format!("sending: {e}")))?;
+            tokio::select! {
+                frame = framed.next() => match frame {
+                    Some(Ok(frame)) => Ok(frame.freeze()),
+                    Some(Err(e)) => Err(HostError::Protocol(format!("receiving: {e}"))),
+                    // The socket closed: the process is ending; its status says how.
+                    None => Err(exited(child.wait().await)),
+                },
+                status = child.wait() => Err(exited(status)),
+            }
+        })
+        .await
+        .unwrap_or(Err(HostError::Timeout(call.timeout)));
+        let fatal = answer.is_err();
+        if let Err(error) = &answer
+            && !matches!(error, HostError::Exited(_))
+        {
+            // A host that hangs or garbles the protocol cannot be trusted with the next call.
+            let _ = child.kill().await;
+        }
+        let _ = call.reply.send(answer);
+        if fatal {
+            calls.close();
+            while let Some(call) = calls.recv().await {
+                let _ = call
+                    .reply
+                    .send(Err(HostError::Exited("it was stopped".into())));
+            }
+            return;
+        }
+    }
+}
+
+/// An exit status in words: the code, or the signal by name.
+pub fn describe_exit(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt as _;
+    if let Some(code) = status.code() {
+        return format!("exit code {code}");
+    }
+    match status.signal() {
+        Some(signal) => {
+            let name = match signal {
+                libc::SIGKILL => " (SIGKILL: killed, e.g. by the out-of-memory killer)",
+                libc::SIGSEGV => " (SIGSEGV: a crash in native code)",
+                libc::SIGABRT => " (SIGABRT: aborted)",
+                libc::SIGTERM => " (SIGTERM)",
+                libc::SIGBUS => " (SIGBUS)",
+                _ => "",
+            };
+            format!("signal {signal}{name}")
+        }
+        None => status.to_string(),
+    }
+}

@@ -1,0 +1,224 @@
+//! The tools as callers see them: each one's config, and what a worker said of it when it
+//! described it (a Python model's own schemas, description and batch size; every tool's model
+//! card; or why its source or environment failed). Tools are described once, on the first
+//! worker that registers, so a broken source is found at start-up, not at the first call.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use nomad_proto::v1::{
+    DescribeRequest, ToolDescription, ToolInfo, ToolInput, ToolState, tool_input,
+};
+use tonic::Status;
+
+use crate::config::ToolConfig;
+use crate::driver::Handle;
+use crate::workers::Worker;
+
+/// Tools described at once on one worker.
+const DESCRIBING_AT_ONCE: usize = 4;
+
+#[derive(Debug, Clone)]
+enum Described {
+    Pending,
+    Describing,
+    Ready(ToolDescription),
+    Failed(String),
+}
+
+pub struct Catalog {
+    tools: Vec<ToolConfig>,
+    described: Mutex<Vec<Described>>,
+    deadline: Duration,
+}
+
+impl Catalog {
+    pub fn new(tools: Vec<ToolConfig>, deadline: Duration) -> Self {
+        let described = Mutex::new(vec![Described::Pending; tools.len()]);
+        Self {
+            tools,
+            described,
+            deadline,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Described>> {
+        self.described.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn index(&self, tool: &str) -> Option<usize> {
+        self.tools.iter().position(|t| t.name == tool)
+    }
+
+    /// Every tool with its state and, once described, its own schemas and description.
+    pub fn infos(&self) -> Vec<ToolInfo> {
+        let described = self.lock();
+        self.tools
+            .iter()
+            .zip(described.iter())
+            .map(|(t, d)| {
+                let mut info = ToolInfo {
+                    name: t.name.clone(),
+                    kind: t.kind.clone(),
+                    description: t.description.clone(),
+                    batch_size: t.batch_size,
+                    max_devices: t.max_devices,
+                    max_pending: t.max_pending,
+                    max_running: t.max_running.unwrap_or(0),
+                    ..Default::default()
+                };
+                match d {
+                    Described::Pending | Described::Describing => {
+                        info.set_state(ToolState::Pending)
+                    }
+                    Described::Failed(error) => {
+                        info.set_state(ToolState::Failed);
+                        info.error = error.clone();
+                    }
+                    Described::Ready(desc) => {
+                        info.set_state(ToolState::Ready);
+                        if info.description.is_empty() {
+                            info.description = desc.description.clone();
+                        }
+                        if t.batch_size_from_model && desc.batch_size > 0 {
+                            info.batch_size = desc.batch_size;
+                        }
+                        info.input_schema_json = desc.input_schema_json.clone();
+                        info.output_schema_json = desc.output_schema_json.clone();
+                    }
+                }
+                info
+            })
+            .collect()
+    }
+
+    /// Refuses, before it is queued, a call the tool could only fail: its source or environment
+    /// failed (named), or its input is of the wrong form for its kind.
+    pub fn check_call(&self, tool: &str, input: &ToolInput) -> Result<(), Status> {
+        let Some(index) = self.index(tool) else {
+            return Ok(()); // the driver answers unknown tools
+        };
+        let python = self.tools[index].is_python();
+        match (&input.value, python) {
+            (Some(tool_input::Value::Json(_)), false) => {
+                return Err(Status::invalid_argument(format!(
+                    "tool {tool:?} ({}) takes `text` or `tensor` input, not `json`",
+                    self.tools[index].kind
+                )));
+            }
+            (Some(tool_input::Value::Text(_) | tool_input::Value::Tensor(_)), true) => {
+                return Err(Status::invalid_argument(format!(
+                    "tool {tool:?} is a Python model: its input is a JSON object of arguments \
+                     (`json`), as its input schema describes"
+                )));
+            }
+            (None, _) => return Err(Status::invalid_argument("`input` has no value")),
+            _ => {}
+        }
+        match &self.lock()[index] {
+            Described::Failed(error) => Err(Status::failed_precondition(format!(
+                "tool {tool:?} cannot serve: {error}"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The README.md of `tool`'s model directory.
+    pub fn model_card(&self, tool: &str) -> Result<String, Status> {
+        let Some(index) = self.index(tool) else {
+            let names: Vec<&str> = self.tools.iter().map(|t| t.name.as_str()).collect();
+            return Err(Status::not_found(format!(
+                "no tool is named {tool:?}; tools: {}",
+                names.join(", ")
+            )));
+        };
+        match &self.lock()[index] {
+            Described::Ready(d) => d.model_card.clone().ok_or_else(|| {
+                Status::not_found(format!(
+                    "tool {tool:?} has no model card: its model directory ({}) has no README.md",
+                    if self.tools[index].source.is_empty() {
+                        "none: a Python callable"
+                    } else {
+                        self.tools[index].source.as_str()
+                    }
+                ))
+            }),
+            Described::Failed(error) => Err(Status::failed_precondition(format!(
+                "tool {tool:?} cannot serve: {error}"
+            ))),
+            Described::Pending | Described::Describing => Err(Status::unavailable(format!(
+                "tool {tool:?} is not described yet (no worker has registered, or its \
+                 environment is still building); retry shortly"
+            ))),
+        }
+    }
+
+    /// Describes, on `worker`, every tool no worker has described yet; a Python model's batch
+    /// size takes effect in the driver.
+    pub fn describe_on(self: &Arc<Self>, worker: Worker, driver: Handle) {
+        let todo: Vec<usize> = {
+            let mut described = self.lock();
+            described
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, d)| matches!(d, Described::Pending))
+                .map(|(i, d)| {
+                    *d = Described::Describing;
+                    i
+                })
+                .collect()
+        };
+        if todo.is_empty() {
+            return;
+        }
+        let catalog = self.clone();
+        tokio::spawn(async move {
+            futures::stream::iter(todo)
+                .for_each_concurrent(DESCRIBING_AT_ONCE, |index| {
+                    let catalog = catalog.clone();
+                    let worker = worker.clone();
+                    let driver = driver.clone();
+                    async move { catalog.describe_one(index, worker, driver).await }
+                })
+                .await;
+        });
+    }
+
+    async fn describe_one(&self, index: usize, worker: Worker, driver: Handle) {
+        let tool = &self.tools[index];
+        let request = DescribeRequest {
+            model: Some(tool.model_spec()),
+        };
+        let mut client = worker.client.clone();
+        let outcome = match tokio::time::timeout(self.deadline, client.describe(request)).await {
+            Ok(Ok(reply)) => Ok(reply.into_inner()),
+            Ok(Err(status)) if nomad_rpc::peer_lost(&status) => {
+                // The worker went away: the next one to register describes the tool.
+                tracing::warn!(tool = %tool.name, worker = %worker.id, "describing: {}", status.message());
+                self.lock()[index] = Described::Pending;
+                return;
+            }
+            Ok(Err(status)) => Err(status.message().to_owned()),
+            Err(_) => Err(format!(
+                "describing it took over {} s (tool_manager.prepare_timeout_seconds)",
+                self.deadline.as_secs()
+            )),
+        };
+        match outcome {
+            Ok(description) => {
+                tracing::info!(tool = %tool.name, worker = %worker.id, "tool described");
+                if tool.batch_size_from_model && description.batch_size > 0 {
+                    driver
+                        .set_batch_size(&tool.name, description.batch_size)
+                        .await;
+                }
+                self.lock()[index] = Described::Ready(description);
+            }
+            Err(error) => {
+                tracing::error!(tool = %tool.name, worker = %worker.id, "tool cannot serve: {error}");
+                self.lock()[index] = Described::Failed(error);
+            }
+        }
+    }
+}
