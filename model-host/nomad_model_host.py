@@ -200,13 +200,34 @@ def schema_of(model) -> dict | None:
 
 
 def to_json(value):
-    """A JSON-ready copy of an output (pydantic models and tensors included)."""
+    """A JSON-ready copy of an output (pydantic models, tensors and arrays included)."""
     if hasattr(value, "model_dump"):
         return value.model_dump(mode="json")
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    if hasattr(value, "tolist"):  # numpy arrays and scalars, torch tensors
+        return value.tolist()
     core = optional("pydantic_core")
     if core is not None:
         return core.to_jsonable_python(value)
     return value
+
+
+def check_object(item, schema: dict):
+    """A duck-typed model's JSON Schema, checked as far as the standard library can: an object
+    with the required keys. The model checks the rest."""
+    if not isinstance(item, dict):
+        raise ValueError("the arguments must be a JSON object")
+    missing = [k for k in schema.get("required", []) if k not in item]
+    if missing:
+        raise ValueError("; ".join(f"{k}: Field required" for k in missing))
+    if schema.get("additionalProperties") is False:
+        extra = [k for k in item if k not in schema.get("properties", {})]
+        if extra:
+            raise ValueError("; ".join(f"{k}: Extra inputs are not permitted" for k in extra))
+    return item
 
 
 # --- models -----------------------------------------------------------------------------------
@@ -264,7 +285,10 @@ class ModelClass:
         valid = []
         for i, item in enumerate(items):
             try:
-                valid.append((i, args_schema.model_validate(item)))
+                if hasattr(args_schema, "model_validate"):
+                    valid.append((i, args_schema.model_validate(item)))
+                else:
+                    valid.append((i, check_object(item, args_schema)))
             except Exception as e:
                 results[i] = {"invalid": validation_text(e)}
         if not valid:

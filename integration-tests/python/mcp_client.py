@@ -5,9 +5,10 @@
 
 MODE is `auto` (newest protocol, falling back to the initialize handshake) or `legacy`
 (the initialize handshake). calls.json is a list of {"tool", "arguments", "meta"?,
-"progress"?}. Prints one JSON line per call: {"is_error", "structured", "text"} (and, for a call
-with "progress": true, "progress": the [progress, message] pairs the server sent) or
-{"exception": "..."}.
+"progress"?}, called one after another, or {"concurrent": true, "calls": [...]}, all started at
+once on the one session. Prints one JSON line per call, in the calls' order: {"is_error",
+"structured", "text"} (and, for a call with "progress": true, "progress": the [progress,
+message] pairs the server sent) or {"exception": "..."}.
 """
 
 import asyncio
@@ -21,6 +22,9 @@ from mcp.client.streamable_http import create_mcp_http_client, streamable_http_c
 async def main():
     url, mode = sys.argv[1], sys.argv[2]
     calls = json.load(sys.stdin)
+    concurrent = isinstance(calls, dict) and calls.get("concurrent")
+    if isinstance(calls, dict):
+        calls = calls["calls"]
     if url == "stdio":
         transport = StdioServerParameters(command=sys.argv[3], args=sys.argv[4:])
     else:
@@ -29,7 +33,8 @@ async def main():
         transport = streamable_http_client(url, http_client=create_mcp_http_client(headers=headers))
     try:
         async with Client(transport, mode=mode) as client:
-            for call in calls:
+
+            async def one(call):
                 try:
                     notes = []
 
@@ -46,10 +51,17 @@ async def main():
                     reply = {"is_error": bool(result.is_error), "structured": result.structured_content, "text": text}
                     if call.get("progress"):
                         reply["progress"] = notes
-                    print(json.dumps(reply))
+                    return reply
                 except Exception as e:  # noqa: BLE001
-                    print(json.dumps({"exception": repr(e)}))
-                sys.stdout.flush()
+                    return {"exception": repr(e)}
+
+            if concurrent:
+                for reply in await asyncio.gather(*(one(call) for call in calls)):
+                    print(json.dumps(reply))
+            else:
+                for call in calls:
+                    print(json.dumps(await one(call)))
+                    sys.stdout.flush()
     except BaseException as e:  # noqa: BLE001 - connection failures are the test's to judge
         print(json.dumps({"exception": repr(e)}))
 

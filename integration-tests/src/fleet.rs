@@ -163,6 +163,8 @@ pub struct FleetOptions {
     pub auth: bool,
     /// Extra arguments for every device worker (e.g. `--memory-budget-bytes N`).
     pub worker_args: Vec<String>,
+    /// The fleet's directory (its config file, logs and addresses); default: a new temp dir.
+    pub dir: Option<PathBuf>,
 }
 
 impl FleetOptions {
@@ -175,6 +177,14 @@ impl FleetOptions {
     pub fn exporting_to(self, receiver: &crate::OtlpReceiver) -> Self {
         self.env("NOMAD_OTEL_ENABLED", "true")
             .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone())
+    }
+
+    /// The fleet's files (its config among them) go in `dir`, which must not hold another
+    /// fleet's.
+    pub fn in_dir(mut self, dir: &Path) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        self.dir = Some(dir.to_owned());
+        self
     }
 
     pub fn service_env(mut self, service: Service, key: &str, value: impl Into<String>) -> Self {
@@ -260,7 +270,7 @@ impl Fleet {
 
     /// Starts scheduler, one CPU worker and gateway; returns once the worker is registered.
     pub async fn start(options: FleetOptions) -> Fleet {
-        let dir = Self::new_dir();
+        let dir = options.dir.clone().unwrap_or_else(Self::new_dir);
         let model_dir = dir.join("mlp");
         let made = std::process::Command::new(binary("nomad-device-worker"))
             .args(["make-mlp", "--layers", "6,16,4", "--seed", "42", "--out"])

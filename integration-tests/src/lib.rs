@@ -4,6 +4,7 @@
 pub mod catalog;
 pub mod fleet;
 pub mod jaeger;
+pub mod model_host;
 pub mod peers;
 pub mod receiver;
 pub mod reference;

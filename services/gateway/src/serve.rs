@@ -49,6 +49,7 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
         upstream::nomad::Nomad::new(
             SchedulerClient::new(nomad_rpc::channel(&args.scheduler)?),
             tools_ttl,
+            changed.clone(),
         ),
         servers
             .into_iter()

@@ -113,7 +113,6 @@ impl Catalog {
                      (`json`), as its input schema describes"
                 )));
             }
-            (None, _) => return Err(Status::invalid_argument("`input` has no value")),
             _ => {}
         }
         match &self.lock()[index] {

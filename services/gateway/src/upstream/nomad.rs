@@ -77,12 +77,19 @@ pub fn input_schema(kind: &str) -> Value {
     json!({"type": "object", "properties": properties, "required": [required]})
 }
 
+/// How often tools still being described are listed again.
+const PENDING_POLL: std::time::Duration = std::time::Duration::from_secs(1);
+/// How long that goes on at most (a tool's environment may take this long to build).
+const PENDING_WATCH: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// The scheduler's tools as listed at `at`.
 struct Listing {
     at: std::time::Instant,
     tools: Vec<ToolSpec>,
     /// The Python models among them (their arguments go as one JSON object).
     python: HashSet<String>,
+    /// Some tool was not described yet: the listing is kept for [`PENDING_POLL`] only.
+    pending: bool,
 }
 
 pub struct Nomad {
@@ -90,6 +97,9 @@ pub struct Nomad {
     /// The scheduler's tools as last listed, kept for `ttl`.
     listing: tokio::sync::Mutex<Option<Listing>>,
     ttl: std::time::Duration,
+    /// Woken when the tools change: a tool described (its own schema) or failed.
+    changed: std::sync::Arc<tokio::sync::Notify>,
+    watching: std::sync::atomic::AtomicBool,
 }
 
 /// The tool spec of a scheduler's tool: a Python model's own schemas once it is described, else
@@ -128,12 +138,60 @@ fn model_card_spec() -> ToolSpec {
 }
 
 impl Nomad {
-    pub fn new(scheduler: SchedulerClient<nomad_rpc::Channel>, ttl: std::time::Duration) -> Self {
+    pub fn new(
+        scheduler: SchedulerClient<nomad_rpc::Channel>,
+        ttl: std::time::Duration,
+        changed: std::sync::Arc<tokio::sync::Notify>,
+    ) -> Self {
         Self {
             scheduler,
             listing: tokio::sync::Mutex::new(None),
             ttl,
+            changed,
+            watching: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// While some tool is not described yet, lists the scheduler's tools every second and wakes
+    /// whoever waits for changes (the search index) when a tool's state changes, so a Python
+    /// model shows its own schema as soon as it has one.
+    fn watch_pending(&self) {
+        use std::sync::atomic::Ordering;
+        if self.watching.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut scheduler = self.scheduler.clone();
+        let changed = self.changed.clone();
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let mut last: Option<Vec<(String, i32)>> = None;
+            while started.elapsed() < PENDING_WATCH {
+                tokio::time::sleep(PENDING_POLL).await;
+                let Ok(Ok(listed)) =
+                    tokio::time::timeout(LIST_DEADLINE, scheduler.list_tools(ListToolsRequest {}))
+                        .await
+                else {
+                    continue;
+                };
+                let states: Vec<(String, i32)> = listed
+                    .into_inner()
+                    .tools
+                    .into_iter()
+                    .map(|t| (t.name, t.state))
+                    .collect();
+                let pending = states.iter().any(|(_, s)| *s == ToolState::Pending as i32);
+                if last.as_ref() != Some(&states) {
+                    if last.is_some() {
+                        changed.notify_waiters();
+                    }
+                    last = Some(states);
+                }
+                if !pending {
+                    changed.notify_waiters();
+                    break;
+                }
+            }
+        });
     }
 
     /// The scheduler's tools: the kept listing while it is fresh, else a new one.
@@ -144,10 +202,11 @@ impl Nomad {
     /// The kept listing while it is fresh, else a new one: the tools, and the Python ones.
     async fn listing(&self) -> Result<(Vec<ToolSpec>, HashSet<String>), String> {
         let mut listing = self.listing.lock().await;
-        if let Some(l) = listing.as_ref()
-            && l.at.elapsed() < self.ttl
-        {
-            return Ok((l.tools.clone(), l.python.clone()));
+        if let Some(l) = listing.as_ref() {
+            let ttl = if l.pending { PENDING_POLL } else { self.ttl };
+            if l.at.elapsed() < ttl {
+                return Ok((l.tools.clone(), l.python.clone()));
+            }
         }
         let tools = tokio::time::timeout(LIST_DEADLINE, self.list())
             .await
@@ -157,11 +216,15 @@ impl Nomad {
                     LIST_DEADLINE.as_secs()
                 )
             })??;
-        let (tools, python) = tools;
+        let (tools, python, pending) = tools;
+        if pending {
+            self.watch_pending();
+        }
         *listing = Some(Listing {
             at: std::time::Instant::now(),
             tools: tools.clone(),
             python: python.clone(),
+            pending,
         });
         Ok((tools, python))
     }
@@ -174,8 +237,9 @@ impl Nomad {
             .is_some_and(|l| l.tools.iter().any(|t| t.name == tool))
     }
 
-    /// Tools that failed to load are left out (the scheduler's log says why).
-    async fn list(&self) -> Result<(Vec<ToolSpec>, HashSet<String>), String> {
+    /// Tools that failed to load are left out (the scheduler's log says why); also whether any
+    /// is still being described.
+    async fn list(&self) -> Result<(Vec<ToolSpec>, HashSet<String>, bool), String> {
         let listed = self
             .scheduler
             .clone()
@@ -188,6 +252,7 @@ impl Nomad {
             .into_iter()
             .filter(|t| t.state() != ToolState::Failed)
             .collect();
+        let pending = tools.iter().any(|t| t.state() == ToolState::Pending);
         let python = tools
             .iter()
             .filter(|t| t.kind == nomad_proto::kinds::PYTHON.name)
@@ -197,7 +262,7 @@ impl Nomad {
         if !specs.iter().any(|t| t.name == MODEL_CARD_TOOL) {
             specs.push(model_card_spec());
         }
-        Ok((specs, python))
+        Ok((specs, python, pending))
     }
 
     /// Calls `tool`; the caller's context is current (the client layer injects it). With

@@ -145,6 +145,13 @@ pub fn key(interpreter: &Interpreter, requirements: &[String]) -> String {
 /// A file whose presence says the environment in its directory is complete.
 const READY: &str = ".nomad-env-ready";
 
+/// The interpreter to run a host with, and whether this call built its environment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ensured {
+    pub python: PathBuf,
+    pub built: bool,
+}
+
 impl EnvCache {
     /// The interpreter to run the host with: `python` itself without requirements, else the one
     /// of the environment holding them, built here first when no worker built it before.
@@ -153,7 +160,7 @@ impl EnvCache {
         tool: &str,
         python: &str,
         requirements: &[String],
-    ) -> Result<PathBuf, EnvError> {
+    ) -> Result<Ensured, EnvError> {
         let interpreter = Interpreter::probe(python).await?;
         if requirements.iter().any(|r| needs_scifm(r)) && interpreter.version < (3, 12, 0) {
             return Err(EnvError::Interpreter {
@@ -168,23 +175,32 @@ impl EnvCache {
             });
         }
         if requirements.is_empty() {
-            return Ok(interpreter.path);
+            return Ok(Ensured {
+                python: interpreter.path,
+                built: false,
+            });
         }
         let dir = self.root.join("envs").join(key(&interpreter, requirements));
-        let python_in_env = dir.join("bin").join("python");
+        let python = dir.join("bin").join("python");
         if dir.join(READY).is_file() {
             tracing::info!(%tool, env = %dir.display(), "model environment reused");
-            return Ok(python_in_env);
+            return Ok(Ensured {
+                python,
+                built: false,
+            });
         }
         let deadline = Instant::now() + self.timeout;
-        let lock = self.lock(&dir, tool, deadline).await?;
+        let lock = self.lock(&dir, tool, requirements, deadline).await?;
         // Another worker may have built it while this one waited for the lock.
-        if !dir.join(READY).is_file() {
+        let built = !dir.join(READY).is_file();
+        if built {
             self.build(tool, &interpreter, requirements, &dir, deadline)
                 .await?;
+        } else {
+            tracing::info!(%tool, env = %dir.display(), "model environment reused");
         }
         drop(lock);
-        Ok(python_in_env)
+        Ok(Ensured { python, built })
     }
 
     /// Holds `<dir>.lock` exclusively, waiting for another builder until `deadline`.
@@ -192,6 +208,7 @@ impl EnvCache {
         &self,
         dir: &Path,
         tool: &str,
+        requirements: &[String],
         deadline: Instant,
     ) -> Result<std::fs::File, EnvError> {
         let cache_error = |path: &Path, e: std::io::Error| EnvError::Cache {
@@ -220,7 +237,7 @@ impl EnvCache {
             }
             if Instant::now() >= deadline {
                 return Err(EnvError::Timeout {
-                    requirements: String::new(),
+                    requirements: requirements.join(", "),
                     timeout: self.timeout,
                 });
             }
@@ -293,37 +310,43 @@ impl EnvCache {
     }
 }
 
-/// What builds environments: `uv` when it is on PATH (much faster), else `venv` and `pip`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What builds environments: `uv` (`NOMAD_UV`, else on PATH; much faster), else `venv` and
+/// `pip`.
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Installer {
-    Uv,
+    Uv(PathBuf),
     Pip,
 }
 
 impl Installer {
     fn find() -> Self {
-        let uv = std::process::Command::new("uv")
+        let uv = std::env::var_os("NOMAD_UV")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("uv"));
+        let works = std::process::Command::new(&uv)
             .arg("--version")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .status();
-        if uv.is_ok_and(|s| s.success()) {
-            Installer::Uv
+            .status()
+            .is_ok_and(|s| s.success());
+        if works {
+            Installer::Uv(uv)
         } else {
             Installer::Pip
         }
     }
 
-    fn name(self) -> &'static str {
+    fn name(&self) -> &'static str {
         match self {
-            Installer::Uv => "uv",
+            Installer::Uv(_) => "uv",
             Installer::Pip => "pip",
         }
     }
 
     fn steps(
-        self,
+        &self,
         python: &Path,
         dir: &Path,
         python_in_env: &Path,
@@ -331,14 +354,14 @@ impl Installer {
     ) -> Vec<tokio::process::Command> {
         let command = |program: &Path| tokio::process::Command::new(program);
         match self {
-            Installer::Uv => {
-                let mut venv = command(Path::new("uv"));
+            Installer::Uv(uv) => {
+                let mut venv = command(uv);
                 venv.arg("venv")
                     .arg("--quiet")
                     .arg("--python")
                     .arg(python)
                     .arg(dir);
-                let mut install = command(Path::new("uv"));
+                let mut install = command(uv);
                 install
                     .args(["pip", "install", "--python"])
                     .arg(python_in_env)
@@ -406,6 +429,57 @@ mod tests {
             key(&interpreter("/py", (3, 12, 1)), &reqs(&["numpy==2.1"]))
         );
         assert_eq!(a.len(), 16);
+    }
+
+    /// Builds a real environment from PyPI: two builders at once on an empty cache build it once,
+    /// and a later start reuses it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_builders_at_once_build_an_environment_once_and_later_starts_reuse_it() {
+        let root = std::env::temp_dir().join(format!("nomad-env-test-{}", std::process::id()));
+        let cache = EnvCache {
+            root: root.clone(),
+            timeout: Duration::from_secs(600),
+        };
+        let requirements = vec!["six==1.16.0".to_owned()];
+        let (a, b) = tokio::join!(
+            cache.ensure("a", "python3", &requirements),
+            cache.ensure("b", "python3", &requirements)
+        );
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a.python, b.python);
+        assert_eq!(
+            [a.built, b.built].iter().filter(|b| **b).count(),
+            1,
+            "exactly one of two builders builds"
+        );
+        let again = cache.ensure("c", "python3", &requirements).await.unwrap();
+        assert!(!again.built);
+        let imported = std::process::Command::new(&again.python)
+            .args(["-c", "import six; print(six.__version__)"])
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&imported.stdout).trim(), "1.16.0");
+        let broken = cache
+            .ensure(
+                "d",
+                "python3",
+                &["nomad-test-no-such-package==0.0.1".to_owned()],
+            )
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            broken.contains("installing the environment (nomad-test-no-such-package==0.0.1)")
+                && broken.contains("nomad-test-no-such-package"),
+            "{broken}"
+        );
+        let missing = cache
+            .ensure("e", "/nonexistent/python3", &requirements)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(missing.contains("cannot run it"), "{missing}");
+        std::fs::remove_dir_all(root).unwrap();
     }
 
     #[test]

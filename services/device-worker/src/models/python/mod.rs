@@ -121,7 +121,8 @@ async fn prepare(
         .map_err(|source| LoadError::Environment {
             tool: spec.tool.clone(),
             source: Box::new(source),
-        })?;
+        })?
+        .python;
     Ok(Prepared {
         launch: Launch {
             tool: spec.tool.clone(),

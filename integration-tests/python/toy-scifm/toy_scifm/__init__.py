@@ -1,0 +1,3 @@
+from .model import ToySurrogate
+
+__all__ = ["ToySurrogate"]

@@ -1,0 +1,200 @@
+//! What the Python model tests need: an interpreter of Python 3.12 or newer (the original Nomad,
+//! `nomad-scifm`, needs it), the test's own model packages at paths named by their content (so
+//! their environments are built once and reused by every later run), model directories with
+//! fixed weights, and a wait until the scheduler has described a tool.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nomad_proto::v1::scheduler_client::SchedulerClient;
+use nomad_proto::v1::{ListToolsRequest, ToolInfo, ToolState};
+
+/// Python 3.12 or newer: `NOMAD_TEST_PYTHON312`, else pyenv's newest 3.12+, else `python3.13` or
+/// `python3.12` on PATH. Panics naming what it tried: these tests cannot run without one.
+pub fn python312() -> PathBuf {
+    if let Some(p) = std::env::var_os("NOMAD_TEST_PYTHON312") {
+        return PathBuf::from(p);
+    }
+    let pyenv = std::env::var_os("PYENV_ROOT")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".pyenv")));
+    if let Some(root) = &pyenv {
+        let mut found: Vec<(Vec<u32>, PathBuf)> = std::fs::read_dir(root.join("versions"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let version: Vec<u32> = name
+                    .split('.')
+                    .map(|p| p.parse().ok())
+                    .collect::<Option<_>>()?;
+                let python = e.path().join("bin/python");
+                (version.len() >= 2 && version[0] == 3 && version[1] >= 12 && python.is_file())
+                    .then_some((version, python))
+            })
+            .collect();
+        found.sort();
+        if let Some((_, python)) = found.pop() {
+            return python;
+        }
+    }
+    for name in ["python3.13", "python3.12"] {
+        let ok = std::process::Command::new(name)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ok {
+            return PathBuf::from(name);
+        }
+    }
+    panic!(
+        "no Python 3.12 or newer: set NOMAD_TEST_PYTHON312, or install one (pyenv under {}, or \
+         python3.12 on PATH); the original Nomad (nomad-scifm) needs it",
+        pyenv.map(|p| p.display().to_string()).unwrap_or_default()
+    );
+}
+
+/// Where these tests keep environments, clones and packages across runs.
+pub fn cache_dir() -> PathBuf {
+    let dir = std::env::var_os("NOMAD_TEST_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/nomad-test-cache")
+        });
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.canonicalize().unwrap()
+}
+
+/// `uv` when scripts/test installed it (environments build in seconds instead of minutes).
+pub fn uv() -> Option<PathBuf> {
+    let uv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-test/bin/uv");
+    uv.is_file().then_some(uv)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        if name == "build" || name.to_string_lossy().ends_with(".egg-info") || name == "__pycache__"
+        {
+            continue;
+        }
+        let target = to.join(&name);
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+fn digest_dir(dir: &Path, hash: &mut u64) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().collect();
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name == "build" || name.ends_with(".egg-info") || name == "__pycache__" {
+            continue;
+        }
+        for b in name.bytes() {
+            *hash = (*hash ^ u64::from(b)).wrapping_mul(0x100000001b3);
+        }
+        if entry.file_type().unwrap().is_dir() {
+            digest_dir(&entry.path(), hash);
+        } else {
+            for b in std::fs::read(entry.path()).unwrap() {
+                *hash = (*hash ^ u64::from(b)).wrapping_mul(0x100000001b3);
+            }
+        }
+    }
+}
+
+/// The test package `name` (under `integration-tests/python/`) copied to a path named by its
+/// content; returns the PEP 508 requirement that installs it (`name @ file:///...`).
+pub fn package(name: &str) -> String {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(name);
+    let mut hash = 0xcbf29ce484222325u64;
+    digest_dir(&source, &mut hash);
+    let target = cache_dir()
+        .join("packages")
+        .join(format!("{name}-{hash:016x}"));
+    if !target.join("pyproject.toml").is_file() {
+        let partial = target.with_extension(format!("partial-{}", std::process::id()));
+        copy_dir(&source, &partial);
+        let _ = std::fs::rename(&partial, &target);
+        let _ = std::fs::remove_dir_all(&partial);
+    }
+    format!("{name} @ file://{}", target.display())
+}
+
+/// The fixed weights of the toy surrogate (`toy_scifm`), and a model card.
+pub const TOY_WEIGHTS: &str = r#"{"weight": [[0.5, -0.25, 0.125, 0.0], [0.1, 0.2, 0.3, 0.4],
+ [-0.3, 0.0, 0.7, -0.1], [0.05, -0.6, 0.2, 0.9]], "bias": [0.01, -0.02, 0.03, -0.04]}"#;
+
+/// A model directory of the toy surrogate under `dir`.
+pub fn toy_weights(dir: &Path) -> PathBuf {
+    let model = dir.join("toy-weights");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(model.join("weights.json"), TOY_WEIGHTS).unwrap();
+    std::fs::write(
+        model.join("README.md"),
+        "# Toy surrogate\n\nA fixed tanh layer over four features.\n",
+    )
+    .unwrap();
+    model
+}
+
+/// The scheduler's tools once none is pending (every one described or failed), within
+/// `timeout` (an environment may be building).
+pub async fn described_tools(
+    client: &mut SchedulerClient<nomad_rpc::Channel>,
+    timeout: Duration,
+) -> Vec<ToolInfo> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let tools = client
+            .list_tools(ListToolsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .tools;
+        if tools.iter().all(|t| t.state() != ToolState::Pending) {
+            return tools;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "tools still pending after {} s: {:?}",
+            timeout.as_secs(),
+            tools
+                .iter()
+                .filter(|t| t.state() == ToolState::Pending)
+                .map(|t| &t.name)
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// The interpreter of the environment the worker built for `requirements` (its ready marker
+/// lists them), to compute references with the very same packages.
+pub fn env_python(requirements: &[String]) -> PathBuf {
+    let envs = cache_dir().join("envs");
+    let wanted = requirements.join("\n");
+    std::fs::read_dir(&envs)
+        .unwrap_or_else(|e| panic!("{}: {e}", envs.display()))
+        .flatten()
+        .find(|e| {
+            std::fs::read_to_string(e.path().join(".nomad-env-ready")).is_ok_and(|t| t == wanted)
+        })
+        .map(|e| e.path().join("bin/python"))
+        .unwrap_or_else(|| {
+            panic!(
+                "no environment in {} holds {requirements:?}",
+                envs.display()
+            )
+        })
+}

@@ -1,0 +1,629 @@
+//! Python models as tools, end to end: the original Nomad's own `TorchModuleTool` base class
+//! (`nomad-scifm` and torch from PyPI, on Python 3.12) served from `fmod_models` in its own
+//! environment, a duck-typed numpy class from a git tag, plain callables under `tools:`, and an
+//! environment that cannot install. Every answer is checked against calling the model directly
+//! in its own environment, never against Nomad's own output.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nomad_integration_tests::model_host::{
+    cache_dir, described_tools, env_python, package, python312, toy_weights, uv,
+};
+use nomad_integration_tests::peers::mcp_client;
+use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, Service};
+use nomad_proto::v1::{
+    CallToolRequest, GetModelCardRequest, SchedulerSnapshotRequest, ToolInput, ToolState,
+    tool_input, tool_output,
+};
+use serde_json::{Value, json};
+
+/// A cold environment with torch and its CUDA libraries takes minutes with pip.
+const DESCRIBED_WITHIN: Duration = Duration::from_secs(1200);
+
+fn scifm_requirements() -> Vec<String> {
+    vec!["nomad-scifm==0.2.1".to_owned(), package("toy-scifm")]
+}
+
+fn numpy_requirements() -> Vec<String> {
+    vec!["numpy".to_owned(), package("toy-numpy")]
+}
+
+/// Every process's environment: the shared cache, the interpreter, uv when there is one.
+fn options(dir: &Path, tools_yaml: String) -> FleetOptions {
+    let mut options = FleetOptions {
+        tools_yaml: Some(tools_yaml),
+        ..Default::default()
+    }
+    .env("NOMAD_CACHE_DIR", cache_dir().display().to_string())
+    .env("NOMAD_PYTHON", python312().display().to_string())
+    .env(
+        "TOY_SCIFM_ONCE",
+        dir.join("died-once").display().to_string(),
+    );
+    if let Some(uv) = uv() {
+        options = options.env("NOMAD_UV", uv.display().to_string());
+    }
+    options
+}
+
+fn toy_entry(weights: &Path, extra: &str) -> String {
+    format!(
+        "  - model_class: toy_scifm.ToySurrogate\n    name_or_path: {}\n    env: {}\n{extra}",
+        weights.display(),
+        json!(scifm_requirements())
+    )
+}
+
+const MANAGER: &str = "tool_manager:\n  heartbeat_interval_ms: 200\n";
+
+/// Calls the toy surrogate directly in its own environment, one input at a time (the original's
+/// `tool(input)`), for the reference answers.
+fn reference_toy(weights: &Path, inputs: &[Value]) -> Vec<Value> {
+    const SCRIPT: &str = "import json, sys\n\
+        from toy_scifm.model import ToySurrogate, PointIn\n\
+        tool = ToySurrogate.from_pretrained(sys.argv[1])\n\
+        inputs = json.loads(sys.stdin.read())\n\
+        print(json.dumps([tool(PointIn(**a)).model_dump(mode='json') for a in inputs]))\n";
+    run_python(
+        &env_python(&scifm_requirements()),
+        SCRIPT,
+        &[weights],
+        inputs,
+    )
+}
+
+fn run_python(python: &Path, script: &str, args: &[&Path], input: &[Value]) -> Vec<Value> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(python)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        // A file that exists: the reference never dies on purpose.
+        .env("TOY_SCIFM_ONCE", "/")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(json!(input).to_string().as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "the reference failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str::<Vec<Value>>(last).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+fn assert_close(got: &Value, want: &Value, what: &str) {
+    match (got, want) {
+        (Value::Number(a), Value::Number(b)) => {
+            let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{what}: {a} vs {b}"
+            );
+        }
+        (Value::Array(a), Value::Array(b)) => {
+            assert_eq!(a.len(), b.len(), "{what}: {got} vs {want}");
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                assert_close(x, y, &format!("{what}[{i}]"));
+            }
+        }
+        (Value::Object(a), Value::Object(b)) => {
+            assert_eq!(
+                a.keys().collect::<Vec<_>>(),
+                b.keys().collect::<Vec<_>>(),
+                "{what}"
+            );
+            for (k, y) in b {
+                assert_close(&a[k], y, &format!("{what}.{k}"));
+            }
+        }
+        _ => assert_eq!(got, want, "{what}"),
+    }
+}
+
+fn json_input(arguments: &Value) -> ToolInput {
+    ToolInput {
+        value: Some(tool_input::Value::Json(arguments.to_string())),
+        options_json: String::new(),
+    }
+}
+
+async fn call(fleet: &Fleet, tool: &str, arguments: Value) -> Result<(Value, u32), tonic::Status> {
+    let mut client = fleet.scheduler_client().await;
+    let reply = client
+        .call_tool(CallToolRequest {
+            tool: tool.into(),
+            input: Some(json_input(&arguments)),
+        })
+        .await?
+        .into_inner();
+    match reply.output.and_then(|o| o.value) {
+        Some(tool_output::Value::Json(text)) => {
+            Ok((serde_json::from_str(&text).unwrap(), reply.batch_size))
+        }
+        other => panic!("{tool}: not a JSON output: {other:?}"),
+    }
+}
+
+fn toy_inputs(n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|i| {
+            let x = i as f64;
+            json!({"values": [0.1 * x, 1.0 - 0.05 * x, -0.3 + 0.02 * x, 0.5], "steps": 1 + i % 4})
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_originals_torch_module_tool_answers_through_code_mode_as_calling_it_directly() {
+    let dir = Fleet::new_dir();
+    let weights = toy_weights(&dir);
+    let yaml = format!(
+        "fmod_models:\n{}sandbox:\n  max_concurrent: 16\n{MANAGER}",
+        toy_entry(&weights, "")
+    );
+    let mut fleet = Fleet::start(options(&dir, yaml).in_dir(&dir)).await;
+    let mut client = fleet.scheduler_client().await;
+    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
+    let tool = &tools[0];
+    assert_eq!(tool.state(), ToolState::Ready, "{}", tool.error);
+    assert_eq!(
+        (tool.name.as_str(), tool.kind.as_str()),
+        ("ToySurrogate", "python")
+    );
+    // Its description, schema and batch size are the class's own.
+    assert!(tool.description.starts_with("A tiny surrogate"), "{tool:?}");
+    assert_eq!(tool.batch_size, 8);
+    let schema: Value = serde_json::from_str(&tool.input_schema_json).unwrap();
+    assert_eq!(schema["properties"]["values"]["maxItems"], 4);
+    assert!(tool.output_schema_json.contains("\"norm\""));
+
+    // search_code_tools shows it with its own description and its schema as the signature.
+    let url = fleet.gateway_mcp_url();
+    let found = mcp_client(
+        &url,
+        "auto",
+        None,
+        &json!([{"tool": "search_code_tools", "arguments": {"query": "tiny surrogate tanh"}}]),
+    )
+    .await;
+    let text = found[0]["text"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("ToySurrogate(") && text.contains("values: list[float]"),
+        "{text}"
+    );
+    assert!(text.contains("A tiny surrogate"), "{text}");
+
+    // 32 calls at once through code mode, with the official MCP client.
+    let inputs = toy_inputs(32);
+    let calls: Vec<Value> = inputs
+        .iter()
+        .map(|a| {
+            json!({"tool": "execute_mcp_code", "arguments": {"code": format!(
+                "from mcp_tools.nomad import ToySurrogate\nRESULT = ToySurrogate(**{a})"
+            )}})
+        })
+        .collect();
+    let replies = mcp_client(
+        &url,
+        "auto",
+        None,
+        &json!({"concurrent": true, "calls": calls}),
+    )
+    .await;
+    let expected = reference_toy(&weights, &inputs);
+    assert_eq!(replies.len(), 32);
+    for (i, (reply, want)) in replies.iter().zip(&expected).enumerate() {
+        assert_eq!(reply["is_error"], false, "call {i}: {reply}");
+        assert_close(&reply["structured"]["result"], want, &format!("call {i}"));
+    }
+    // The concurrent calls were batched.
+    let snapshot = client
+        .snapshot(SchedulerSnapshotRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let activity = snapshot
+        .tools
+        .iter()
+        .find(|t| t.name == "ToySurrogate")
+        .unwrap();
+    assert!(
+        activity.recent_batch_size > 1.0,
+        "batches of {} on average",
+        activity.recent_batch_size
+    );
+
+    // The original's get_model_card, from sandboxed code.
+    let card = mcp_client(
+        &url,
+        "auto",
+        None,
+        &json!([{"tool": "execute_mcp_code", "arguments": {"code":
+            "from mcp_tools.nomad import get_model_card\nRESULT = get_model_card(tool_name='ToySurrogate')"}}]),
+    )
+    .await;
+    assert_eq!(
+        card[0]["structured"]["result"],
+        "# Toy surrogate\n\nA fixed tanh layer over four features.\n",
+        "{}",
+        card[0]
+    );
+    fleet.terminate().await;
+}
+
+/// The pids of the model hosts a worker's log says it started.
+fn host_pids(log: &str) -> Vec<u32> {
+    log.lines()
+        .filter(|l| l.contains("model host"))
+        .filter_map(|l| l.split("pid=").nth(1))
+        .filter_map(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_models_faults_are_contained_and_named() {
+    let dir = Fleet::new_dir();
+    let weights = toy_weights(&dir);
+    let receiver = OtlpReceiver::grpc().await;
+    let yaml = format!("fmod_models:\n{}{MANAGER}", toy_entry(&weights, ""));
+    let options = options(&dir, yaml)
+        .in_dir(&dir)
+        .exporting_to(&receiver)
+        .env("NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS", "0.2");
+    let mut fleet = Fleet::start(options).await;
+    let mut client = fleet.scheduler_client().await;
+    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
+    assert_eq!(tools[0].state(), ToolState::Ready, "{}", tools[0].error);
+
+    // Eight calls arrive while the model loads, so the first batch is 8, over the 4 this model
+    // fits: out of memory, halved, and every call answered.
+    let oom_inputs: Vec<Value> = (0..8)
+        .map(|i| json!({"values": [77.0, i as f64, 0.0, 0.0]}))
+        .collect();
+    let answers = futures::future::join_all(
+        oom_inputs
+            .iter()
+            .map(|a| call(&fleet, "ToySurrogate", a.clone())),
+    )
+    .await;
+    let expected = reference_toy(&weights, &oom_inputs);
+    for (i, (answer, want)) in answers.into_iter().zip(&expected).enumerate() {
+        let (output, batch) = answer.unwrap_or_else(|e| panic!("call {i}: {e}"));
+        assert_close(&output, want, &format!("call {i}"));
+        assert!(batch <= 4, "call {i} ran in a batch of {batch}");
+    }
+    let mut reductions = 0.0;
+    for _ in 0..50 {
+        reductions = receiver
+            .latest_metrics()
+            .iter()
+            .filter(|m| m.name == "nomad.tool.batch.oom_reductions")
+            .filter(|m| m.attributes.get("tool").map(String::as_str) == Some("ToySurrogate"))
+            .map(|m| m.value)
+            .sum();
+        if reductions > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(reductions >= 1.0, "no out-of-memory reduction was counted");
+
+    // An input that raises fails alone, with the model's message; its batch-mates are answered.
+    let mixed = [
+        json!({"values": [-99.0, 0.0, 0.0, 0.0]}),
+        json!({"values": [1.0, 2.0, 3.0, 4.0]}),
+        json!({"values": [0.5, 0.5, 0.5, 0.5], "steps": 3}),
+    ];
+    let answers = futures::future::join_all(
+        mixed
+            .iter()
+            .map(|a| call(&fleet, "ToySurrogate", a.clone())),
+    )
+    .await;
+    let failed = answers[0].as_ref().unwrap_err();
+    assert_eq!(failed.code(), tonic::Code::Internal, "{failed:?}");
+    assert!(
+        failed
+            .message()
+            .contains("ValueError: the value -99 is out of this model's domain"),
+        "{failed:?}"
+    );
+    let expected = reference_toy(&weights, &mixed[1..]);
+    for (answer, want) in answers[1..].iter().zip(&expected) {
+        assert_close(&answer.as_ref().unwrap().0, want, "a batch-mate");
+    }
+
+    // Arguments the model's schema refuses are named; a text input is not arguments at all.
+    let bad = call(&fleet, "ToySurrogate", json!({"values": [1.0]}))
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    assert!(
+        bad.message()
+            .contains("values: List should have at least 4 items"),
+        "{bad:?}"
+    );
+    let text = client
+        .call_tool(CallToolRequest {
+            tool: "ToySurrogate".into(),
+            input: Some(ToolInput {
+                value: Some(tool_input::Value::Text("hello".into())),
+                options_json: String::new(),
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(text.code(), tonic::Code::InvalidArgument);
+    assert!(text.message().contains("is a Python model"), "{text:?}");
+
+    // A host that dies under a batch is started again and the batch answered.
+    let once = json!({"values": [-66.0, 1.0, 1.0, 1.0]});
+    let (output, _) = call(&fleet, "ToySurrogate", once.clone())
+        .await
+        .expect("answered by the host started again");
+    assert_close(
+        &output,
+        &reference_toy(&weights, &[once])[0],
+        "after a death",
+    );
+    assert!(dir.join("died-once").exists(), "the first host did not die");
+    // One that dies every time fails its call, naming how the host ended, twice.
+    let dies = call(
+        &fleet,
+        "ToySurrogate",
+        json!({"values": [-77.0, 0.0, 0.0, 0.0]}),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(dies.code(), tonic::Code::Internal, "{dies:?}");
+    assert!(
+        dies.message().contains(
+            "the model host exited (exit code 3) under this batch, and again (exit code 3)"
+        ),
+        "{dies:?}"
+    );
+    // And the tool serves on, from a fresh host.
+    let after = json!({"values": [0.25, 0.5, 0.75, 1.0], "steps": 2});
+    let (output, _) = call(&fleet, "ToySurrogate", after.clone()).await.unwrap();
+    assert_close(
+        &output,
+        &reference_toy(&weights, &[after])[0],
+        "after repeated deaths",
+    );
+
+    // What the model printed went to the worker's log, not into the protocol.
+    let log = fleet.stderr(Service::DeviceWorker);
+    assert!(log.contains("toy_scifm: a batch of"), "{log}");
+    let card = client
+        .get_model_card(GetModelCardRequest {
+            tool: "ToySurrogate".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(card.text.starts_with("# Toy surrogate"), "{card:?}");
+
+    // Stopping the worker stops its hosts (each sees its socket close).
+    let pids = host_pids(&log);
+    assert!(pids.len() >= 3, "hosts started: {pids:?}\n{log}");
+    fleet.terminate().await;
+    let running = |pid: &u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(running) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let left: Vec<&u32> = pids.iter().filter(|p| running(p)).collect();
+    assert!(
+        left.is_empty(),
+        "model hosts {left:?} outlived their worker"
+    );
+}
+
+/// A git repository holding the numpy model's window under `weights/`, tagged `v1`, with a
+/// different window committed after the tag.
+fn window_repository(dir: &Path, window: &[f64]) -> PathBuf {
+    let repo = dir.join("spectrum-repo");
+    std::fs::create_dir_all(repo.join("weights")).unwrap();
+    let git = |args: &[&str]| {
+        let status = std::process::Command::new("git")
+            .args(["-c", "user.name=t", "-c", "user.email=t@example.org"])
+            .args(args)
+            .current_dir(&repo)
+            .output()
+            .unwrap();
+        assert!(status.status.success(), "git {args:?}: {status:?}");
+    };
+    let write = |w: &[f64]| {
+        let text: Vec<String> = w.iter().map(|v| v.to_string()).collect();
+        std::fs::write(repo.join("weights/window.txt"), text.join("\n")).unwrap();
+    };
+    git(&["init", "--quiet"]);
+    write(window);
+    git(&["add", "."]);
+    git(&["commit", "--quiet", "-m", "window v1"]);
+    git(&["tag", "v1"]);
+    write(&[1.0; 8]);
+    git(&["commit", "--quiet", "-am", "a flat window after v1"]);
+    repo
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_environment() {
+    let dir = Fleet::new_dir();
+    let window = [0.0, 0.2, 0.6, 1.0, 1.0, 0.6, 0.2, 0.0];
+    let repo = window_repository(&dir, &window);
+    let weights = toy_weights(&dir);
+    // A module beside the config file, imported without any environment of its own.
+    let fleet_dir = |name: &str| {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join("my_tools.py"),
+            "def greet(name: str, punctuation: str = '!') -> str:\n    \
+             \"\"\"Greets someone.\"\"\"\n    return f'Hello, {name}{punctuation}'\n",
+        )
+        .unwrap();
+        d
+    };
+    let numpy = json!(numpy_requirements());
+    let yaml = format!(
+        "fmod_models:\n\
+         \x20 - model_class: toy_numpy.Spectrum\n\
+         \x20   name_or_path: git+file://{repo}@v1#weights\n\
+         \x20   tool_name: spectrum\n\
+         \x20   env: {numpy}\n\
+         \x20 - model_class: toy_scifm.ToySurrogate\n\
+         \x20   name_or_path: {weights}\n\
+         \x20   tool_name: broken\n\
+         \x20   env: [\"nomad-test-no-such-package==0.0.1\"]\n\
+         tools:\n\
+         \x20 - tool: toy_numpy.dot\n\
+         \x20   name: dot\n\
+         \x20   env: {numpy}\n\
+         \x20 - my_tools.greet\n{MANAGER}",
+        repo = repo.display(),
+        weights = weights.display(),
+    );
+    // The config file lives in the fleet's directory, beside my_tools.py.
+    let mut fleet = Fleet::start(options(&dir, yaml.clone()).in_dir(&fleet_dir("first"))).await;
+    let mut client = fleet.scheduler_client().await;
+    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
+    let state = |name: &str| {
+        let t = tools.iter().find(|t| t.name == name).unwrap();
+        (t.state(), t.error.clone())
+    };
+    for name in ["spectrum", "dot", "greet"] {
+        assert_eq!(state(name).0, ToolState::Ready, "{name}: {}", state(name).1);
+    }
+    let (broken, why) = state("broken");
+    assert_eq!(broken, ToolState::Failed);
+    assert!(
+        why.contains("installing the environment (nomad-test-no-such-package==0.0.1)")
+            && why.contains("full log:"),
+        "{why}"
+    );
+    let refused = call(&fleet, "broken", json!({"values": [1, 2, 3, 4]}))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        refused.message().contains("nomad-test-no-such-package"),
+        "{refused:?}"
+    );
+
+    // The numpy model at the tag (not the window committed after it), against numpy itself.
+    let signals: Vec<Value> = (0..6)
+        .map(|i| json!({"signal": (0..8).map(|k| ((i * 3 + k) % 5) as f64 - 2.0).collect::<Vec<_>>()}))
+        .collect();
+    let answers =
+        futures::future::join_all(signals.iter().map(|s| call(&fleet, "spectrum", s.clone())))
+            .await;
+    const SPECTRUM: &str = "import json, sys\nimport numpy as np\n\
+        window = np.array(json.loads(sys.argv[1]))\n\
+        signals = json.loads(sys.stdin.read())\n\
+        print(json.dumps([{'power': (np.abs(np.fft.rfft(np.array(s['signal']) * window)) ** 2).tolist()} for s in signals]))\n";
+    let window_arg = PathBuf::from(json!(window).to_string());
+    let expected = run_python(
+        &env_python(&numpy_requirements()),
+        SPECTRUM,
+        &[&window_arg],
+        &signals,
+    );
+    for (i, (answer, want)) in answers.into_iter().zip(&expected).enumerate() {
+        let (output, _) = answer.unwrap_or_else(|e| panic!("signal {i}: {e}"));
+        assert_close(&output, want, &format!("signal {i}"));
+    }
+    let short = call(&fleet, "spectrum", json!({"signal": [1.0, 2.0]}))
+        .await
+        .unwrap_err();
+    assert!(
+        short
+            .message()
+            .contains("a signal has 2 samples; this model takes 8"),
+        "{short:?}"
+    );
+    let extra = call(
+        &fleet,
+        "spectrum",
+        json!({"signal": vec![0.0; 8], "gain": 2}),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(extra.code(), tonic::Code::InvalidArgument);
+    assert!(
+        extra
+            .message()
+            .contains("gain: Extra inputs are not permitted"),
+        "{extra:?}"
+    );
+
+    // Plain callables: one from the model's environment, one beside the config file.
+    assert_eq!(
+        call(&fleet, "dot", json!({"a": [1, 2, 3], "b": [4, 5, 6]}))
+            .await
+            .unwrap()
+            .0,
+        json!(32.0)
+    );
+    let lengths = call(&fleet, "dot", json!({"a": [1], "b": [1, 2]}))
+        .await
+        .unwrap_err();
+    assert!(
+        lengths
+            .message()
+            .contains("ValueError: lengths differ: 1 and 2"),
+        "{lengths:?}"
+    );
+    assert_eq!(
+        call(&fleet, "greet", json!({"name": "Ada"}))
+            .await
+            .unwrap()
+            .0,
+        json!("Hello, Ada!")
+    );
+    let missing = call(&fleet, "greet", json!({})).await.unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::InvalidArgument);
+    assert!(missing.message().contains("name"), "{missing:?}");
+    // A callable has no model directory, so no model card.
+    let card = client
+        .get_model_card(GetModelCardRequest { tool: "dot".into() })
+        .await
+        .unwrap_err();
+    assert!(card.message().contains("has no model card"), "{card:?}");
+    fleet.terminate().await;
+
+    // A second start reuses the environment the first built.
+    let mut again = Fleet::start(options(&dir, yaml).in_dir(&fleet_dir("second"))).await;
+    let mut client = again.scheduler_client().await;
+    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
+    assert!(
+        tools
+            .iter()
+            .any(|t| t.name == "spectrum" && t.state() == ToolState::Ready)
+    );
+    let log = again.stderr(Service::DeviceWorker);
+    assert!(log.contains("model environment reused"), "{log}");
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("building the model environment") && l.contains("numpy")),
+        "{log}"
+    );
+    again.terminate().await;
+    drop((fleet, again));
+    let _ = std::fs::remove_dir_all(&dir);
+}
