@@ -389,11 +389,15 @@ class Function:
             input_schema = self.arguments.model_json_schema()
         else:
             input_schema = plain_schema(self.signature)
+        if self.returns is not None:
+            output_schema = self.returns.json_schema()
+        else:
+            output_schema = plain_type(self.signature.return_annotation)
         return {
             "name": getattr(self.fn, "__name__", type(self.fn).__name__),
             "description": inspect.getdoc(self.fn) or "",
             "input_schema": input_schema,
-            "output_schema": self.returns.json_schema() if self.returns is not None else None,
+            "output_schema": output_schema,
             "batch_size": 0,
             "bytes": 0,
             "instantiated": True,
@@ -434,17 +438,23 @@ class Function:
         pass
 
 
+PLAIN_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
+               dict: "object"}
+
+
+def plain_type(annotation) -> dict | None:
+    """The JSON Schema of a plain annotation (`int`, `list`, ...), else none."""
+    kind = PLAIN_TYPES.get(annotation) or PLAIN_TYPES.get(getattr(annotation, "__origin__", None))
+    return {"type": kind} if kind else None
+
+
 def plain_schema(signature: inspect.Signature) -> dict:
     """A JSON Schema from annotations alone (no pydantic in the environment)."""
-    types = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
-             dict: "object"}
     properties, required = {}, []
     for name, p in signature.parameters.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
-        schema = {}
-        if p.annotation in types:
-            schema["type"] = types[p.annotation]
+        schema = plain_type(p.annotation) or {}
         if p.default is p.empty:
             required.append(name)
         else:

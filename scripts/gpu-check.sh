@@ -81,6 +81,16 @@ check oom-halving cargo test --release --locked -p nomad-integration-tests --tes
   --nocapture
 [ "$device" = cpu ] || echo "nvidia-smi after the fleet test: $(gpu_memory)" >>"$out/oom-halving.log"
 check generation cargo test --release --locked -p nomad-integration-tests --test generation
+# Python models (the original's TorchModuleTool on torch from PyPI) in a model host on the
+# device: parity with calling the class directly, faults, and on a GPU a real CUDA allocation
+# failure halving the batch. Needs Python 3.12 (NOMAD_TEST_PYTHON312) and PyPI for torch.
+check python-models cargo test --release --locked -p nomad-integration-tests --test model_host
+if [ "$device" = cpu ]; then
+  skip python-cuda-oom "a real CUDA allocation failure needs a GPU"
+else
+  check python-cuda-oom cargo test --release --locked -p nomad-integration-tests --test model_host \
+    -- --ignored --nocapture
+fi
 check embed-bench target/release/nomad-embed-bench --seconds 3 --batch-size 128
 check generate-bench target/release/nomad-generate-bench --concurrency 1,8
 

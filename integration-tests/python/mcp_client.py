@@ -6,9 +6,11 @@
 MODE is `auto` (newest protocol, falling back to the initialize handshake) or `legacy`
 (the initialize handshake). calls.json is a list of {"tool", "arguments", "meta"?,
 "progress"?}, called one after another, or {"concurrent": true, "calls": [...]}, all started at
-once on the one session. Prints one JSON line per call, in the calls' order: {"is_error",
-"structured", "text"} (and, for a call with "progress": true, "progress": the [progress,
-message] pairs the server sent) or {"exception": "..."}.
+once on the one session. A call with "timeout" gives up after that many seconds (the client then
+sends `notifications/cancelled`); {"list": true} lists the tools instead ({"tools": [{"name",
+"description", "input_schema", "output_schema"}]}). Prints one JSON line per call, in the calls'
+order: {"is_error", "structured", "text"} (and, for a call with "progress": true, "progress":
+the [progress, message] pairs the server sent) or {"exception": "..."}.
 """
 
 import asyncio
@@ -35,6 +37,13 @@ async def main():
         async with Client(transport, mode=mode) as client:
 
             async def one(call):
+                if call.get("list"):
+                    listed = await client.list_tools()
+                    return {"tools": [{"name": t.name, "description": t.description,
+                                       "input_schema": t.input_schema, "output_schema": t.output_schema}
+                                      for t in listed.tools]}
+                if call.get("delay"):
+                    await asyncio.sleep(call["delay"])
                 try:
                     notes = []
 
@@ -46,6 +55,7 @@ async def main():
                         call.get("arguments") or {},
                         progress_callback=on_progress if call.get("progress") else None,
                         meta=call.get("meta"),
+                        read_timeout_seconds=call.get("timeout"),
                     )
                     text = "".join(getattr(c, "text", "") for c in result.content)
                     reply = {"is_error": bool(result.is_error), "structured": result.structured_content, "text": text}

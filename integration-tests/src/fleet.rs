@@ -291,7 +291,7 @@ impl Fleet {
         } else {
             String::new()
         };
-        // `nomad serve` keeps its runs' results in the fleet's directory.
+        // `nomad head` keeps its runs' results in the fleet's directory.
         let head = format!("head:\n  runs_dir: {}\n", dir.join("runs").display());
         std::fs::write(
             &config_path,
@@ -422,7 +422,7 @@ impl Fleet {
         self.dir.join(format!("{}.{stream}", service.name()))
     }
 
-    /// Starts the head's gRPC server (`nomad serve`) against this fleet's gateway.
+    /// Starts the head's gRPC server (`nomad head`) against this fleet's gateway.
     pub async fn start_head_server(&mut self) -> String {
         let gateway = self.gateway_addr.clone();
         self.spawn(Service::Head, &["--gateway", &gateway]).await
@@ -442,7 +442,7 @@ impl Fleet {
         let stderr = std::fs::File::create(self.dir.join(format!("{stem}.stderr"))).unwrap();
         let mut cmd = command(service, &self.options.env_for(service));
         if service == Service::Head {
-            cmd.arg("serve");
+            cmd.arg("head");
         }
         let mut child = cmd
             .arg("--config")

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{ListToolsRequest, ToolInfo, ToolState};
+use serde_json::{Value, json};
 
 /// Python 3.12 or newer: `NOMAD_TEST_PYTHON312`, else pyenv's newest 3.12+, else `python3.13` or
 /// `python3.12` on PATH. Panics naming what it tried: these tests cannot run without one.
@@ -64,6 +65,22 @@ pub fn cache_dir() -> PathBuf {
         });
     std::fs::create_dir_all(&dir).unwrap();
     dir.canonicalize().unwrap()
+}
+
+/// What every process of a fleet serving Python models needs: the shared cache, an interpreter
+/// of 3.12 or newer, and uv when there is one.
+pub fn host_env() -> Vec<(String, String)> {
+    let mut env = vec![
+        (
+            "NOMAD_CACHE_DIR".to_owned(),
+            cache_dir().display().to_string(),
+        ),
+        ("NOMAD_PYTHON".to_owned(), python312().display().to_string()),
+    ];
+    if let Some(uv) = uv() {
+        env.push(("NOMAD_UV".to_owned(), uv.display().to_string()));
+    }
+    env
 }
 
 /// `uv` when scripts/test installed it (environments build in seconds instead of minutes).
@@ -197,4 +214,93 @@ pub fn env_python(requirements: &[String]) -> PathBuf {
                 envs.display()
             )
         })
+}
+
+/// The toy surrogate's environment: the original Nomad and the test's package.
+pub fn scifm_requirements() -> Vec<String> {
+    vec!["nomad-scifm==0.2.1".to_owned(), package("toy-scifm")]
+}
+
+/// Calls the toy surrogate directly in its own environment, one input at a time (the original's
+/// `tool(input)`), for the reference answers.
+pub fn reference_toy(weights: &Path, inputs: &[Value]) -> Vec<Value> {
+    const SCRIPT: &str = "import json, sys\n\
+        from toy_scifm.model import ToySurrogate, PointIn\n\
+        tool = ToySurrogate.from_pretrained(sys.argv[1])\n\
+        inputs = json.loads(sys.stdin.read())\n\
+        print(json.dumps([tool(PointIn(**a)).model_dump(mode='json') for a in inputs]))\n";
+    run_python(
+        &env_python(&scifm_requirements()),
+        SCRIPT,
+        &[weights],
+        inputs,
+    )
+}
+
+pub fn run_python(python: &Path, script: &str, args: &[&Path], input: &[Value]) -> Vec<Value> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(python)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        // A file that exists: the reference never dies on purpose.
+        .env("TOY_SCIFM_ONCE", "/")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(json!(input).to_string().as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "the reference failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str::<Vec<Value>>(last).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+pub fn assert_close(got: &Value, want: &Value, what: &str) {
+    match (got, want) {
+        (Value::Number(a), Value::Number(b)) => {
+            let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{what}: {a} vs {b}"
+            );
+        }
+        (Value::Array(a), Value::Array(b)) => {
+            assert_eq!(a.len(), b.len(), "{what}: {got} vs {want}");
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                assert_close(x, y, &format!("{what}[{i}]"));
+            }
+        }
+        (Value::Object(a), Value::Object(b)) => {
+            assert_eq!(
+                a.keys().collect::<Vec<_>>(),
+                b.keys().collect::<Vec<_>>(),
+                "{what}"
+            );
+            for (k, y) in b {
+                assert_close(&a[k], y, &format!("{what}.{k}"));
+            }
+        }
+        _ => assert_eq!(got, want, "{what}"),
+    }
+}
+
+/// An `fmod_models` entry of the toy surrogate (with `extra` lines of its own).
+pub fn toy_entry(weights: &Path, extra: &str) -> String {
+    format!(
+        "  - model_class: toy_scifm.ToySurrogate\n    name_or_path: {}\n    env: {}\n{extra}",
+        weights.display(),
+        json!(scifm_requirements())
+    )
 }

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use nomad_integration_tests::model_host::{
-    cache_dir, described_tools, env_python, package, python312, toy_weights, uv,
+    assert_close, described_tools, env_python, host_env, package, reference_toy, run_python,
+    toy_entry, toy_weights,
 };
 use nomad_integration_tests::peers::mcp_client;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, Service};
@@ -21,116 +22,24 @@ use serde_json::{Value, json};
 /// A cold environment with torch and its CUDA libraries takes minutes with pip.
 const DESCRIBED_WITHIN: Duration = Duration::from_secs(1200);
 
-fn scifm_requirements() -> Vec<String> {
-    vec!["nomad-scifm==0.2.1".to_owned(), package("toy-scifm")]
-}
-
 fn numpy_requirements() -> Vec<String> {
     vec!["numpy".to_owned(), package("toy-numpy")]
 }
 
-/// Every process's environment: the shared cache, the interpreter, uv when there is one.
+/// Every process's environment: [`host_env`], and where the toy model marks its first death.
 fn options(dir: &Path, tools_yaml: String) -> FleetOptions {
-    let mut options = FleetOptions {
+    FleetOptions {
         tools_yaml: Some(tools_yaml),
+        env: host_env(),
         ..Default::default()
     }
-    .env("NOMAD_CACHE_DIR", cache_dir().display().to_string())
-    .env("NOMAD_PYTHON", python312().display().to_string())
     .env(
         "TOY_SCIFM_ONCE",
         dir.join("died-once").display().to_string(),
-    );
-    if let Some(uv) = uv() {
-        options = options.env("NOMAD_UV", uv.display().to_string());
-    }
-    options
-}
-
-fn toy_entry(weights: &Path, extra: &str) -> String {
-    format!(
-        "  - model_class: toy_scifm.ToySurrogate\n    name_or_path: {}\n    env: {}\n{extra}",
-        weights.display(),
-        json!(scifm_requirements())
     )
 }
 
 const MANAGER: &str = "tool_manager:\n  heartbeat_interval_ms: 200\n";
-
-/// Calls the toy surrogate directly in its own environment, one input at a time (the original's
-/// `tool(input)`), for the reference answers.
-fn reference_toy(weights: &Path, inputs: &[Value]) -> Vec<Value> {
-    const SCRIPT: &str = "import json, sys\n\
-        from toy_scifm.model import ToySurrogate, PointIn\n\
-        tool = ToySurrogate.from_pretrained(sys.argv[1])\n\
-        inputs = json.loads(sys.stdin.read())\n\
-        print(json.dumps([tool(PointIn(**a)).model_dump(mode='json') for a in inputs]))\n";
-    run_python(
-        &env_python(&scifm_requirements()),
-        SCRIPT,
-        &[weights],
-        inputs,
-    )
-}
-
-fn run_python(python: &Path, script: &str, args: &[&Path], input: &[Value]) -> Vec<Value> {
-    use std::io::Write as _;
-    let mut child = std::process::Command::new(python)
-        .arg("-c")
-        .arg(script)
-        .args(args)
-        // A file that exists: the reference never dies on purpose.
-        .env("TOY_SCIFM_ONCE", "/")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(json!(input).to_string().as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
-    assert!(
-        output.status.success(),
-        "the reference failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let last = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str::<Vec<Value>>(last).unwrap_or_else(|e| panic!("{e}: {stdout}"))
-}
-
-fn assert_close(got: &Value, want: &Value, what: &str) {
-    match (got, want) {
-        (Value::Number(a), Value::Number(b)) => {
-            let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
-            assert!(
-                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
-                "{what}: {a} vs {b}"
-            );
-        }
-        (Value::Array(a), Value::Array(b)) => {
-            assert_eq!(a.len(), b.len(), "{what}: {got} vs {want}");
-            for (i, (x, y)) in a.iter().zip(b).enumerate() {
-                assert_close(x, y, &format!("{what}[{i}]"));
-            }
-        }
-        (Value::Object(a), Value::Object(b)) => {
-            assert_eq!(
-                a.keys().collect::<Vec<_>>(),
-                b.keys().collect::<Vec<_>>(),
-                "{what}"
-            );
-            for (k, y) in b {
-                assert_close(&a[k], y, &format!("{what}.{k}"));
-            }
-        }
-        _ => assert_eq!(got, want, "{what}"),
-    }
-}
 
 fn json_input(arguments: &Value) -> ToolInput {
     ToolInput {
@@ -432,6 +341,118 @@ async fn a_python_models_faults_are_contained_and_named() {
         left.is_empty(),
         "model hosts {left:?} outlived their worker"
     );
+}
+
+/// Spans the model makes with OpenTelemetry land in the caller's trace: the model's environment
+/// has the SDK and an OTLP/HTTP exporter, the fleet exports to a receiver over OTLP/HTTP, and a
+/// call carrying a `traceparent` finds the model's `toy_scifm.forward` span in that trace, under
+/// the worker's `nomad.device.execute`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_a_python_model_makes_join_the_callers_trace() {
+    const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let dir = Fleet::new_dir();
+    let weights = toy_weights(&dir);
+    let mut requirements = nomad_integration_tests::model_host::scifm_requirements();
+    requirements.extend([
+        "opentelemetry-sdk".to_owned(),
+        "opentelemetry-exporter-otlp-proto-http".to_owned(),
+    ]);
+    let yaml = format!(
+        "fmod_models:\n  - model_class: toy_scifm.ToySurrogate\n    name_or_path: {}\n    env: {}\n{MANAGER}",
+        weights.display(),
+        json!(requirements)
+    );
+    let receiver = OtlpReceiver::http().await;
+    let options = options(&dir, yaml)
+        .in_dir(&dir)
+        .env("NOMAD_OTEL_ENABLED", "true")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone())
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100");
+    let mut fleet = Fleet::start(options).await;
+    let mut client = fleet.scheduler_client().await;
+    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
+    assert_eq!(tools[0].state(), ToolState::Ready, "{}", tools[0].error);
+    let mut request = tonic::Request::new(CallToolRequest {
+        tool: "ToySurrogate".into(),
+        input: Some(json_input(&json!({"values": [0.1, 0.2, 0.3, 0.4]}))),
+    });
+    request.metadata_mut().insert(
+        "traceparent",
+        format!("00-{TRACE_ID}-00f067aa0ba902b7-01")
+            .parse()
+            .unwrap(),
+    );
+    client.call_tool(request).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let forward = loop {
+        let spans = receiver.spans();
+        if let Some(s) = spans.iter().find(|s| s.name == "toy_scifm.forward") {
+            break (s.clone(), spans);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no span of the model's arrived: {:?}",
+            spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let (forward, spans) = forward;
+    assert_eq!(forward.trace_id, TRACE_ID);
+    assert_eq!(forward.attr("toy_scifm.batch"), Some("1"));
+    assert!(
+        forward.service_name.ends_with("/host/ToySurrogate"),
+        "{}",
+        forward.service_name
+    );
+    let parent = spans
+        .iter()
+        .find(|s| Some(&s.span_id) == forward.parent_span_id.as_ref())
+        .expect("the model's span has its parent in the trace");
+    assert_eq!(parent.name, "nomad.device.execute");
+    assert_eq!(parent.trace_id, TRACE_ID);
+    fleet.terminate().await;
+}
+
+/// On a GPU: inputs that each take 40 GiB of device memory, eight at once, make a real
+/// `torch.OutOfMemoryError` (an H200 has 141 GB); the scheduler halves the batch until it fits,
+/// and every call is answered. `scripts/gpu-check.sh` runs it with `NOMAD_TEST_DEVICE=cuda:0`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh --device cuda:0 runs it"]
+async fn a_real_cuda_out_of_memory_in_a_python_model_halves_the_batch() {
+    let device = std::env::var("NOMAD_TEST_DEVICE").unwrap_or_default();
+    assert!(
+        device.starts_with("cuda:"),
+        "set NOMAD_TEST_DEVICE=cuda:N (got {device:?}): a CPU has no device memory to run out of"
+    );
+    let dir = Fleet::new_dir();
+    let weights = toy_weights(&dir);
+    let yaml = format!("fmod_models:\n{}{MANAGER}", toy_entry(&weights, ""));
+    let mut fleet = Fleet::start(options(&dir, yaml).in_dir(&dir)).await;
+    let mut client = fleet.scheduler_client().await;
+    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
+    assert_eq!(tools[0].state(), ToolState::Ready, "{}", tools[0].error);
+    let inputs: Vec<Value> = (0..8)
+        .map(|i| json!({"values": [88.0, i as f64, 0.0, 1.0]}))
+        .collect();
+    let answers = futures::future::join_all(
+        inputs
+            .iter()
+            .map(|a| call(&fleet, "ToySurrogate", a.clone())),
+    )
+    .await;
+    let expected = reference_toy(&weights, &inputs);
+    let mut sizes = Vec::new();
+    for (i, (answer, want)) in answers.into_iter().zip(&expected).enumerate() {
+        let (output, batch) = answer.unwrap_or_else(|e| panic!("call {i}: {e}"));
+        assert_close(&output, want, &format!("call {i}"));
+        sizes.push(batch);
+    }
+    // The first batch held all eight (they arrived while the model loaded): only halving after
+    // real out-of-memory errors brings it under 160 GiB.
+    assert!(sizes.iter().all(|b| *b <= 3), "batch sizes {sizes:?}");
+    eprintln!("batch sizes on {device}: {sizes:?}");
+    fleet.terminate().await;
 }
 
 /// A git repository holding the numpy model's window under `weights/`, tagged `v1`, with a

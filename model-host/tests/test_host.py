@@ -17,10 +17,10 @@ FIXTURES = os.path.join(HERE, "fixtures")
 
 
 class Host:
-    def __init__(self):
+    def __init__(self, path=FIXTURES):
         ours, theirs = socket.socketpair()
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        env.update(NOMAD_HOST_FD=str(theirs.fileno()), NOMAD_HOST_PATH=FIXTURES)
+        env.update(NOMAD_HOST_FD=str(theirs.fileno()), NOMAD_HOST_PATH=path)
         self.process = subprocess.Popen(
             [sys.executable, "-u", HOST],
             env=env,
@@ -154,6 +154,27 @@ class HostTests(unittest.TestCase):
         reply = json.loads(self.host.reader.read(length))
         self.assertEqual(reply["error"]["kind"], "bad_request")
         self.assertEqual(self.host.process.wait(timeout=30), 0)
+
+
+class PlainHostTests(unittest.TestCase):
+    """An environment without pydantic: schemas from plain annotations, arguments bound to the
+    signature."""
+
+    def test_a_callable_is_described_and_called_from_its_annotations(self):
+        host = Host(os.pathsep.join([os.path.join(FIXTURES, "no_pydantic"), FIXTURES]))
+        try:
+            reply = host.call({"op": "load", "entry": "callable", "target": "plain_tools.scale"})["ok"]
+            self.assertEqual(reply["input_schema"]["properties"]["x"], {"type": "number"})
+            self.assertEqual(reply["input_schema"]["properties"]["k"], {"type": "integer", "default": 2})
+            self.assertEqual(reply["input_schema"]["required"], ["x"])
+            self.assertEqual(reply["output_schema"], {"type": "number"})
+            results = host.call({"op": "batch", "items": [{"x": 1.5}, {"k": 3}, {"x": 1, "y": 2}],
+                                 "trace": {}})["ok"]["results"]
+            self.assertEqual(results[0], {"output": 3.0})
+            self.assertIn("missing a required argument: 'x'", results[1]["invalid"])
+            self.assertIn("unexpected keyword argument 'y'", results[2]["invalid"])
+        finally:
+            host.close()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 //! scheduler's (as the built-in `nomad` server) and external MCP servers.
 
 mod config;
+mod direct;
 mod execute;
+mod mcp_call;
 mod mcp_http;
 mod mcp_server;
 mod sandbox;
@@ -34,6 +36,11 @@ pub struct Args {
     /// Serve MCP over stdin/stdout instead of HTTP (logs and console telemetry go to stderr).
     #[arg(long)]
     pub mcp_stdio: bool,
+    /// What /mcp and stdio offer: `code` mode (search and run code), or the fleet's `tools`,
+    /// each an MCP tool of its own (as the original's `nomad serve`). Over HTTP, /tools always
+    /// offers the tools.
+    #[arg(long, value_enum, default_value = "code")]
+    pub mcp_front: mcp_http::Front,
     /// The scheduler serving the built-in `nomad` tools.
     #[arg(long, env = "NOMAD_SCHEDULER", default_value = "127.0.0.1:7002")]
     pub scheduler: String,

@@ -1,14 +1,27 @@
-//! MCP over Streamable HTTP at `/mcp`, behind the bearer token.
+//! MCP over Streamable HTTP, behind the bearer token: code mode (or, with `--mcp-front
+//! tools`, the fleet's tools) at `/mcp`, and the fleet's tools, each an MCP tool of its own, at
+//! `/tools`.
 
 use std::sync::Arc;
 
-use crate::mcp_server;
+use crate::{direct, mcp_server};
 
-/// Streamable HTTP at `/mcp`: the fleet's bearer token (`nomad_rpc::auth`), the `Host` and
-/// `Origin` allowlists, and the same refusal to listen beyond loopback without a credential as
-/// every gRPC server.
+/// What `/mcp` (and stdio) offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Front {
+    /// `search_code_tools`, `execute_mcp_code`, `execute_mcp_script`.
+    Code,
+    /// Every tool of the fleet as an MCP tool of its own, and `get_model_card`.
+    Tools,
+}
+
+/// Streamable HTTP at `/mcp` and `/tools`: the fleet's bearer token (`nomad_rpc::auth`), the
+/// `Host` and `Origin` allowlists, and the same refusal to listen beyond loopback without a
+/// credential as every gRPC server.
 pub async fn serve(
-    front: mcp_server::McpFrontEnd,
+    code: mcp_server::McpFrontEnd,
+    tools: direct::DirectTools,
+    front: Front,
     listen: &str,
     http: &crate::config::GatewayConfig,
     addr_file: Option<&std::path::Path>,
@@ -38,15 +51,31 @@ pub async fn serve(
     if !http.mcp_allowed_origins.is_empty() {
         config.allowed_origins = http.mcp_allowed_origins.clone();
     }
-    let service = StreamableHttpService::new(
-        move || Ok(front.clone()),
-        Arc::new(LocalSessionManager::default()),
-        config,
+    let sessions = || Arc::new(LocalSessionManager::default());
+    let direct = {
+        let tools = tools.clone();
+        StreamableHttpService::new(move || Ok(tools.clone()), sessions(), config.clone())
+    };
+    let app = match front {
+        Front::Code => axum::Router::new().nest_service(
+            "/mcp",
+            StreamableHttpService::new(move || Ok(code.clone()), sessions(), config),
+        ),
+        Front::Tools => axum::Router::new().nest_service(
+            "/mcp",
+            StreamableHttpService::new(move || Ok(tools.clone()), sessions(), config),
+        ),
+    }
+    .nest_service("/tools", direct)
+    .layer(axum::middleware::from_fn(bearer_auth));
+    tracing::info!(
+        "nomad-gateway MCP (Streamable HTTP) listening on http://{local}/mcp ({}) and \
+         http://{local}/tools (the fleet's tools)",
+        match front {
+            Front::Code => "code mode",
+            Front::Tools => "the fleet's tools",
+        }
     );
-    let app = axum::Router::new()
-        .nest_service("/mcp", service)
-        .layer(axum::middleware::from_fn(bearer_auth));
-    tracing::info!("nomad-gateway MCP (Streamable HTTP) listening on http://{local}/mcp");
     axum::serve(listener, app)
         .with_graceful_shutdown(stopped)
         .await?;

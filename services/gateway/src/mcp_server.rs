@@ -3,13 +3,12 @@
 //! trace context of a `tools/call` comes from `params._meta` (`traceparent`, `tracestate`,
 //! `baggage`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ListToolsResult,
-    PaginatedRequestParams, ProgressNotificationParam, ProgressToken, ServerCapabilities,
-    ServerConfig, Tool,
+    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -117,28 +116,6 @@ fn complete(value: Value, failed: bool) -> CallToolResponse {
     })
 }
 
-/// Pieces of streamed text waiting to become progress notifications; more are dropped (the
-/// answer holds all of the text anyway).
-const PROGRESS_BUFFER: usize = 256;
-
-/// Sends each piece of text a run's tools stream as a `notifications/progress` for `token`
-/// (progress = pieces so far, message = the text), until the run ends.
-async fn forward_progress(
-    mut texts: tokio::sync::mpsc::Receiver<String>,
-    peer: rmcp::Peer<RoleServer>,
-    token: ProgressToken,
-) {
-    let mut pieces = 0u64;
-    while let Some(text) = texts.recv().await {
-        pieces += 1;
-        let note = ProgressNotificationParam::new(token.clone(), pieces as f64).with_message(text);
-        if peer.notify_progress(note).await.is_err() {
-            // The client went away; the run still finishes and is recorded.
-            return;
-        }
-    }
-}
-
 impl ServerHandler for McpFrontEnd {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
@@ -159,17 +136,9 @@ impl ServerHandler for McpFrontEnd {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
-        let carrier: HashMap<String, String> = request
-            .meta
-            .as_ref()
-            .map(|m| &m.0.0)
-            .into_iter()
-            .chain(std::iter::once(&context.meta.0.0))
-            .flat_map(|m| m.iter())
-            .filter(|(k, _)| matches!(k.as_str(), "traceparent" | "tracestate" | "baggage"))
-            .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_owned())))
-            .collect();
-        let cx = nomad_telemetry::propagation::extract_map(&carrier);
+        let cx = nomad_telemetry::propagation::extract_map(&crate::mcp_call::carrier(
+            &request, &context,
+        ));
         let args = request.arguments.clone().unwrap_or_default();
         match request.name.as_ref() {
             "search_code_tools" => {
@@ -206,25 +175,7 @@ impl ServerHandler for McpFrontEnd {
                 }
             }
             "execute_mcp_code" | "execute_mcp_script" => {
-                let token = request
-                    .meta
-                    .as_ref()
-                    .and_then(|m| m.get_progress_token())
-                    .or_else(|| context.meta.get_progress_token());
-                let (progress, forwarding) = match token {
-                    Some(token) => {
-                        let (tx, rx) = tokio::sync::mpsc::channel(PROGRESS_BUFFER);
-                        (
-                            Some(tx),
-                            Some(tokio::spawn(forward_progress(
-                                rx,
-                                context.peer.clone(),
-                                token,
-                            ))),
-                        )
-                    }
-                    None => (None, None),
-                };
+                let (progress, forwarding) = crate::mcp_call::progress(&request, &context);
                 let env = env(&args)?;
                 let ran = if request.name == "execute_mcp_code" {
                     let code = string(&args, "code")?

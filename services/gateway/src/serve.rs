@@ -12,7 +12,9 @@ use nomad_telemetry::{ConsoleSink, InitOptions, ServerType};
 use rmcp::ServiceExt as _;
 use tokio::sync::watch;
 
-use crate::{Args, config, execute, mcp_http, mcp_server, sandbox, search, service, upstream};
+use crate::{
+    Args, config, direct, execute, mcp_http, mcp_server, sandbox, search, service, upstream,
+};
 
 pub async fn serve(args: Args) -> anyhow::Result<()> {
     let options = StartOptions {
@@ -107,22 +109,24 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
         None => None,
     };
 
-    let front = mcp_server::McpFrontEnd {
+    let code = mcp_server::McpFrontEnd {
+        gateway: gateway.clone(),
+    };
+    let tools = direct::DirectTools {
         gateway: gateway.clone(),
     };
     if args.mcp_stdio {
-        tracing::info!("nomad-gateway serving MCP on stdio");
-        let running = front
-            .serve(rmcp::transport::stdio())
-            .await
-            .context("MCP over stdio")?;
-        tokio::select! {
-            _ = running.waiting() => {},
-            _ = stopped(stop_rx.clone()) => {},
+        tracing::info!(front = ?args.mcp_front, "nomad-gateway serving MCP on stdio");
+        let stop = stopped(stop_rx.clone());
+        match args.mcp_front {
+            mcp_http::Front::Code => serve_stdio(code, stop).await?,
+            mcp_http::Front::Tools => serve_stdio(tools, stop).await?,
         }
     } else {
         mcp_http::serve(
-            front,
+            code,
+            tools,
+            args.mcp_front,
             &args.mcp_listen,
             &gateway_config,
             args.mcp_addr_file.as_deref(),
@@ -135,5 +139,21 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
     }
     gateway.sandbox.remove_directory();
     telemetry.stop().await;
+    Ok(())
+}
+
+/// Serves `handler` on stdin/stdout until the client closes the session or the gateway stops.
+async fn serve_stdio<H: rmcp::ServerHandler>(
+    handler: H,
+    stopped: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let running = handler
+        .serve(rmcp::transport::stdio())
+        .await
+        .context("MCP over stdio")?;
+    tokio::select! {
+        _ = running.waiting() => {},
+        _ = stopped => {},
+    }
     Ok(())
 }

@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
-use crate::{collect, health, report, run, serve, slurm, top, traces, up};
+use crate::{collect, head_api, health, report, run, serve, slurm, top, traces, up};
 
 /// Nomad head: start a fleet, run rollouts against it, and read their traces.
 #[derive(Parser)]
@@ -18,8 +18,11 @@ pub enum Command {
     Up(up::UpArgs),
     /// Run every task of a tasks JSONL file as one rollout and write one result line per task.
     Run(run::RunArgs),
-    /// Serve the Head gRPC API: start runs of rollouts and report on them.
+    /// Serve a config's tools over MCP, each tool an MCP tool of its own (as the original
+    /// Nomad's `nomad serve`): the scheduler and device workers start as children.
     Serve(serve::ServeArgs),
+    /// Serve the Head gRPC API: start runs of rollouts and report on them.
+    Head(head_api::HeadArgs),
     /// Show a run's rollouts as waterfall trees of their spans, slowest first.
     Traces(traces::TracesArgs),
     /// Write a run's report: one HTML file of plots and its slowest rollouts' waterfalls.
@@ -45,7 +48,8 @@ impl Command {
         match self {
             Command::Up(args) => up::command(args).await,
             Command::Run(args) => run::run(args).await,
-            Command::Serve(args) => serve::serve(args).await.map(|()| true),
+            Command::Serve(args) => serve::serve(args).await,
+            Command::Head(args) => head_api::serve(args).await.map(|()| true),
             Command::Traces(args) => traces::show(args).await,
             Command::Report(args) => report::report(args).await,
             Command::Submit(args) => slurm::submit(args).await,

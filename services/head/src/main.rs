@@ -3,6 +3,7 @@
 
 mod cli;
 mod collect;
+mod head_api;
 mod health;
 mod memory;
 mod report;

@@ -1,4 +1,4 @@
-//! Runs started over gRPC (`nomad serve`): their state, counts and latest results. Every result
+//! Runs started over gRPC (`nomad head`): their state, counts and latest results. Every result
 //! also goes to `<runs dir>/<run id>/results.jsonl`; memory keeps only the last few per run,
 //! at most `max_live_runs` runs go at once, and finished runs beyond a fixed number are
 //! forgotten oldest first.

@@ -1,4 +1,4 @@
-//! The Head gRPC service (`nomad serve`): starts runs in the background and reports on them.
+//! The Head gRPC service (`nomad head`): starts runs in the background and reports on them.
 
 use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::head_server::Head;

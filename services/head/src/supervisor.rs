@@ -21,6 +21,9 @@ pub struct ChildSpec {
     pub args: Vec<String>,
     /// Set for the child; the caller has already left out what the user's env sets.
     pub env: Vec<(String, String)>,
+    /// The child talks on the head's own stdin and stdout (an MCP server over stdio) instead of
+    /// writing its stdout to `<name>.jsonl`.
+    pub stdio: bool,
 }
 
 struct Running {
@@ -81,10 +84,15 @@ impl Supervisor {
         let stderr =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let mut command = tokio::process::Command::new(&spec.program);
+        let (stdin, stdout) = if spec.stdio {
+            (Stdio::inherit(), Stdio::inherit())
+        } else {
+            (Stdio::null(), Stdio::from(stdout))
+        };
         command
             .args(&spec.args)
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
+            .stdin(stdin)
             .stdout(stdout)
             .stderr(stderr)
             // Its own process group: a terminal's Ctrl-C reaches the head alone, which then
@@ -278,6 +286,7 @@ mod tests {
 
     fn sh(name: &str, script: &str) -> ChildSpec {
         ChildSpec {
+            stdio: false,
             name: name.into(),
             server_type: "test",
             program: "sh".into(),

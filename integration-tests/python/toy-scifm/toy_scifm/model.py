@@ -7,7 +7,9 @@ Inputs whose first value is a marker exercise the model host's fault handling:
   -99 this input raises ValueError,
   -66 the process dies (os._exit(3)) unless the file named by TOY_SCIFM_ONCE exists, which it
       creates first: the first host dies, the one started after it answers,
-  -77 the process always dies (os._exit(3)).
+  -77 the process always dies (os._exit(3)),
+  88  each input of the batch takes 40 GiB of device memory for a moment (a real allocation: on a
+      GPU, a batch beyond its memory raises torch.OutOfMemoryError).
 """
 
 import json
@@ -18,6 +20,13 @@ import torch
 from pydantic import BaseModel, Field
 
 from nomad.fm_base_tool import TorchModuleTool
+
+try:  # Spans of the model's own, where its environment has OpenTelemetry.
+    from opentelemetry import trace
+
+    tracer = trace.get_tracer("toy_scifm")
+except ImportError:
+    tracer = None
 
 
 class PointIn(BaseModel):
@@ -68,6 +77,9 @@ class ToySurrogate(TorchModuleTool[PointIn, PointOut, tuple, torch.Tensor]):
             raise ValueError("the value -99 is out of this model's domain")
         if -77 in firsts:
             os._exit(3)
+        if 88 in firsts:
+            held = torch.empty(len(batch) * (40 << 30), dtype=torch.uint8, device=self.device)
+            del held
         if -66 in firsts:
             once = os.environ["TOY_SCIFM_ONCE"]
             if not os.path.exists(once):
@@ -80,7 +92,11 @@ class ToySurrogate(TorchModuleTool[PointIn, PointOut, tuple, torch.Tensor]):
 
     def _forward(self, model_input):
         x, steps = model_input
-        return self.fm(x, steps).to("cpu")
+        if tracer is None:
+            return self.fm(x, steps).to("cpu")
+        with tracer.start_as_current_span("toy_scifm.forward") as span:
+            span.set_attribute("toy_scifm.batch", int(x.shape[0]))
+            return self.fm(x, steps).to("cpu")
 
     def postprocess(self, model_output):
         for row in model_output:

@@ -111,6 +111,7 @@ impl Steps {
         println!("nomad: step {name} on {node}: srun {}", srun.join(" "));
         self.nodes.insert(name.to_owned(), node.to_owned());
         sup.spawn(ChildSpec {
+            stdio: false,
             name: name.into(),
             server_type,
             program: "srun".into(),

@@ -105,11 +105,76 @@ pub(crate) async fn wait_ready(
     }
 }
 
+/// Waits until the scheduler has described every tool (a Python model's environment may be
+/// building); returns those that cannot serve, with why.
+pub(crate) async fn wait_described(
+    sup: &mut Supervisor,
+    scheduler: &str,
+    timeout: Duration,
+) -> anyhow::Result<Vec<(String, String)>> {
+    use nomad_proto::v1::{ListToolsRequest, ToolState};
+    let started = tokio::time::Instant::now();
+    let deadline = started + timeout;
+    let mut client = SchedulerClient::new(nomad_rpc::channel(scheduler)?);
+    let mut told = false;
+    loop {
+        let tools = client
+            .list_tools(ListToolsRequest {})
+            .await
+            .map(|r| r.into_inner().tools)
+            .unwrap_or_default();
+        let pending: Vec<&str> = tools
+            .iter()
+            .filter(|t| t.state() == ToolState::Pending)
+            .map(|t| t.name.as_str())
+            .collect();
+        if pending.is_empty() && !tools.is_empty() {
+            return Ok(tools
+                .into_iter()
+                .filter(|t| t.state() == ToolState::Failed)
+                .map(|t| (t.name, t.error))
+                .collect());
+        }
+        if pending.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Only worth saying when it takes a while (an environment being built).
+        if !told && started.elapsed() > Duration::from_secs(3) {
+            eprintln!(
+                "nomad: waiting for {} to be described (a Python model's environment is built \
+                 once per host; see the device worker's log)",
+                pending.join(", ")
+            );
+            told = true;
+        }
+        if let Some(exit) = sup.try_exit() {
+            anyhow::bail!("{}", sup.report(&exit));
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "tools not described after {timeout:?}: {}",
+            pending.join(", ")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// A free loopback port for a child's Prometheus endpoint. Another process could take it
 /// before the child binds it; the child then fails at start-up, naming the address.
 pub fn free_loopback_address() -> anyhow::Result<String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(listener.local_addr()?.to_string())
+}
+
+/// What the gateway's MCP endpoint offers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GatewayFront {
+    /// Code mode at /mcp (and the tools at /tools) on a free loopback port.
+    Code,
+    /// The fleet's tools, each an MCP tool of its own, at /mcp on `listen` (`nomad serve -t http`).
+    ToolsHttp { listen: String },
+    /// The fleet's tools over the head's own stdin and stdout (`nomad serve`).
+    ToolsStdio,
 }
 
 /// What to start, and where.
@@ -125,13 +190,17 @@ pub struct FleetPlan<'a> {
     pub timeout: Duration,
     /// Give each child a Prometheus endpoint on a free loopback port.
     pub prometheus: bool,
+    pub front: &'a GatewayFront,
 }
 
 /// The started fleet's addresses, as written to `fleet.json`.
 pub struct Addresses {
     pub scheduler: String,
     pub gateway: String,
+    /// `/mcp`: code mode, or the fleet's tools under `nomad serve`; "stdio" over stdio.
     pub mcp_url: String,
+    /// The fleet's tools, each an MCP tool of its own (none over stdio).
+    pub tools_url: Option<String>,
     /// Each child's Prometheus endpoint (`name`, `IP:port`).
     pub prometheus: Vec<(String, String)>,
 }
@@ -152,41 +221,44 @@ pub async fn start_fleet(
         gpus,
         timeout,
         prometheus,
+        front,
     } = *plan;
     let addr_file = |name: &str| run_dir.join(format!("{name}.addr"));
     let mut scrape = Vec::new();
     // Each spawn's span, open until the server listens: the server's start-up continues it.
-    let mut spec = |name: &str, server_type: &'static str, program: &str, args: Vec<String>| {
-        let mut env = env.to_vec();
-        let phase = startup.phase(
-            "spawn",
-            vec![KeyValue::new("nomad.server.name", name.to_owned())],
-        );
-        env.extend(nomad_telemetry::propagation::inject_env(phase.context()));
-        if prometheus {
-            let address = free_loopback_address()?;
-            env.push(("NOMAD_OTEL_PROMETHEUS_LISTEN".into(), address.clone()));
-            scrape.push((name.to_owned(), address));
-        }
-        let mut args = args;
-        args.extend([
-            "--config".into(),
-            config.display().to_string(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--addr-file".into(),
-            addr_file(name).display().to_string(),
-        ]);
-        let child = ChildSpec {
-            name: name.into(),
-            server_type,
-            program: binary(bin_dir, program)?,
-            args,
-            env,
+    let mut spec =
+        |name: &str, server_type: &'static str, program: &str, args: Vec<String>, stdio: bool| {
+            let mut env = env.to_vec();
+            let phase = startup.phase(
+                "spawn",
+                vec![KeyValue::new("nomad.server.name", name.to_owned())],
+            );
+            env.extend(nomad_telemetry::propagation::inject_env(phase.context()));
+            if prometheus {
+                let address = free_loopback_address()?;
+                env.push(("NOMAD_OTEL_PROMETHEUS_LISTEN".into(), address.clone()));
+                scrape.push((name.to_owned(), address));
+            }
+            let mut args = args;
+            args.extend([
+                "--config".into(),
+                config.display().to_string(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--addr-file".into(),
+                addr_file(name).display().to_string(),
+            ]);
+            let child = ChildSpec {
+                name: name.into(),
+                server_type,
+                program: binary(bin_dir, program)?,
+                args,
+                env,
+                stdio,
+            };
+            Ok::<_, anyhow::Error>((child, phase))
         };
-        Ok::<_, anyhow::Error>((child, phase))
-    };
-    let (child, spawning) = spec("scheduler", "scheduler", "nomad-scheduler", vec![])?;
+    let (child, spawning) = spec("scheduler", "scheduler", "nomad-scheduler", vec![], false)?;
     let scheduler_index = sup.spawn(child)?;
     let scheduler = sup
         .wait_for_file(scheduler_index, &addr_file("scheduler"), timeout)
@@ -204,40 +276,55 @@ pub async fn start_fleet(
         if gpus > 0 {
             args.extend(["--device".into(), format!("cuda:{i}")]);
         }
-        let (child, spawning) = spec(&name, "device-worker", "nomad-device-worker", args)?;
+        let (child, spawning) = spec(&name, "device-worker", "nomad-device-worker", args, false)?;
         let index = sup.spawn(child)?;
         let address = sup.wait_for_file(index, &addr_file(&name), timeout).await?;
         spawning.end();
         addresses.push((index, address));
     }
     let mcp_addr_file = run_dir.join("gateway-mcp.addr");
-    let (child, spawning) = spec(
-        "gateway",
-        "gateway",
-        "nomad-gateway",
-        vec![
-            "--scheduler".into(),
-            scheduler.clone(),
+    let mut args = vec!["--scheduler".into(), scheduler.clone()];
+    let listen = match front {
+        GatewayFront::Code => Some("127.0.0.1:0"),
+        GatewayFront::ToolsHttp { listen } => Some(listen.as_str()),
+        GatewayFront::ToolsStdio => None,
+    };
+    match listen {
+        Some(listen) => args.extend([
             "--mcp-listen".into(),
-            "127.0.0.1:0".into(),
+            listen.to_owned(),
             "--mcp-addr-file".into(),
             mcp_addr_file.display().to_string(),
-        ],
-    )?;
+        ]),
+        None => args.push("--mcp-stdio".into()),
+    }
+    if *front != GatewayFront::Code {
+        args.extend(["--mcp-front".into(), "tools".into()]);
+    }
+    let stdio = *front == GatewayFront::ToolsStdio;
+    let (child, spawning) = spec("gateway", "gateway", "nomad-gateway", args, stdio)?;
     let gateway_index = sup.spawn(child)?;
     let gateway = sup
         .wait_for_file(gateway_index, &addr_file("gateway"), timeout)
         .await?;
     spawning.end();
-    let mcp = sup
-        .wait_for_file(gateway_index, &mcp_addr_file, timeout)
-        .await?;
+    let mcp = match listen {
+        Some(_) => Some(
+            sup.wait_for_file(gateway_index, &mcp_addr_file, timeout)
+                .await?,
+        ),
+        None => None,
+    };
     addresses.push((gateway_index, gateway.clone()));
     wait_ready(sup, &addresses, &scheduler, workers, timeout, startup).await?;
     Ok(Addresses {
         scheduler,
         gateway,
-        mcp_url: format!("http://{mcp}/mcp"),
+        mcp_url: match &mcp {
+            Some(mcp) => format!("http://{mcp}/mcp"),
+            None => "stdio".into(),
+        },
+        tools_url: mcp.map(|mcp| format!("http://{mcp}/tools")),
         prometheus: scrape,
     })
 }

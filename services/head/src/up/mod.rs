@@ -48,7 +48,16 @@ pub struct UpOptions {
     pub embed_tool: String,
     /// How long the fleet may take to become ready.
     pub ready_timeout: Duration,
+    /// What the gateway's MCP endpoint offers (code mode; the tools under `nomad serve`).
+    pub front: fleet::GatewayFront,
+    /// Fail start-up when a tool cannot serve (a missing source, an environment that cannot
+    /// install) instead of serving the others.
+    pub strict: bool,
 }
+
+/// How long describing the tools may take at start-up, at most (each description is bounded by
+/// the scheduler's `tool_manager.prepare_timeout_seconds` too).
+const DESCRIBED_WITHIN: Duration = Duration::from_secs(7200);
 
 #[derive(Debug, Clone)]
 pub struct TaskSet {
@@ -220,9 +229,27 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         gpus,
         timeout: options.ready_timeout,
         prometheus,
+        front: &options.front,
     };
-    let started = fleet::start_fleet(&mut sup, &plan, &telemetry.startup).await;
+    let mut started = fleet::start_fleet(&mut sup, &plan, &telemetry.startup).await;
     telemetry.startup.finish();
+    // Every tool's source and environment is checked now, not at its first call.
+    if let Ok(addresses) = &started {
+        match fleet::wait_described(&mut sup, &addresses.scheduler, DESCRIBED_WITHIN).await {
+            Ok(failed) => {
+                for (tool, error) in &failed {
+                    eprintln!("nomad: tool {tool} cannot serve: {error}");
+                }
+                if options.strict && !failed.is_empty() {
+                    started = Err(anyhow::anyhow!(
+                        "{} of the tools cannot serve (--strict)",
+                        failed.len()
+                    ));
+                }
+            }
+            Err(e) => started = Err(e),
+        }
+    }
     let addresses = match started {
         Ok(a) => a,
         Err(e) => {
@@ -243,6 +270,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         "scheduler": addresses.scheduler,
         "gateway": addresses.gateway,
         "gateway_mcp": addresses.mcp_url,
+        "tools_mcp": addresses.tools_url,
         "head_pid": std::process::id(),
         "token": token.as_deref(),
         "prometheus": addresses.prometheus.iter()
@@ -263,6 +291,9 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     eprintln!("  scheduler       {}", addresses.scheduler);
     eprintln!("  gateway (gRPC)  {}", addresses.gateway);
     eprintln!("  gateway (MCP)   {}", addresses.mcp_url);
+    if let Some(tools) = &addresses.tools_url {
+        eprintln!("  tools (MCP)     {tools}");
+    }
     for (name, pid) in &servers {
         eprintln!(
             "  {name:<15} pid {pid}, log {}",
@@ -314,11 +345,18 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
             }
         }
         _ => {
-            eprintln!("nomad up: Ctrl-C (or SIGTERM) stops the fleet");
+            let stdio = options.front == fleet::GatewayFront::ToolsStdio;
+            if !stdio {
+                eprintln!("nomad up: Ctrl-C (or SIGTERM) stops the fleet");
+            }
             tokio::select! {
                 exit = sup.next_exit() => {
-                    eprintln!("nomad up: {}", sup.report(&exit));
-                    ok = false;
+                    // Over stdio the gateway ends when its client closes the session.
+                    let ended = stdio && exit.name == "gateway" && exit.status.success();
+                    if !ended {
+                        eprintln!("nomad up: {}", sup.report(&exit));
+                        ok = false;
+                    }
                 }
                 () = nomad_rpc::shutdown_signal() => {}
             }
@@ -490,6 +528,8 @@ pub async fn command(args: UpArgs) -> anyhow::Result<bool> {
         concurrency: args.concurrency,
         embed_tool: args.embed_tool,
         ready_timeout,
+        front: fleet::GatewayFront::Code,
+        strict: false,
     })
     .await
 }

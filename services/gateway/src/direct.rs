@@ -1,0 +1,175 @@
+//! The fleet's tools as MCP tools of their own, as the original Nomad's `nomad serve` offers
+//! them: one MCP tool per scheduler tool (its own description, input schema and output schema;
+//! JSON outputs as `structuredContent`), plus `get_model_card`. Each call goes through the
+//! scheduler's queues (concurrent calls are batched), carries the caller's trace context from
+//! `params._meta`, is recorded as an upstream call, stops when the caller cancels it, and
+//! streams a generation's text as progress notifications.
+
+use std::sync::Arc;
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult,
+    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
+use serde_json::{Map, Value, json};
+
+use crate::execute::Gateway;
+use crate::sandbox::ToolSpec;
+use crate::upstream::nomad;
+
+#[derive(Clone)]
+pub struct DirectTools {
+    pub gateway: Arc<Gateway>,
+}
+
+/// An MCP output schema must describe an object: any other output is wrapped as
+/// `{"result": ...}`, as the original's FastMCP wraps it.
+fn output_schema(schema: &Value) -> (Map<String, Value>, bool) {
+    if let Value::Object(map) = schema
+        && map.get("type").and_then(Value::as_str) == Some("object")
+    {
+        return (map.clone(), false);
+    }
+    let wrapped = json!({"type": "object", "properties": {"result": schema},
+                         "required": ["result"], "x-nomad-wrap-result": true});
+    match wrapped {
+        Value::Object(map) => (map, true),
+        _ => unreachable!("built as an object"),
+    }
+}
+
+fn mcp_tool(spec: &ToolSpec) -> Tool {
+    let input = match &spec.input_schema {
+        Value::Object(map) => map.clone(),
+        _ => Map::new(),
+    };
+    let mut tool = Tool::new(spec.name.clone(), spec.description.clone(), Arc::new(input));
+    if let Some(schema) = &spec.output_schema
+        && spec.name != nomad::MODEL_CARD_TOOL
+    {
+        tool.output_schema = Some(Arc::new(output_schema(schema).0));
+    }
+    tool
+}
+
+impl DirectTools {
+    async fn specs(&self) -> Result<Vec<ToolSpec>, McpError> {
+        self.gateway
+            .upstreams
+            .tools(nomad::NAME)
+            .await
+            .map_err(|e| McpError::internal_error(e, None))
+    }
+}
+
+impl ServerHandler for DirectTools {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
+            "Nomad's model tools, each an MCP tool of its own; get_model_card returns a tool's \
+             model card.",
+        )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, McpError> {
+        Ok(ListToolsResult::with_all_items(
+            self.specs().await?.iter().map(mcp_tool).collect(),
+        ))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        let cx = nomad_telemetry::propagation::extract_map(&crate::mcp_call::carrier(
+            &request, &context,
+        ));
+        let specs = self.specs().await?;
+        let Some(spec) = specs.iter().find(|t| t.name == request.name.as_ref()) else {
+            let names: Vec<&str> = specs.iter().map(|t| t.name.as_str()).collect();
+            return Err(McpError::invalid_params(
+                format!(
+                    "unknown tool {:?}; tools: {}",
+                    request.name,
+                    names.join(", ")
+                ),
+                None,
+            ));
+        };
+        let arguments = Value::Object(request.arguments.clone().unwrap_or_default());
+        let (progress, forwarding) = crate::mcp_call::progress(&request, &context);
+        // A cancelled call is dropped here, which cancels its scheduler request.
+        let called = tokio::select! {
+            result = self.gateway.upstreams.call(&cx, nomad::NAME, &spec.name, &arguments, progress.as_ref()) => Some(result),
+            () = context.ct.cancelled() => None,
+        };
+        drop(progress);
+        if let Some(forwarding) = forwarding {
+            let _ = forwarding.await;
+        }
+        let Some(result) = called else {
+            return Err(McpError::internal_error("the call was cancelled", None));
+        };
+        Ok(CallToolResponse::Complete(match result {
+            Ok(Value::String(text))
+                if spec.output_schema.is_none() || spec.name == nomad::MODEL_CARD_TOOL =>
+            {
+                CallToolResult::success(vec![ContentBlock::text(text)])
+            }
+            Ok(value) => {
+                let wrap = spec
+                    .output_schema
+                    .as_ref()
+                    .is_some_and(|s| output_schema(s).1)
+                    || !value.is_object();
+                CallToolResult::structured(if wrap {
+                    json!({"result": value})
+                } else {
+                    value
+                })
+            }
+            Err(status) => CallToolResult::error(vec![ContentBlock::text(format!(
+                "{}: {}",
+                code_name(status.code()),
+                status.message()
+            ))]),
+        }))
+    }
+}
+
+/// A status code as the words a caller can act on.
+fn code_name(code: tonic::Code) -> &'static str {
+    match code {
+        tonic::Code::InvalidArgument => "invalid arguments",
+        tonic::Code::NotFound => "not found",
+        tonic::Code::ResourceExhausted => "overloaded (retry later)",
+        tonic::Code::FailedPrecondition => "the tool cannot serve",
+        tonic::Code::Unavailable => "unavailable (retry later)",
+        tonic::Code::DeadlineExceeded => "timed out",
+        tonic::Code::Cancelled => "cancelled",
+        tonic::Code::PermissionDenied => "not allowed",
+        _ => "failed",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_output_that_is_not_an_object_is_wrapped_as_result() {
+        let (schema, wrapped) = output_schema(&json!({"type": "integer"}));
+        assert!(wrapped);
+        assert_eq!(schema["properties"]["result"], json!({"type": "integer"}));
+        let object = json!({"type": "object", "properties": {"norm": {"type": "number"}}});
+        let (schema, wrapped) = output_schema(&object);
+        assert!(!wrapped);
+        assert_eq!(Value::Object(schema), object);
+    }
+}
