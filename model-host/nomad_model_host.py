@@ -26,7 +26,8 @@ Requests (``op``) and their replies (``{"ok": {...}}``, or ``{"error": {"kind": 
   ``{"output": ...}``, ``{"invalid": "..."}`` (the arguments failed
   validation) or ``{"error": "..."}`` (the model raised on that item alone) per item, in order.
 - ``to``: ``device`` ("cpu" or "cuda") → moves the model (offload / place).
-- ``clear_cache`` → ``released_bytes``; ``memory`` → ``allocated_bytes``, ``reserved_bytes``.
+- ``clear_cache`` → ``released_bytes`` (device memory in use is the driver's figure, which the
+  worker reports for every process on its GPU, hosts included).
 - ``exit``: replies, then the host exits.
 """
 
@@ -604,15 +605,6 @@ class Host:
         before = torch.cuda.memory_reserved()
         torch.cuda.empty_cache()
         return {"released_bytes": max(0, before - torch.cuda.memory_reserved())}
-
-    def op_memory(self, request: dict) -> dict:
-        torch = torch_module()
-        if torch is None or not torch.cuda.is_available():
-            return {"allocated_bytes": None, "reserved_bytes": None}
-        return {
-            "allocated_bytes": torch.cuda.memory_allocated(),
-            "reserved_bytes": torch.cuda.memory_reserved(),
-        }
 
     def op_exit(self, request: dict) -> dict:
         return {"exiting": True}

@@ -65,6 +65,7 @@ async fn serve_http(dir: &Path, config: &Path, port: u16) -> (tokio::process::Ch
         .envs(host_env())
         .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
         .env("NOMAD_OTEL_RUN_ID", "serve-http")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(dir.join("serve.stderr")).unwrap())
         .kill_on_drop(true)
@@ -242,6 +243,27 @@ async fn every_tool_is_an_mcp_tool_of_its_own_over_http_batched_and_cancellable(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert!(cancelled() >= 1.0, "no cancellation was counted");
+
+    // The trace context in `params._meta` is the parent of the call's spans in every service.
+    const TRACE_ID: &str = "5bf92f3577b34da6a3ce929d0e0e4736";
+    let traced = json!([{"tool": "ToySurrogate", "arguments": toy_input(9),
+        "meta": {"traceparent": format!("00-{TRACE_ID}-00f067aa0ba902b7-01")}}]);
+    let replies = mcp_client(&url, "auto", Some(TEST_TOKEN), &traced).await;
+    assert_eq!(replies[0]["is_error"], false, "{}", replies[0]);
+    let in_trace = |file: &str, name: &str| {
+        read_jsonl(&run_dir.join(file))
+            .iter()
+            .any(|r| r["signal"] == "span" && r["trace_id"] == TRACE_ID && r["name"] == name)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(in_trace("gateway.jsonl", "nomad.gateway.upstream_tool")
+        && in_trace("scheduler.jsonl", "nomad.tool.request"))
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(in_trace("gateway.jsonl", "nomad.gateway.upstream_tool"));
+    assert!(in_trace("scheduler.jsonl", "nomad.tool.request"));
 
     // SIGTERM stops the whole fleet.
     // SAFETY: kill(2) with a pid we spawned and a valid signal number.

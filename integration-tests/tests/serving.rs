@@ -26,12 +26,15 @@ async fn bad_task_inputs_fail_their_own_rollout_with_a_clear_message() {
     assert_eq!(by_id("good")["status"], "ok");
     for (id, expected) in [
         ("short", "expected shape [6], got [2]"),
-        ("text", "mlp takes a tensor input, got text"),
+        (
+            "text",
+            "mlp takes `input` (an array of numbers), not `text`",
+        ),
         (
             "unknown",
             "unknown tool \"nope\"; this scheduler serves: mlp",
         ),
-        ("no-args", "arguments need `text`"),
+        ("no-args", "arguments need `input` (an array of numbers)"),
         ("server", "unknown upstream server \"elsewhere\""),
     ] {
         let result = by_id(id);

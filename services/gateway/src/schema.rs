@@ -133,12 +133,9 @@ fn python_literal(value: &Value) -> String {
     }
 }
 
-/// `name(required: type, optional: type = default, ...) -> Any`, parameters in the order the
-/// runner accepts them positionally: required ones in schema order, then the optional ones by
-/// name (both sides see the schema as the gateway serialises it).
-pub fn python_signature(tool: &str, schema: &Value) -> String {
-    let properties = schema.get("properties").and_then(Value::as_object);
-    let mut required: Vec<&str> = Vec::new();
+/// The names in a schema's `required` list, in order, without repeats.
+fn required_names(schema: &Value) -> Vec<&str> {
+    let mut names: Vec<&str> = Vec::new();
     for name in schema
         .get("required")
         .and_then(Value::as_array)
@@ -146,22 +143,55 @@ pub fn python_signature(tool: &str, schema: &Value) -> String {
         .flatten()
         .filter_map(Value::as_str)
     {
-        if !required.contains(&name) {
-            required.push(name);
+        if !names.contains(&name) {
+            names.push(name);
         }
     }
+    names
+}
+
+/// The main inputs a schema offers as alternatives (`anyOf`/`oneOf` of `required` lists, as
+/// `generate`'s `text` or `messages`), in order: optional, but first among the optional ones.
+fn alternative_names(schema: &Value) -> Vec<&str> {
+    let mut names: Vec<&str> = Vec::new();
+    for branch in ["anyOf", "oneOf"]
+        .iter()
+        .filter_map(|k| schema.get(*k).and_then(Value::as_array))
+        .flatten()
+    {
+        for name in required_names(branch) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+    }
+    names
+}
+
+/// `name(required: type, optional: type = default, ...) -> Any`, parameters in the order the
+/// runner accepts them positionally: required ones in schema order, then the alternatives of an
+/// `anyOf` (a prompt before the options), then the other optional ones by name (both sides see
+/// the schema as the gateway serialises it).
+pub fn python_signature(tool: &str, schema: &Value) -> String {
+    let properties = schema.get("properties").and_then(Value::as_object);
+    let required = required_names(schema);
+    let alternatives: Vec<&str> = alternative_names(schema)
+        .into_iter()
+        .filter(|n| !required.contains(n))
+        .collect();
     let mut params = Vec::new();
     let mut extra = false;
     if let Some(properties) = properties {
         let ordered = required
             .iter()
+            .chain(&alternatives)
             .filter(|r| properties.contains_key(**r))
             .copied()
             .chain(
                 properties
                     .keys()
                     .map(String::as_str)
-                    .filter(|k| !required.contains(k)),
+                    .filter(|k| !required.contains(k) && !alternatives.contains(k)),
             );
         for name in ordered {
             if !is_identifier(name) {
@@ -209,6 +239,24 @@ mod tests {
         assert_eq!(
             python_signature("embed", &schema),
             r#"embed(text: str, ids: list[int] = None, mode: str | None = "fast", truncate: bool = False) -> Any"#
+        );
+    }
+
+    #[test]
+    fn a_main_input_among_alternatives_comes_before_the_options() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "chat": {"type": "boolean", "default": true},
+                "max_tokens": {"type": "integer", "default": 64},
+                "messages": {"type": "array"},
+                "text": {"type": "string"}
+            },
+            "anyOf": [{"required": ["text"]}, {"required": ["messages"]}]
+        });
+        assert_eq!(
+            python_signature("generate", &schema),
+            "generate(text: str = None, messages: list = None, chat: bool = True, max_tokens: int = 64) -> Any"
         );
     }
 

@@ -171,7 +171,17 @@ def _make_tool(bridge, server, tool):
     schema = tool.get("input_schema") or {}
     properties = schema.get("properties") or {}
     required = [p for p in schema.get("required") or [] if p in properties]
-    order = required + [p for p in properties if p not in required]
+    # A main input offered as alternatives (generate's `text` or `messages`) comes first among the
+    # optional ones, so `generate("2+2=")` binds the prompt; the gateway's signature says the same.
+    alternatives = []
+    for key in ("anyOf", "oneOf"):
+        for branch in schema.get(key) or []:
+            if not isinstance(branch, dict):
+                continue
+            for p in branch.get("required") or []:
+                if p in properties and p not in required and p not in alternatives:
+                    alternatives.append(p)
+    order = required + alternatives + [p for p in properties if p not in required and p not in alternatives]
 
     def call(*args, **kwargs):
         if len(args) > len(order):

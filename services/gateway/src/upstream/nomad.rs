@@ -1,6 +1,6 @@
 //! The built-in `nomad` upstream: the scheduler's tools, called with JSON arguments.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{
@@ -86,8 +86,8 @@ const PENDING_WATCH: std::time::Duration = std::time::Duration::from_secs(3600);
 struct Listing {
     at: std::time::Instant,
     tools: Vec<ToolSpec>,
-    /// The Python models among them (their arguments go as one JSON object).
-    python: HashSet<String>,
+    /// Each tool's kind (a Python model's arguments go as one JSON object).
+    kinds: HashMap<String, String>,
     /// Some tool was not described yet: the listing is kept for [`PENDING_POLL`] only.
     pending: bool,
 }
@@ -199,13 +199,13 @@ impl Nomad {
         Ok(self.listing().await?.0)
     }
 
-    /// The kept listing while it is fresh, else a new one: the tools, and the Python ones.
-    async fn listing(&self) -> Result<(Vec<ToolSpec>, HashSet<String>), String> {
+    /// The kept listing while it is fresh, else a new one: the tools, and each one's kind.
+    async fn listing(&self) -> Result<(Vec<ToolSpec>, HashMap<String, String>), String> {
         let mut listing = self.listing.lock().await;
         if let Some(l) = listing.as_ref() {
             let ttl = if l.pending { PENDING_POLL } else { self.ttl };
             if l.at.elapsed() < ttl {
-                return Ok((l.tools.clone(), l.python.clone()));
+                return Ok((l.tools.clone(), l.kinds.clone()));
             }
         }
         let tools = tokio::time::timeout(LIST_DEADLINE, self.list())
@@ -216,17 +216,17 @@ impl Nomad {
                     LIST_DEADLINE.as_secs()
                 )
             })??;
-        let (tools, python, pending) = tools;
+        let (tools, kinds, pending) = tools;
         if pending {
             self.watch_pending();
         }
         *listing = Some(Listing {
             at: std::time::Instant::now(),
             tools: tools.clone(),
-            python: python.clone(),
+            kinds: kinds.clone(),
             pending,
         });
-        Ok((tools, python))
+        Ok((tools, kinds))
     }
 
     /// Whether the last listing, however old, has `tool`; never lists.
@@ -239,7 +239,7 @@ impl Nomad {
 
     /// Tools that failed to load are left out (the scheduler's log says why); also whether any
     /// is still being described.
-    async fn list(&self) -> Result<(Vec<ToolSpec>, HashSet<String>, bool), String> {
+    async fn list(&self) -> Result<(Vec<ToolSpec>, HashMap<String, String>, bool), String> {
         let listed = self
             .scheduler
             .clone()
@@ -253,16 +253,15 @@ impl Nomad {
             .filter(|t| t.state() != ToolState::Failed)
             .collect();
         let pending = tools.iter().any(|t| t.state() == ToolState::Pending);
-        let python = tools
+        let kinds = tools
             .iter()
-            .filter(|t| t.kind == nomad_proto::kinds::PYTHON.name)
-            .map(|t| t.name.clone())
+            .map(|t| (t.name.clone(), t.kind.clone()))
             .collect();
         let mut specs: Vec<ToolSpec> = tools.into_iter().map(tool_spec).collect();
         if !specs.iter().any(|t| t.name == MODEL_CARD_TOOL) {
             specs.push(model_card_spec());
         }
-        Ok((specs, python, pending))
+        Ok((specs, kinds, pending))
     }
 
     /// Calls `tool`; the caller's context is current (the client layer injects it). With
@@ -274,14 +273,15 @@ impl Nomad {
         arguments: &Value,
         progress: Option<&tokio::sync::mpsc::Sender<String>>,
     ) -> Result<Value, tonic::Status> {
-        let (_, python) = self.listing().await.map_err(tonic::Status::unavailable)?;
-        if tool == MODEL_CARD_TOOL && !python.contains(tool) {
+        let (_, kinds) = self.listing().await.map_err(tonic::Status::unavailable)?;
+        let kind = kinds.get(tool).map(String::as_str);
+        if tool == MODEL_CARD_TOOL && kind.is_none() {
             return self.model_card(arguments).await;
         }
-        let input = if python.contains(tool) {
+        let input = if kind == Some(nomad_proto::kinds::PYTHON.name) {
             nomad_json::arguments_input(arguments)
         } else {
-            nomad_json::input_from_value(arguments)
+            nomad_json::input_from_value(arguments, kind.and_then(nomad_proto::kinds::kind))
         }
         .map_err(|e| tonic::Status::invalid_argument(format!("{NAME}.{tool}: {e}")))?;
         let request = CallToolRequest {

@@ -6,6 +6,7 @@
 //! `cached_prompt_tokens`, `completion_tokens` and `finish_reason`) or
 //! `{"output": [numbers], "shape": [dims]}`.
 
+use nomad_proto::kinds::{InputType, KindSpec};
 use nomad_proto::v1::{GenerationStats, Tensor, ToolInput, ToolOutput, tool_input, tool_output};
 use serde_json::{Value, json};
 
@@ -15,8 +16,14 @@ pub enum ArgumentError {
     NotObject(&'static str),
     #[error("give either `text` or `input`, not both")]
     Both,
-    #[error("arguments need `text` (a string) or `input` (an array of numbers)")]
-    Neither,
+    #[error("arguments need {0}")]
+    Missing(&'static str),
+    #[error("{kind} takes {takes}, not `{given}`")]
+    WrongInput {
+        kind: &'static str,
+        takes: &'static str,
+        given: &'static str,
+    },
     #[error("`text` must be a string")]
     TextNotString,
     #[error("`input[{0}]` is not a number")]
@@ -44,8 +51,24 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
-/// Converts JSON arguments to the scheduler's `ToolInput`.
-pub fn input_from_value(value: &Value) -> Result<ToolInput, ArgumentError> {
+/// What a kind's arguments must hold, in words.
+fn needs(kind: Option<&KindSpec>) -> &'static str {
+    match kind {
+        Some(k) if k.input == InputType::Tensor => "`input` (an array of numbers)",
+        Some(k) if k.option("messages").is_some() => {
+            "`text` (a string) or `messages` (a list of {\"role\", \"content\"})"
+        }
+        Some(_) => "`text` (a string)",
+        None => "`text` (a string) or `input` (an array of numbers)",
+    }
+}
+
+/// Converts JSON arguments to the scheduler's `ToolInput`, for a tool of `kind` when it is known
+/// (its messages then name what that kind takes).
+pub fn input_from_value(
+    value: &Value,
+    kind: Option<&KindSpec>,
+) -> Result<ToolInput, ArgumentError> {
     let Value::Object(object) = value else {
         return Err(ArgumentError::NotObject(type_name(value)));
     };
@@ -53,11 +76,25 @@ pub fn input_from_value(value: &Value) -> Result<ToolInput, ArgumentError> {
     let text = object.remove("text");
     let input = object.remove("input");
     let shape = object.remove("shape");
+    if let Some(k) = kind {
+        let given = match (&text, &input) {
+            (Some(_), None) if k.input == InputType::Tensor => Some("text"),
+            (None, Some(_)) if k.input == InputType::Text => Some("input"),
+            _ => None,
+        };
+        if let Some(given) = given {
+            return Err(ArgumentError::WrongInput {
+                kind: k.name,
+                takes: needs(kind),
+                given,
+            });
+        }
+    }
     let value = match (text, input) {
         (Some(_), Some(_)) => return Err(ArgumentError::Both),
         // A conversation in `messages` stands for the text (generation).
         (None, None) if object.contains_key("messages") => tool_input::Value::Text(String::new()),
-        (None, None) => return Err(ArgumentError::Neither),
+        (None, None) => return Err(ArgumentError::Missing(needs(kind))),
         (Some(Value::String(text)), None) => tool_input::Value::Text(text),
         (Some(_), None) => return Err(ArgumentError::TextNotString),
         (None, Some(Value::Array(items))) => {
@@ -149,7 +186,32 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<ToolInput, ArgumentError> {
-        input_from_value(&serde_json::from_str(text).unwrap())
+        input_from_value(&serde_json::from_str(text).unwrap(), None)
+    }
+
+    #[test]
+    fn a_kinds_own_inputs_are_named_when_one_is_missing_or_wrong() {
+        let with = |kind: &str, text: &str| {
+            input_from_value(
+                &serde_json::from_str(text).unwrap(),
+                nomad_proto::kinds::kind(kind),
+            )
+            .unwrap_err()
+            .to_string()
+        };
+        assert_eq!(
+            with("generate", r#"{"max_tokens": 4}"#),
+            r#"arguments need `text` (a string) or `messages` (a list of {"role", "content"})"#
+        );
+        assert_eq!(with("embed", "{}"), "arguments need `text` (a string)");
+        assert_eq!(
+            with("mlp", r#"{"text": "x"}"#),
+            "mlp takes `input` (an array of numbers), not `text`"
+        );
+        assert_eq!(
+            with("embed", r#"{"input": [1]}"#),
+            "embed takes `text` (a string), not `input`"
+        );
     }
 
     #[test]
@@ -178,7 +240,7 @@ mod tests {
                 "holds 3 elements but `input` has 2",
             ),
             (r#"{"input":[1],"text":"a"}"#, "not both"),
-            ("{}", "need `text`"),
+            ("{}", "need `text` (a string) or `input`"),
             (r#"{"input":[1],"shape":[-1]}"#, "`shape`"),
         ];
         for (args, expected) in cases {
