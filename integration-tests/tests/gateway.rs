@@ -298,9 +298,17 @@ async fn the_http_endpoint_needs_the_bearer_token() {
     let calls = json!([{"tool": "search_code_tools", "arguments": {"query": "shout"}}]);
     // The endpoint answers 401 with a Bearer challenge, before any MCP processing.
     let addr = std::fs::read_to_string(fleet.dir.join("gateway-mcp.addr")).unwrap();
-    for auth in ["", "Authorization: Bearer wrong-token-0123456789abcdef\r\n"] {
+    for (auth, why) in [
+        ("", "send the header `Authorization: Bearer <token>`"),
+        (
+            "Authorization: Bearer wrong-token-0123456789abcdef\r\n",
+            "the bearer token is not this fleet's token",
+        ),
+        ("Authorization: Token x\r\n", "must be `Bearer <token>`"),
+    ] {
         let response = raw_post(addr.trim(), auth).await;
         assert!(response.starts_with("HTTP/1.1 401"), "{auth:?}: {response}");
+        assert!(response.contains(why), "{auth:?}: {response}");
         assert!(
             response
                 .to_ascii_lowercase()

@@ -93,10 +93,22 @@ async fn bearer_auth(
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
     if !nomad_rpc::auth::installed().accepts(given) {
+        // Say which: a client that sent nothing needs to be told where the token is.
+        let why = match given {
+            None => {
+                "this endpoint needs the fleet's token: send the header `Authorization: Bearer \
+                 <token>` (nomad up keeps the token in runs/<run id>/fleet.json, as \"token\"; \
+                 a fleet started with NOMAD_AUTH_TOKEN uses that)\n"
+            }
+            Some(v) if !v.starts_with("Bearer ") => {
+                "the Authorization header must be `Bearer <token>` (the fleet's token)\n"
+            }
+            Some(_) => "the bearer token is not this fleet's token\n",
+        };
         return (
             http::StatusCode::UNAUTHORIZED,
             [(http::header::WWW_AUTHENTICATE, "Bearer")],
-            "missing or wrong bearer token",
+            why,
         )
             .into_response();
     }

@@ -40,6 +40,15 @@ pub enum ConfigError {
         location: String,
         variable: String,
     },
+    #[error(
+        "config file {path}: unknown top-level key `{key}`{hint}; the sections are: {sections}",
+        sections = SECTIONS.join(", ")
+    )]
+    UnknownSection {
+        path: PathBuf,
+        key: String,
+        hint: String,
+    },
     #[error("config section `{section}`: {source}")]
     Section {
         section: String,
@@ -55,6 +64,25 @@ pub enum ConfigError {
         reason: String,
     },
 }
+
+/// Every top-level section a Nomad config may have (each read by the service that owns it);
+/// `search_tool` is the original Nomad's and is accepted so its configs load (Nomad's gateway
+/// always offers search).
+pub const SECTIONS: &[&str] = &[
+    "auth",
+    "fmod_models",
+    "gateway",
+    "head",
+    "model_host",
+    "sandbox",
+    "search_tool",
+    "servers",
+    "sim",
+    "telemetry",
+    "tls",
+    "tool_manager",
+    "tools",
+];
 
 /// A parsed config file (or an empty one when no file was given).
 #[derive(Debug, Clone, Default)]
@@ -96,6 +124,15 @@ impl ConfigFile {
             format,
             source: Box::new(e),
         })?;
+        if let Some(key) = tree.keys().find(|k| !SECTIONS.contains(&k.as_str())) {
+            return Err(ConfigError::UnknownSection {
+                path: path.to_owned(),
+                key: key.clone(),
+                hint: suggest(key, SECTIONS)
+                    .map(|s| format!(" (did you mean `{s}`?)"))
+                    .unwrap_or_default(),
+            });
+        }
         let tree =
             expand(tree, env).map_err(|(location, variable)| ConfigError::UnsetVariable {
                 path: path.to_owned(),
@@ -291,10 +328,10 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let y = dir.join("c.yaml");
         let t = dir.join("c.toml");
-        std::fs::write(&y, "sec:\n  a: 7\n  b: hi\n").unwrap();
-        std::fs::write(&t, "[sec]\na = 7\nb = \"hi\"\n").unwrap();
-        let from_yaml: Section = ConfigFile::load(Some(&y)).unwrap().section("sec").unwrap();
-        let from_toml: Section = ConfigFile::load(Some(&t)).unwrap().section("sec").unwrap();
+        std::fs::write(&y, "head:\n  a: 7\n  b: hi\n").unwrap();
+        std::fs::write(&t, "[head]\na = 7\nb = \"hi\"\n").unwrap();
+        let from_yaml: Section = ConfigFile::load(Some(&y)).unwrap().section("head").unwrap();
+        let from_toml: Section = ConfigFile::load(Some(&t)).unwrap().section("head").unwrap();
         assert_eq!(from_yaml, from_toml);
         assert_eq!(from_yaml.b.as_deref(), Some("hi"));
     }
@@ -304,18 +341,18 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("nomad-config-vars-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let y = dir.join("c.yaml");
-        std::fs::write(&y, "sec:\n  a: 7\n  b: ${WHO:nobody}-${HOME}\n").unwrap();
+        std::fs::write(&y, "head:\n  a: 7\n  b: ${WHO:nobody}-${HOME}\n").unwrap();
         let env: &[(&str, &str)] = &[("HOME", "/h")];
         let sec: Section = ConfigFile::load_with(Some(&y), env)
             .unwrap()
-            .section("sec")
+            .section("head")
             .unwrap();
         assert_eq!(sec.b.as_deref(), Some("nobody-/h"));
         let unset = ConfigFile::load_with(Some(&y), &[] as &[(&str, &str)])
             .unwrap_err()
             .to_string();
         assert!(
-            unset.contains("sec.b") && unset.contains("${HOME} is not set"),
+            unset.contains("head.b") && unset.contains("${HOME} is not set"),
             "{unset}"
         );
         std::fs::write(&y, "tls:\n  a: [1\nsec:\n  a: 2\n").unwrap();
@@ -324,6 +361,21 @@ mod tests {
             syntax.contains("not valid YAML") && syntax.contains("line"),
             "{syntax}"
         );
+    }
+
+    #[test]
+    fn an_unknown_top_level_key_is_refused_with_the_nearest_section() {
+        let dir = std::env::temp_dir().join(format!("nomad-config-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let y = dir.join("c.yaml");
+        std::fs::write(&y, "tool:\n  - name: x\n").unwrap();
+        let message = ConfigFile::load(Some(&y)).unwrap_err().to_string();
+        assert!(
+            message.contains("unknown top-level key `tool` (did you mean `tools`?)"),
+            "{message}"
+        );
+        std::fs::write(&y, "fmod_models: []\nsearch_tool:\n  expose: true\n").unwrap();
+        ConfigFile::load(Some(&y)).unwrap();
     }
 
     #[test]

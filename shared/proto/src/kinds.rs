@@ -14,10 +14,17 @@ pub enum OptionType {
     Strings,
     /// A chat: at most `max` `{"role": "system"|"user"|"assistant", "content": "..."}` objects.
     Messages,
+    /// One string of 1 to [`MAX_STRING_BYTES`] bytes (a name).
+    Text,
+    /// A list of at most `max` texts, each of 1 to [`MAX_TEXT_BYTES`] bytes (documents).
+    Texts,
 }
 
 /// The longest string a `Strings` option holds (a stop string).
 pub const MAX_STRING_BYTES: usize = 64;
+
+/// The longest text a `Texts` option holds (one document).
+pub const MAX_TEXT_BYTES: usize = 1 << 20;
 
 /// The roles a `Messages` option accepts.
 pub const ROLES: &[&str] = &["system", "user", "assistant"];
@@ -137,11 +144,20 @@ pub const EMBED: KindSpec = KindSpec {
     pads: true,
     continuous: false,
     input_description: "Text to embed.",
-    options: &[flag(
-        "truncate",
-        false,
-        "Cut a text longer than the model's limit instead of refusing it.",
-    )],
+    options: &[
+        flag(
+            "truncate",
+            false,
+            "Cut a text longer than the model's limit instead of refusing it.",
+        ),
+        list(
+            "prompt",
+            OptionType::Text,
+            0.0,
+            "The name of one of the model's prompts to put before the text (e.g. `query`), \
+             from its config_sentence_transformers.json.",
+        ),
+    ],
 };
 
 pub const GENERATE: KindSpec = KindSpec {
@@ -223,6 +239,56 @@ pub const MLP: KindSpec = KindSpec {
     options: &[],
 };
 
+pub const RERANK: KindSpec = KindSpec {
+    name: "rerank",
+    input: InputType::Text,
+    pads: true,
+    continuous: false,
+    input_description: "The query the documents are scored against.",
+    options: &[
+        list(
+            "documents",
+            OptionType::Texts,
+            1024.0,
+            "The texts to score against the query (1 to 1024); each pair is cut at the model's \
+             max_seq_length, as a cross-encoder reads it.",
+        ),
+        integer(
+            "top_n",
+            0.0,
+            0.0,
+            1024.0,
+            "Return only the best this many (0: every document).",
+        ),
+        flag(
+            "raw_scores",
+            false,
+            "Scores as the model's logits instead of their sigmoid (0 to 1).",
+        ),
+    ],
+};
+
+pub const CLASSIFY: KindSpec = KindSpec {
+    name: "classify",
+    input: InputType::Text,
+    pads: true,
+    continuous: false,
+    input_description: "Text to classify.",
+    options: &[
+        flag(
+            "truncate",
+            false,
+            "Cut a text longer than the model's limit instead of refusing it.",
+        ),
+        flag(
+            "raw_scores",
+            false,
+            "Scores as the model's logits instead of probabilities (softmax, or sigmoid for a \
+             multi-label model).",
+        ),
+    ],
+};
+
 /// A Python model served by a model host in its own environment: the original Nomad's
 /// `fmod_models` (a TorchModuleTool-like class) and callable `tools`. Its arguments, output and
 /// description are the model's own.
@@ -236,7 +302,7 @@ pub const PYTHON: KindSpec = KindSpec {
 };
 
 /// Every kind.
-pub const KINDS: &[KindSpec] = &[EMBED, GENERATE, MLP, PYTHON];
+pub const KINDS: &[KindSpec] = &[EMBED, RERANK, CLASSIFY, GENERATE, MLP, PYTHON];
 
 /// The kind called `name`.
 pub fn kind(name: &str) -> Option<&'static KindSpec> {

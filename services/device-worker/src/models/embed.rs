@@ -1,30 +1,28 @@
-//! Sentence embeddings (`embed`): a BERT-family encoder (all-MiniLM-L6-v2 by default) run by
-//! candle-transformers, mean-pooled over the attention mask and L2-normalised, as
-//! sentence-transformers computes them.
+//! Sentence embeddings (`embed`): an encoder of one of the families `encoder` runs, its token
+//! vectors pooled as the model's own sentence-transformers files say (cls, mean, max,
+//! mean-sqrt-len, last token; several concatenated), normalised when its modules end with
+//! `Normalize`, with its named prompts and its `max_seq_length` (`sentence`).
 //!
-//! The model directory holds `config.json`, `model.safetensors` (no `bert.` prefix),
-//! `tokenizer.json` and `sentence_bert_config.json` (`max_seq_length`).
+//! The model directory holds `config.json`, `model.safetensors` and `tokenizer.json`, and the
+//! sentence-transformers files where it has them.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
-use candle_transformers::models::bert::{BertModel, Config};
+use candle_core::{DType, Device, IndexOp as _, Tensor};
 use nomad_proto::v1::{ItemResult, ToolInput, tool_input};
 use tokenizers::{Tokenizer, TruncationParams};
 
+use super::encoder::Encoder;
 use super::options::Options;
+use super::sentence::{Pooling, SentenceConfig};
 use super::{ExecError, ExecLimits, LoadError, Model, invalid};
 use nomad_proto::kinds;
 
-/// An embedding and the position of its input in the batch.
-type Indexed = (usize, Vec<f32>);
-
 pub struct Embedder {
     dir: PathBuf,
-    config: Config,
-    model: BertModel,
+    encoder: Encoder,
+    sentence: SentenceConfig,
     tokenizer: Tokenizer,
     max_seq_length: usize,
     bytes: u64,
@@ -40,65 +38,183 @@ fn load_error(dir: &Path, reason: impl std::fmt::Display) -> LoadError {
     }
 }
 
-impl Embedder {
-    pub fn load(dir: &Path, device: &Device) -> Result<Self, LoadError> {
-        let read = |name: &str| {
-            std::fs::read_to_string(dir.join(name)).map_err(|e| {
-                load_error(
-                    dir,
-                    format!("reading {name}: {e} (fetch the models with scripts/fetch-models)"),
-                )
-            })
-        };
-        let config: Config = serde_json::from_str(&read("config.json")?)
-            .map_err(|e| load_error(dir, format!("config.json: {e}")))?;
-        let max_seq_length = match read("sentence_bert_config.json") {
-            Ok(text) => serde_json::from_str::<serde_json::Value>(&text)
-                .ok()
-                .and_then(|v| v["max_seq_length"].as_u64())
-                .unwrap_or(256) as usize,
-            Err(_) => 256,
+/// A tokenizer from `dir`'s `tokenizer.json`, padding left to the caller and truncating at
+/// `max_length` (a longer input is refused unless asked).
+pub(crate) fn tokenizer(dir: &Path, max_length: usize) -> Result<Tokenizer, LoadError> {
+    let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
+        .map_err(|e| load_error(dir, format!("tokenizer.json: {e}")))?;
+    tokenizer.with_padding(None);
+    tokenizer
+        .with_truncation(Some(TruncationParams {
+            max_length,
+            ..Default::default()
+        }))
+        .map_err(|e| load_error(dir, format!("tokenizer truncation: {e}")))?;
+    Ok(tokenizer)
+}
+
+/// The bytes of `dir`'s weights.
+pub(crate) fn weight_bytes(dir: &Path) -> Result<u64, LoadError> {
+    Ok(std::fs::metadata(dir.join("model.safetensors"))
+        .map_err(|e| {
+            load_error(
+                dir,
+                format!("model.safetensors: {e} (fetch the models with scripts/fetch-models)"),
+            )
+        })?
+        .len())
+}
+
+/// One single-threaded pool per core on a CPU (none on an accelerator).
+pub(crate) fn pools(
+    dir: &Path,
+    device: &Device,
+    name: &str,
+) -> Result<Vec<rayon::ThreadPool>, LoadError> {
+    let cores = if device.is_cpu() {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        0
+    };
+    (0..cores)
+        .map(|i| {
+            let name = name.to_owned();
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .thread_name(move |_| format!("{name}-{i}"))
+                .build()
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| load_error(dir, format!("starting compute threads: {e}")))
+}
+
+/// One tokenized sequence: its ids and their token types (all 0 but for a pair's second text).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Row {
+    pub ids: Vec<u32>,
+    pub types: Vec<u32>,
+}
+
+impl Row {
+    pub fn of(encoding: &tokenizers::Encoding) -> Self {
+        Self {
+            ids: encoding.get_ids().to_vec(),
+            types: encoding.get_type_ids().to_vec(),
         }
-        .min(config.max_position_embeddings);
-        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
-            .map_err(|e| load_error(dir, format!("tokenizer.json: {e}")))?;
-        // The packaged tokenizer pads and truncates at 128; padding is done per batch here, and
-        // truncation at the model's max_seq_length (a longer input is refused unless asked).
-        tokenizer.with_padding(None);
-        tokenizer
-            .with_truncation(Some(TruncationParams {
-                max_length: max_seq_length,
-                ..Default::default()
-            }))
-            .map_err(|e| load_error(dir, format!("tokenizer truncation: {e}")))?;
-        let weights = dir.join("model.safetensors");
-        let bytes = std::fs::metadata(&weights)
-            .map_err(|e| load_error(dir, format!("model.safetensors: {e}")))?
-            .len();
-        // SAFETY: the weights file is mapped read-only and not modified while the model lives.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device) }
-            .map_err(|e| load_error(dir, format!("model.safetensors: {e}")))?;
-        let model = BertModel::load(vb, &config)
-            .map_err(|e| load_error(dir, format!("loading the BERT weights: {e}")))?;
-        let cores = if device.is_cpu() {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        } else {
-            0
-        };
-        let pools = (0..cores)
-            .map(|i| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(1)
-                    .thread_name(move |_| format!("embed-{i}"))
-                    .build()
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| load_error(dir, format!("starting compute threads: {e}")))?;
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+/// The rows' ids padded with `pad` to the longest, their types, and the mask of real tokens
+/// (`[n, len]` each).
+pub(crate) fn padded(
+    rows: &[Row],
+    pad: u32,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let n = rows.len();
+    let len = rows.iter().map(Row::len).max().unwrap_or(0);
+    let mut ids = Vec::with_capacity(n * len);
+    let mut types = Vec::with_capacity(n * len);
+    let mut mask = Vec::with_capacity(n * len);
+    for row in rows {
+        let fill = len - row.len();
+        ids.extend(
+            row.ids
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(pad, fill)),
+        );
+        types.extend(
+            row.types
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(0, fill)),
+        );
+        mask.extend((0..len).map(|i| u32::from(i < row.len())));
+    }
+    Ok((
+        Tensor::from_vec(ids, (n, len), device)?,
+        Tensor::from_vec(types, (n, len), device)?,
+        Tensor::from_vec(mask, (n, len), device)?,
+    ))
+}
+
+/// The sentence vectors `[n, hidden * modes]` of `hidden` (`[n, len, hidden]`) over the real
+/// tokens of `mask`, one pooling after another, concatenated as sentence-transformers does.
+fn pool(
+    hidden: &Tensor,
+    mask: &Tensor,
+    lens: &[usize],
+    modes: &[Pooling],
+) -> candle_core::Result<Tensor> {
+    let maskf = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
+    let counts = maskf.sum(1)?;
+    let mut parts = Vec::with_capacity(modes.len());
+    for mode in modes {
+        parts.push(match mode {
+            Pooling::Cls => hidden.i((.., 0, ..))?.contiguous()?,
+            Pooling::Mean => hidden
+                .broadcast_mul(&maskf)?
+                .sum(1)?
+                .broadcast_div(&counts)?,
+            Pooling::MeanSqrtLen => hidden
+                .broadcast_mul(&maskf)?
+                .sum(1)?
+                .broadcast_div(&counts.sqrt()?)?,
+            Pooling::Max => {
+                // Padding never wins: -1e9 where the mask is 0, as sentence-transformers does.
+                let floor = ((maskf.ones_like()? - &maskf)? * -1e9)?;
+                hidden.broadcast_add(&floor)?.max(1)?
+            }
+            Pooling::LastToken => {
+                let rows: Vec<Tensor> = lens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, len)| hidden.i((i, len.saturating_sub(1), ..)))
+                    .collect::<candle_core::Result<_>>()?;
+                Tensor::stack(&rows, 0)?
+            }
+        });
+    }
+    Tensor::cat(&parts, 1)
+}
+
+impl Embedder {
+    /// What loading `dir` would refuse, found from its config files alone.
+    pub fn check(dir: &Path) -> Result<(), String> {
+        SentenceConfig::read(dir)?;
+        super::encoder::Shape::read(dir).map(|_| ())
+    }
+
+    pub fn load(dir: &Path, device: &Device) -> Result<Self, LoadError> {
+        let sentence = SentenceConfig::read(dir).map_err(|e| load_error(dir, e))?;
+        let encoder = Encoder::load(dir, device, false).map_err(|e| load_error(dir, e))?;
+        let max_seq_length = sentence
+            .max_seq_length
+            .unwrap_or(encoder.shape.max_tokens())
+            .min(encoder.shape.max_tokens());
+        let tokenizer = tokenizer(dir, max_seq_length)?;
+        let bytes = weight_bytes(dir)?;
+        let pools = pools(dir, device, "embed")?;
+        tracing::info!(
+            model = %dir.display(),
+            family = encoder.family,
+            dimensions = encoder.shape.hidden_size * sentence.pooling.len(),
+            max_seq_length,
+            prompts = sentence.prompts.len(),
+            "embedding model: {}{}",
+            sentence.describe(),
+            if sentence.from_files { "" } else { " (no modules.json: sentence-transformers' defaults)" }
+        );
         Ok(Self {
             pools,
             dir: dir.to_owned(),
-            config,
-            model,
+            encoder,
+            sentence,
             tokenizer,
             max_seq_length,
             bytes,
@@ -106,8 +222,8 @@ impl Embedder {
         })
     }
 
-    /// Token ids of request `index`, or why it cannot run.
-    fn encode(&self, index: usize, input: &ToolInput) -> Result<Vec<u32>, ItemResult> {
+    /// The tokens of request `index`, or why it cannot run.
+    fn encode(&self, index: usize, input: &ToolInput) -> Result<Row, ItemResult> {
         let text = match &input.value {
             Some(tool_input::Value::Text(t)) if !t.trim().is_empty() => t,
             Some(tool_input::Value::Text(_)) | None => {
@@ -123,7 +239,19 @@ impl Embedder {
                 ));
             }
         };
-        let truncate = Options::parse(index, &input.options_json, &kinds::EMBED)?.flag("truncate");
+        let options = Options::parse(index, &input.options_json, &kinds::EMBED)?;
+        let truncate = options.flag("truncate");
+        let prompt = self
+            .sentence
+            .prompt(options.text("prompt"))
+            .map_err(|e| invalid(index, e))?;
+        let mut text = match prompt {
+            Some(prompt) => format!("{prompt}{text}"),
+            None => text.clone(),
+        };
+        if self.sentence.do_lower_case {
+            text = text.to_lowercase();
+        }
         let encoding = self
             .tokenizer
             .encode(text.as_str(), true)
@@ -144,91 +272,34 @@ impl Embedder {
                 ),
             ));
         }
-        Ok(encoding.get_ids().to_vec())
+        Ok(Row::of(&encoding))
     }
 
     /// Memory the encoder's activations need for `n` sequences of `len` tokens (attention scores
     /// dominate, plus a few hidden-size buffers per layer).
     fn activation_bytes(&self, n: usize, len: usize) -> u64 {
-        let c = &self.config;
+        let c = &self.encoder.shape;
         let scores = n * c.num_attention_heads * len * len;
         let hidden = n * len * (c.hidden_size * 6 + c.intermediate_size);
         ((scores + hidden) * 4) as u64
     }
-
     /// Runs a batch as forward passes of similar-length sequences (little padding), shared
-    /// over one single-threaded pool per core on a CPU: BERT's matmuls at these sizes scale
-    /// poorly across threads, whole sequences scale well.
-    fn forward_parallel(&self, rows: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let parts = if self.device.is_cpu() {
-            self.pools.len().max(1)
-        } else {
-            1
-        };
-        let lens: Vec<usize> = rows.iter().map(Vec::len).collect();
-        let plan = super::length_groups::plan(&lens, parts);
-        let run = |passes: &[Vec<usize>]| -> Result<Vec<Indexed>, ExecError> {
-            let mut out = Vec::new();
-            for pass in passes {
-                let part: Vec<Vec<u32>> = pass.iter().map(|&i| rows[i].clone()).collect();
-                out.extend(pass.iter().copied().zip(self.forward(&part)?));
-            }
-            Ok(out)
-        };
-        let parts: Vec<Result<Vec<Indexed>, ExecError>> = if parts == 1 {
-            vec![run(&plan[0])]
-        } else {
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = plan
-                    .iter()
-                    .zip(&self.pools)
-                    .filter(|(passes, _)| !passes.is_empty())
-                    .map(|(passes, pool)| scope.spawn(|| pool.install(|| run(passes))))
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join().unwrap_or_else(|_| {
-                            Err(ExecError::Failed("a forward pass panicked".into()))
-                        })
-                    })
-                    .collect()
-            })
-        };
-        let mut out: Vec<Vec<f32>> = vec![Vec::new(); rows.len()];
-        for part in parts {
-            for (i, embedding) in part? {
-                out[i] = embedding;
-            }
-        }
-        Ok(out)
+    /// over one single-threaded pool per core on a CPU.
+    fn forward_parallel(&self, rows: &[Row]) -> Result<Vec<Vec<f32>>, ExecError> {
+        let lens: Vec<usize> = rows.iter().map(Row::len).collect();
+        super::length_groups::run_passes(rows, &lens, &self.pools, |part| self.forward(part))
     }
 
-    fn forward(&self, rows: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let n = rows.len();
-        let len = rows.iter().map(Vec::len).max().unwrap_or(0);
-        let mut ids = Vec::with_capacity(n * len);
-        let mut mask = Vec::with_capacity(n * len);
-        for row in rows {
-            ids.extend(
-                row.iter()
-                    .copied()
-                    .chain(std::iter::repeat_n(0, len - row.len())),
-            );
-            mask.extend((0..len).map(|i| u32::from(i < row.len())));
+    fn forward(&self, rows: &[Row]) -> Result<Vec<Vec<f32>>, ExecError> {
+        let (ids, types, mask) = padded(rows, self.encoder.pad_id, &self.device)?;
+        let hidden = self.encoder.hidden(&ids, &types, &mask)?;
+        let lens: Vec<usize> = rows.iter().map(Row::len).collect();
+        let mut pooled = pool(&hidden, &mask, &lens, &self.sentence.pooling)?;
+        if self.sentence.normalize {
+            let norm = pooled.sqr()?.sum_keepdim(1)?.sqrt()?;
+            pooled = pooled.broadcast_div(&norm)?;
         }
-        let ids = Tensor::from_vec(ids, (n, len), &self.device)?;
-        let mask = Tensor::from_vec(mask, (n, len), &self.device)?;
-        let types = ids.zeros_like()?;
-        let hidden = self.model.forward(&ids, &types, Some(&mask))?;
-        // Mean over real tokens, then unit length.
-        let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
-        let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
-        let counts = mask.sum(1)?;
-        let mean = summed.broadcast_div(&counts)?;
-        let norm = mean.sqr()?.sum_keepdim(1)?.sqrt()?;
-        let normalized = mean.broadcast_div(&norm)?;
-        Ok(normalized.to_device(&Device::Cpu)?.to_vec2::<f32>()?)
+        Ok(pooled.to_device(&Device::Cpu)?.to_vec2::<f32>()?)
     }
 }
 
@@ -261,7 +332,7 @@ impl Model for Embedder {
             }
         }
         if !rows.is_empty() {
-            let len = rows.iter().map(Vec::len).max().unwrap_or(0);
+            let len = rows.iter().map(Row::len).max().unwrap_or(0);
             limits.check(
                 self.bytes,
                 self.activation_bytes(rows.len(), len),

@@ -43,6 +43,55 @@ pub fn plan(lens: &[usize], parts: usize) -> Vec<Vec<Vec<usize>>> {
     plan
 }
 
+/// Runs `forward` over `rows` in passes of similar length, one worker's passes on each of
+/// `pools` (single-threaded; none, or one pass list, on an accelerator), and returns its
+/// results in the rows' order. Encoders' matmuls at these sizes scale poorly across threads;
+/// whole sequences scale well.
+pub fn run_passes<R: Clone + Sync, T: Send + Default + Clone>(
+    rows: &[R],
+    lens: &[usize],
+    pools: &[rayon::ThreadPool],
+    forward: impl Fn(&[R]) -> Result<Vec<T>, super::ExecError> + Sync,
+) -> Result<Vec<T>, super::ExecError> {
+    type Part<T> = Result<Vec<(usize, T)>, super::ExecError>;
+    let plan = plan(lens, pools.len().max(1));
+    let run = |passes: &[Vec<usize>]| -> Part<T> {
+        let mut out = Vec::new();
+        for pass in passes {
+            let part: Vec<R> = pass.iter().map(|&i| rows[i].clone()).collect();
+            out.extend(pass.iter().copied().zip(forward(&part)?));
+        }
+        Ok(out)
+    };
+    let parts: Vec<Part<T>> = if pools.len() <= 1 {
+        plan.iter().map(|passes| run(passes)).collect()
+    } else {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = plan
+                .iter()
+                .zip(pools)
+                .filter(|(passes, _)| !passes.is_empty())
+                .map(|(passes, pool)| scope.spawn(|| pool.install(|| run(passes))))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(super::ExecError::Failed("a forward pass panicked".into()))
+                    })
+                })
+                .collect()
+        })
+    };
+    let mut out = vec![T::default(); rows.len()];
+    for part in parts {
+        for (i, value) in part? {
+            out[i] = value;
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,8 +2,10 @@
 //! can give.
 
 mod attention;
+mod cross;
 pub mod decoder;
 pub mod embed;
+mod encoder;
 mod exp;
 pub mod generate;
 mod gguf;
@@ -15,6 +17,7 @@ pub mod open;
 mod options;
 mod prefix_cache;
 pub mod python;
+mod sentence;
 pub mod sim;
 pub mod source;
 mod swiglu;
@@ -162,6 +165,16 @@ pub fn load(spec: &ModelSpec, backend: &Backend) -> Result<Arc<dyn Model>, LoadE
     match spec.kind.as_str() {
         "mlp" => Ok(Arc::new(mlp::Mlp::load(path)?)),
         "embed" => Ok(Arc::new(embed::Embedder::load(path, &Device::Cpu)?)),
+        "rerank" => Ok(Arc::new(cross::Scorer::load(
+            path,
+            &Device::Cpu,
+            cross::Task::Rerank,
+        )?)),
+        "classify" => Ok(Arc::new(cross::Scorer::load(
+            path,
+            &Device::Cpu,
+            cross::Task::Classify,
+        )?)),
         "generate" => {
             let config = generate::DecodeConfig {
                 max_running: match spec.max_running {
@@ -179,6 +192,21 @@ pub fn load(spec: &ModelSpec, backend: &Backend) -> Result<Arc<dyn Model>, LoadE
             )?))
         }
         other => Err(LoadError::UnknownKind(other.to_owned())),
+    }
+}
+
+/// What loading the model of `kind` at `path` would refuse, found from its config files alone
+/// (checked when the tool is described, so `nomad up` says it at start-up).
+pub fn check(kind: &str, path: &Path) -> Result<(), LoadError> {
+    let refused = |reason: String| LoadError::Invalid {
+        path: path.to_owned(),
+        reason,
+    };
+    match kind {
+        "embed" => embed::Embedder::check(path).map_err(refused),
+        "rerank" => cross::Scorer::check(path, cross::Task::Rerank).map_err(refused),
+        "classify" => cross::Scorer::check(path, cross::Task::Classify).map_err(refused),
+        _ => Ok(()),
     }
 }
 

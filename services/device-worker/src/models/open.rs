@@ -49,6 +49,7 @@ pub async fn describe(
         python::describe(spec, settings).await?
     } else {
         let path = source::resolve(&spec.source, &spec.base_dir, &settings.cache).await?;
+        super::check(&spec.kind, &path)?;
         (python::Description::default(), Some(path))
     };
     Ok(ToolDescription {

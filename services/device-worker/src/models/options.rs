@@ -30,6 +30,8 @@ enum Checked {
     Number(f64),
     Strings(Vec<String>),
     Messages(Vec<Message>),
+    Text(Option<String>),
+    Texts(Vec<String>),
 }
 
 impl Checked {
@@ -40,6 +42,8 @@ impl Checked {
             OptionType::Number => Checked::Number(spec.default),
             OptionType::Strings => Checked::Strings(Vec::new()),
             OptionType::Messages => Checked::Messages(Vec::new()),
+            OptionType::Text => Checked::Text(None),
+            OptionType::Texts => Checked::Texts(Vec::new()),
         }
     }
 }
@@ -64,6 +68,32 @@ fn strings(key: &str, value: &Value, max: usize) -> Result<Vec<String>, String> 
                 kinds::MAX_STRING_BYTES
             )),
             None => Err(format!("option {key:?} must be a list of strings")),
+        })
+        .collect()
+}
+
+/// A `Texts` value: a list of non-empty texts of bounded size.
+fn texts(key: &str, value: &Value, max: usize) -> Result<Vec<String>, String> {
+    let items = value
+        .as_array()
+        .ok_or_else(|| format!("option {key:?} must be a list of strings"))?;
+    if items.len() > max {
+        return Err(format!(
+            "option {key:?} has {} texts; at most {max}",
+            items.len()
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| match item.as_str() {
+            Some(s) if !s.trim().is_empty() && s.len() <= kinds::MAX_TEXT_BYTES => Ok(s.to_owned()),
+            Some(s) if s.trim().is_empty() => Err(format!("option {key:?}: text {i} is empty")),
+            Some(_) => Err(format!(
+                "option {key:?}: text {i} is over {} bytes",
+                kinds::MAX_TEXT_BYTES
+            )),
+            None => Err(format!("option {key:?}: item {i} is not a string")),
         })
         .collect()
 }
@@ -151,6 +181,24 @@ impl Options {
                     let list = messages(key, v, max_items).map_err(|m| invalid(index, m))?;
                     (Checked::Messages(list), spec.min)
                 }
+                (OptionType::Texts, v) => {
+                    let list = texts(key, v, max_items).map_err(|m| invalid(index, m))?;
+                    (Checked::Texts(list), spec.min)
+                }
+                (OptionType::Text, Value::String(t))
+                    if !t.is_empty() && t.len() <= kinds::MAX_STRING_BYTES =>
+                {
+                    (Checked::Text(Some(t.clone())), spec.min)
+                }
+                (OptionType::Text, _) => {
+                    return Err(invalid(
+                        index,
+                        format!(
+                            "option {key:?} must be a string of 1 to {} bytes",
+                            kinds::MAX_STRING_BYTES
+                        ),
+                    ));
+                }
                 (OptionType::Bool, Value::Bool(b)) => (Checked::Flag(*b), f64::from(u8::from(*b))),
                 (OptionType::Bool, _) => {
                     return Err(invalid(
@@ -214,6 +262,21 @@ impl Options {
         match self.values.get(name) {
             Some(Checked::Messages(list)) => list,
             _ => &[],
+        }
+    }
+
+    pub fn texts(&self, name: &str) -> &[String] {
+        match self.values.get(name) {
+            Some(Checked::Texts(list)) => list,
+            _ => &[],
+        }
+    }
+
+    /// A `Text` option's value, when the request gave one.
+    pub fn text(&self, name: &str) -> Option<&str> {
+        match self.values.get(name) {
+            Some(Checked::Text(text)) => text.as_deref(),
+            _ => None,
         }
     }
 }

@@ -288,6 +288,10 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         .with_context(|| format!("writing {}", fleet_path.display()))?;
     eprintln!("nomad up: run {run_id} is ready");
     eprintln!("  run directory   {}", run_dir.display());
+    eprintln!(
+        "  fleet.json      {} (addresses and the token: clients send `Authorization: Bearer <token>`)",
+        fleet_path.display()
+    );
     eprintln!("  scheduler       {}", addresses.scheduler);
     eprintln!("  gateway (gRPC)  {}", addresses.gateway);
     eprintln!("  gateway (MCP)   {}", addresses.mcp_url);

@@ -1,4 +1,5 @@
-//! A `tools:` entry with a `kind`: a model Nomad runs itself (embed, generate, mlp).
+//! A `tools:` entry with a `kind`: a model Nomad runs itself (embed, rerank, classify, generate,
+//! mlp).
 
 use serde::Deserialize;
 
@@ -58,9 +59,9 @@ pub(super) fn tool(
         if entry.as_dict().is_some_and(|d| !d.contains_key("kind")) {
             ToolConfigError::entry(
                 at,
-                "an entry needs `kind` (a model Nomad runs: embed, generate, mlp) or `tool` (the \
-                 dotted path of a Python callable); a Python model class goes under \
-                 `fmod_models:`",
+                "an entry needs `kind` (a model Nomad runs: embed, rerank, classify, generate, \
+                 mlp) or `tool` (the dotted path of a Python callable); a Python model class goes \
+                 under `fmod_models:`",
             )
         } else {
             ToolConfigError::Read(nomad_config::explain(&e, at))
@@ -85,9 +86,14 @@ fn check(
             ToolConfigError::entry(
                 &at,
                 format!(
-                    "unknown kind {:?}; kinds: embed, generate, mlp (a Python model goes under \
-                     `fmod_models:`, a Python callable as a `tool:` entry)",
-                    raw.kind
+                    "unknown kind {:?}; kinds: {} (a Python model goes under `fmod_models:`, a \
+                     Python callable as a `tool:` entry)",
+                    raw.kind,
+                    nomad_proto::kinds::names()
+                        .into_iter()
+                        .filter(|k| *k != nomad_proto::kinds::PYTHON.name)
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             )
         })?;

@@ -1,0 +1,336 @@
+//! The built-in encoder kinds read the model's own files: `embed` for BERT, DistilBERT,
+//! XLM-RoBERTa and ModernBERT with every pooling sentence-transformers saves (cls, mean, max,
+//! mean-sqrt-len, last token, several concatenated), with and without `Normalize`, with named
+//! prompts; `rerank` (cross-encoders) and `classify` (labels from `id2label`). The models are
+//! made by the test itself (`python/make_encoders.py`: random weights in each family's layout,
+//! a real tokenizer, saved by transformers and sentence-transformers), and every answer is
+//! checked within 1e-4 against what sentence-transformers and transformers compute for the same
+//! directory. What Nomad does not compute is refused at start-up, naming it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nomad_integration_tests::model_host::{cache_dir, described_tools, python312, uv};
+use nomad_integration_tests::{Fleet, FleetOptions};
+use nomad_proto::v1::{CallToolRequest, ToolInput, ToolState, tool_input, tool_output};
+use serde_json::{Value, json};
+
+/// The reference libraries, pinned.
+const REFERENCE: &[&str] = &[
+    "sentence-transformers==6.3.0",
+    "transformers==5.25.0",
+    "torch==2.15.0",
+];
+
+fn run(command: &mut std::process::Command, what: &str) {
+    let output = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        output.status.success(),
+        "{what} failed:\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// An environment with the reference libraries, built once into the test cache.
+fn reference_python() -> PathBuf {
+    let dir = cache_dir().join(format!(
+        "reference-env-{}",
+        REFERENCE.join("-").replace(['=', '.'], "_")
+    ));
+    let python = dir.join("bin/python");
+    if dir.join(".ready").is_file() {
+        return python;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    match uv() {
+        Some(uv) => {
+            run(
+                std::process::Command::new(&uv)
+                    .args(["venv", "--quiet", "--python"])
+                    .arg(python312())
+                    .arg(&dir),
+                "uv venv",
+            );
+            run(
+                std::process::Command::new(&uv)
+                    .args(["pip", "install", "--quiet", "--python"])
+                    .arg(&python)
+                    .args(REFERENCE),
+                "installing the reference libraries",
+            );
+        }
+        None => {
+            run(
+                std::process::Command::new(python312())
+                    .args(["-m", "venv"])
+                    .arg(&dir),
+                "python -m venv",
+            );
+            run(
+                std::process::Command::new(&python)
+                    .args(["-m", "pip", "install", "--quiet"])
+                    .args(REFERENCE),
+                "installing the reference libraries",
+            );
+        }
+    }
+    std::fs::write(dir.join(".ready"), "").unwrap();
+    python
+}
+
+/// The test models and their references, made once per version of the script.
+fn cases() -> (PathBuf, Vec<Value>) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/make_encoders.py");
+    let text = std::fs::read(&script).unwrap();
+    let hash = text.iter().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
+    });
+    let out = cache_dir().join(format!("encoders-{hash:016x}"));
+    if !out.join("cases.json").is_file() {
+        let _ = std::fs::remove_dir_all(&out);
+        run(
+            std::process::Command::new(reference_python())
+                .arg(&script)
+                .arg(&out)
+                .arg(nomad_integration_tests::fleet::models_dir().join("all-minilm-l6-v2"))
+                .env("HF_HUB_OFFLINE", "1"),
+            "make_encoders.py",
+        );
+    }
+    let cases =
+        serde_json::from_str(&std::fs::read_to_string(out.join("cases.json")).unwrap()).unwrap();
+    (out, cases)
+}
+
+fn max_diff(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "dimensions");
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max)
+}
+
+fn floats(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+/// A copy of `from` changed by `edit` (for the refusals).
+fn variant(from: &Path, to: &Path, edit: impl FnOnce(&Path)) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in walk(from) {
+        let target = to.join(entry.strip_prefix(from).unwrap());
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        std::fs::copy(&entry, &target).unwrap();
+    }
+    edit(to);
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        if entry.file_type().unwrap().is_dir() {
+            files.extend(walk(&entry.path()));
+        } else {
+            files.push(entry.path());
+        }
+    }
+    files
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encoders_answer_as_sentence_transformers_and_transformers_do_and_refuse_what_they_do_not_compute()
+ {
+    let (out, cases) = cases();
+    let dir = Fleet::new_dir();
+    // What Nomad does not compute, each refused naming it.
+    let bert = out.join("bert-mean");
+    variant(&bert, &dir.join("dense"), |d| {
+        let mut modules: Vec<Value> =
+            serde_json::from_str(&std::fs::read_to_string(d.join("modules.json")).unwrap())
+                .unwrap();
+        modules.insert(2, json!({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}));
+        std::fs::write(d.join("modules.json"), json!(modules).to_string()).unwrap();
+    });
+    variant(&bert, &dir.join("weighted"), |d| {
+        std::fs::write(
+            d.join("1_Pooling/config.json"),
+            r#"{"pooling_mode": "weightedmean"}"#,
+        )
+        .unwrap();
+    });
+    variant(&bert, &dir.join("gpt2"), |d| {
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+        config["model_type"] = json!("gpt2");
+        std::fs::write(d.join("config.json"), config.to_string()).unwrap();
+    });
+    let mut tools = String::from("tools:\n");
+    for case in &cases {
+        tools.push_str(&format!(
+            "  - {{name: {}, kind: {}, source: {}, batch_size: 16}}\n",
+            case["name"].as_str().unwrap(),
+            case["kind"].as_str().unwrap(),
+            case["dir"].as_str().unwrap()
+        ));
+    }
+    let refused = [
+        (
+            "dense",
+            "embed",
+            dir.join("dense"),
+            "module 2 is sentence_transformers.models.Dense",
+        ),
+        (
+            "weighted",
+            "embed",
+            dir.join("weighted"),
+            "weighted-mean pooling is not supported",
+        ),
+        (
+            "gpt2",
+            "embed",
+            dir.join("gpt2"),
+            "model_type \"gpt2\" is not an encoder family Nomad runs (bert, distilbert, xlm-roberta, modernbert)",
+        ),
+        (
+            "classify-as-rerank",
+            "rerank",
+            out.join("bert-classify"),
+            "serve it as `classify`",
+        ),
+        (
+            "rerank-as-classify",
+            "classify",
+            out.join("bert-rerank"),
+            "serve it as `rerank`",
+        ),
+    ];
+    for (name, kind, path, _) in &refused {
+        tools.push_str(&format!(
+            "  - {{name: {name}, kind: {kind}, source: {}}}\n",
+            path.display()
+        ));
+    }
+    tools.push_str("tool_manager:\n  heartbeat_interval_ms: 200\n");
+    let mut fleet = Fleet::start(
+        FleetOptions {
+            tools_yaml: Some(tools),
+            ..Default::default()
+        }
+        .in_dir(&dir),
+    )
+    .await;
+    let mut client = fleet.scheduler_client().await;
+    let listed = described_tools(&mut client, Duration::from_secs(120)).await;
+    for (name, _, _, expected) in &refused {
+        let tool = listed.iter().find(|t| t.name == *name).unwrap();
+        assert_eq!(tool.state(), ToolState::Failed, "{name}");
+        assert!(tool.error.contains(expected), "{name}: {}", tool.error);
+    }
+
+    for case in &cases {
+        let name = case["name"].as_str().unwrap();
+        let kind = case["kind"].as_str().unwrap();
+        let tool = listed.iter().find(|t| t.name == name).unwrap();
+        assert_eq!(tool.state(), ToolState::Ready, "{name}: {}", tool.error);
+        // Every request at once, so they run as one batch of different lengths.
+        let requests = case["requests"].as_array().unwrap();
+        let answers = futures::future::join_all(requests.iter().map(|r| {
+            let mut client = client.clone();
+            async move {
+                client
+                    .call_tool(CallToolRequest {
+                        tool: name.to_owned(),
+                        input: Some(ToolInput {
+                            value: Some(tool_input::Value::Text(
+                                r["text"].as_str().unwrap().to_owned(),
+                            )),
+                            options_json: r["options"].to_string(),
+                        }),
+                    })
+                    .await
+                    .map(|r| r.into_inner())
+            }
+        }))
+        .await;
+        for (i, (answer, want)) in answers
+            .into_iter()
+            .zip(case["expected"].as_array().unwrap())
+            .enumerate()
+        {
+            let answer = answer.unwrap_or_else(|e| panic!("{name} request {i}: {e}"));
+            match (kind, answer.output.and_then(|o| o.value)) {
+                ("embed", Some(tool_output::Value::Tensor(t))) => {
+                    let got: Vec<f64> =
+                        t.to_f32_vec().unwrap().into_iter().map(f64::from).collect();
+                    let diff = max_diff(&got, &floats(want));
+                    assert!(diff <= 1e-4, "{name} text {i}: max abs diff {diff:e}");
+                }
+                ("rerank" | "classify", Some(tool_output::Value::Json(text))) => {
+                    let got: Value = serde_json::from_str(&text).unwrap();
+                    let (got_list, want_list) = if kind == "rerank" {
+                        (&got, want)
+                    } else {
+                        assert_eq!(got["label"], want["label"], "{name} text {i}");
+                        (&got["scores"], &want["scores"])
+                    };
+                    let (got_list, want_list) =
+                        (got_list.as_array().unwrap(), want_list.as_array().unwrap());
+                    assert_eq!(got_list.len(), want_list.len(), "{name} request {i}: {got}");
+                    for (g, w) in got_list.iter().zip(want_list) {
+                        let key = if kind == "rerank" { "index" } else { "label" };
+                        assert_eq!(g[key], w[key], "{name} request {i}: order {got} vs {want}");
+                        let d = (g["score"].as_f64().unwrap() - w["score"].as_f64().unwrap()).abs();
+                        assert!(
+                            d <= 1e-4,
+                            "{name} request {i}: score differs by {d:e}: {got} vs {want}"
+                        );
+                    }
+                }
+                (_, other) => panic!("{name} request {i}: unexpected output {other:?}"),
+            }
+        }
+    }
+
+    // A prompt the model does not have is refused naming the ones it has.
+    let unknown = client
+        .call_tool(CallToolRequest {
+            tool: "bert-prompts".into(),
+            input: Some(ToolInput {
+                value: Some(tool_input::Value::Text("x".into())),
+                options_json: r#"{"prompt": "doc"}"#.into(),
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), tonic::Code::InvalidArgument);
+    assert!(
+        unknown
+            .message()
+            .contains("prompt \"doc\": this model's prompts are document, passage, query"),
+        "{unknown:?}"
+    );
+    // A rerank request without documents is refused saying what it needs.
+    let empty = client
+        .call_tool(CallToolRequest {
+            tool: "bert-rerank".into(),
+            input: Some(ToolInput {
+                value: Some(tool_input::Value::Text("query".into())),
+                options_json: String::new(),
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        empty
+            .message()
+            .contains("rerank needs the option \"documents\""),
+        "{empty:?}"
+    );
+    fleet.terminate().await;
+}
