@@ -2,6 +2,7 @@
 //! receiver speaking the real protocol (gRPC and HTTP/protobuf), and checks over the spans.
 
 pub mod catalog;
+pub mod encoders;
 pub mod fleet;
 pub mod jaeger;
 pub mod model_host;

@@ -200,7 +200,7 @@ async fn a_restarted_scheduler_gets_its_workers_and_gateway_back_and_the_outage_
             .call_tool(GatewayCallToolRequest {
                 server: "nomad".into(),
                 tool: "t".into(),
-                arguments_json: r#"{"text": "ping"}"#.into(),
+                arguments_json: r#"{"input": [1, 2]}"#.into(),
             })
             .await;
         (reply, started.elapsed())
@@ -226,7 +226,8 @@ async fn a_restarted_scheduler_gets_its_workers_and_gateway_back_and_the_outage_
         let (reply, _) = call(gateway.clone()).await;
         match reply {
             Ok(r) => {
-                assert!(r.into_inner().result_json.contains("ping"));
+                // The simulated worker echoes its input.
+                assert!(r.into_inner().result_json.contains("[1.0,2.0]"));
                 break;
             }
             Err(status) => assert!(

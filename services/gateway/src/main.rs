@@ -8,6 +8,7 @@ mod execute;
 mod mcp_call;
 mod mcp_http;
 mod mcp_server;
+mod openai;
 mod sandbox;
 mod schema;
 mod search;

@@ -1,6 +1,6 @@
 //! MCP over Streamable HTTP, behind the bearer token: code mode (or, with `--mcp-front
-//! tools`, the fleet's tools) at `/mcp`, and the fleet's tools, each an MCP tool of its own, at
-//! `/tools`.
+//! tools`, the fleet's tools) at `/mcp`, the fleet's tools, each an MCP tool of its own, at
+//! `/tools`, and the OpenAI-compatible routes under `/v1`.
 
 use std::sync::Arc;
 
@@ -52,6 +52,7 @@ pub async fn serve(
         config.allowed_origins = http.mcp_allowed_origins.clone();
     }
     let sessions = || Arc::new(LocalSessionManager::default());
+    let openai = crate::openai::router(tools.gateway.clone());
     let direct = {
         let tools = tools.clone();
         StreamableHttpService::new(move || Ok(tools.clone()), sessions(), config.clone())
@@ -67,6 +68,7 @@ pub async fn serve(
         ),
     }
     .nest_service("/tools", direct)
+    .merge(openai)
     .layer(axum::middleware::from_fn(bearer_auth));
     tracing::info!(
         "nomad-gateway MCP (Streamable HTTP) listening on http://{local}/mcp ({}) and \
@@ -105,6 +107,17 @@ async fn bearer_auth(
             }
             Some(_) => "the bearer token is not this fleet's token\n",
         };
+        // The OpenAI routes answer in OpenAI's error shape, so its clients show the reason.
+        if request.uri().path().starts_with("/v1/") {
+            let body = serde_json::json!({"error": {"message": why.trim_end(),
+                "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}});
+            return (
+                http::StatusCode::UNAUTHORIZED,
+                [(http::header::WWW_AUTHENTICATE, "Bearer")],
+                axum::Json(body),
+            )
+                .into_response();
+        }
         return (
             http::StatusCode::UNAUTHORIZED,
             [(http::header::WWW_AUTHENTICATE, "Bearer")],

@@ -71,6 +71,17 @@ impl Upstreams {
             .collect())
     }
 
+    /// The scheduler's tools and their kinds (the allowlist applied), for the OpenAI routes.
+    pub async fn model_kinds(&self) -> Result<Vec<(String, String)>, String> {
+        Ok(self
+            .nomad
+            .kinds()
+            .await?
+            .into_iter()
+            .filter(|(name, _)| self.policy.allows(nomad::NAME, name))
+            .collect())
+    }
+
     /// Woken when a server's tools may have changed.
     pub fn changed(&self) -> Arc<Notify> {
         self.changed.clone()

@@ -233,6 +233,15 @@ impl Nomad {
         Ok((tools, kinds))
     }
 
+    /// Each tool's name and kind (a listing kept while fresh); `get_model_card` is not a model.
+    pub async fn kinds(&self) -> Result<Vec<(String, String)>, String> {
+        let (tools, kinds) = self.listing().await?;
+        Ok(tools
+            .into_iter()
+            .filter_map(|t| kinds.get(&t.name).map(|k| (t.name, k.clone())))
+            .collect())
+    }
+
     /// Whether the last listing, however old, has `tool`; never lists.
     pub async fn listed(&self, tool: &str) -> bool {
         let listing = self.listing.lock().await;

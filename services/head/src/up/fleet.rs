@@ -201,6 +201,8 @@ pub struct Addresses {
     pub mcp_url: String,
     /// The fleet's tools, each an MCP tool of its own (none over stdio).
     pub tools_url: Option<String>,
+    /// The OpenAI-compatible routes' base URL (none over stdio).
+    pub openai_url: Option<String>,
     /// Each child's Prometheus endpoint (`name`, `IP:port`).
     pub prometheus: Vec<(String, String)>,
 }
@@ -324,7 +326,8 @@ pub async fn start_fleet(
             Some(mcp) => format!("http://{mcp}/mcp"),
             None => "stdio".into(),
         },
-        tools_url: mcp.map(|mcp| format!("http://{mcp}/tools")),
+        tools_url: mcp.as_ref().map(|mcp| format!("http://{mcp}/tools")),
+        openai_url: mcp.map(|mcp| format!("http://{mcp}/v1")),
         prometheus: scrape,
     })
 }

@@ -271,6 +271,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         "gateway": addresses.gateway,
         "gateway_mcp": addresses.mcp_url,
         "tools_mcp": addresses.tools_url,
+        "openai_base_url": addresses.openai_url,
         "head_pid": std::process::id(),
         "token": token.as_deref(),
         "prometheus": addresses.prometheus.iter()
@@ -297,6 +298,9 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     eprintln!("  gateway (MCP)   {}", addresses.mcp_url);
     if let Some(tools) = &addresses.tools_url {
         eprintln!("  tools (MCP)     {tools}");
+    }
+    if let Some(openai) = &addresses.openai_url {
+        eprintln!("  OpenAI API      {openai}");
     }
     for (name, pid) in &servers {
         eprintln!(
