@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::fleet::{TEST_TOKEN, clean, rpc_channel, wait_for_file};
-use nomad_integration_tests::{Fleet, FleetOptions};
+use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::head_client::HeadClient;
@@ -21,6 +21,15 @@ async fn dial(
     address: &str,
     token: Option<&'static str>,
 ) -> InterceptedService<Channel, impl tonic::service::Interceptor + Clone> {
+    dial_with(address, token, Vec::new()).await
+}
+
+/// As [`dial`], every call also carrying `headers` (trace context, baggage).
+async fn dial_with(
+    address: &str,
+    token: Option<&'static str>,
+    headers: Vec<(&'static str, String)>,
+) -> InterceptedService<Channel, impl tonic::service::Interceptor + Clone> {
     let channel = Channel::from_shared(format!("http://{}", address.trim_start_matches("http://")))
         .unwrap()
         .connect()
@@ -31,6 +40,9 @@ async fn dial(
             request
                 .metadata_mut()
                 .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        }
+        for (key, value) in &headers {
+            request.metadata_mut().insert(*key, value.parse().unwrap());
         }
         Ok(request)
     })
@@ -168,6 +180,100 @@ async fn every_service_refuses_calls_without_the_fleets_token() {
     assert!(run.success, "{}", run.stderr);
     fleet.terminate().await;
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A call refused for want of the token leaves no span: the trace id, parent, run id and
+/// rollout id its caller sent reach no exporter. The open health check carries none of them, and
+/// a health stream (`Watch`, held open as long as the caller likes) needs the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_call_records_no_span_and_health_streams_need_the_token() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let receiver = OtlpReceiver::grpc().await;
+    let mut fleet = Fleet::start(
+        FleetOptions {
+            auth: true,
+            ..Default::default()
+        }
+        .exporting_to(&receiver),
+    )
+    .await;
+    const FORGED: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    const HONEST: &str = "0af7651916cd43dd8448eb211c80319c";
+    let context = |trace: &str, run: &str| {
+        vec![
+            ("traceparent", format!("00-{trace}-00f067aa0ba902b7-01")),
+            ("baggage", format!("nomad.run.id={run},nomad.rollout.id=r1")),
+        ]
+    };
+    for token in [None, Some(WRONG)] {
+        let listed = SchedulerClient::new(
+            dial_with(&fleet.scheduler_addr, token, context(FORGED, "victim-run")).await,
+        )
+        .list_tools(ListToolsRequest {})
+        .await;
+        assert_eq!(code(listed), Some(tonic::Code::Unauthenticated));
+        let searched = GatewayClient::new(
+            dial_with(&fleet.gateway_addr, token, context(FORGED, "victim-run")).await,
+        )
+        .search_tools(SearchToolsRequest::default())
+        .await;
+        assert_eq!(code(searched), Some(tonic::Code::Unauthenticated));
+    }
+    let checked = HealthClient::new(
+        dial_with(&fleet.scheduler_addr, None, context(FORGED, "victim-run")).await,
+    )
+    .check(HealthCheckRequest::default())
+    .await;
+    assert_eq!(code(checked), None, "the health check stays open");
+    // The token holder's call is traced under the context it sent.
+    let listed = SchedulerClient::new(
+        dial_with(
+            &fleet.scheduler_addr,
+            Some(TEST_TOKEN),
+            context(HONEST, "own-run"),
+        )
+        .await,
+    )
+    .list_tools(ListToolsRequest {})
+    .await;
+    assert_eq!(code(listed), None);
+    let spans = receiver
+        .wait_for_spans(Duration::from_secs(30), |spans| {
+            spans.iter().any(|s| s.trace_id == HONEST)
+        })
+        .await;
+    assert!(
+        spans.iter().any(|s| s.trace_id == HONEST
+            && s.name.contains("ListTools")
+            && s.attr("nomad.run.id") == Some("own-run")),
+        "the accepted call's span never came (or without its run id)"
+    );
+    let forged: Vec<_> = spans
+        .iter()
+        .filter(|s| s.trace_id == FORGED || s.attr("nomad.run.id") == Some("victim-run"))
+        .map(|s| format!("{} ({})", s.name, s.service_name))
+        .collect();
+    assert!(
+        forged.is_empty(),
+        "spans under the forged context: {forged:?}"
+    );
+
+    // Watch: refused without the token, served with it.
+    let watched = HealthClient::new(dial(&fleet.scheduler_addr, None).await)
+        .watch(HealthCheckRequest::default())
+        .await;
+    assert_eq!(code(watched), Some(tonic::Code::Unauthenticated));
+    let mut stream = HealthClient::new(dial(&fleet.scheduler_addr, Some(TEST_TOKEN)).await)
+        .watch(HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(first.status, 1, "the scheduler is not serving");
+    // An open stream would hold the server's graceful drain.
+    drop(stream);
+    fleet.terminate().await;
 }
 
 #[tokio::test]

@@ -505,6 +505,14 @@ async fn scripts_run_only_from_inside_the_workspace_root() {
     std::fs::write(root.join("job.py"), "RESULT = 6 * 7\n").unwrap();
     std::fs::write(dir.join("outside.py"), "RESULT = 'outside'\n").unwrap();
     std::os::unix::fs::symlink(dir.join("outside.py"), root.join("link.py")).unwrap();
+    // A FIFO would hold a read forever; a directory is no script.
+    let made = std::process::Command::new("mkfifo")
+        .arg(root.join("fifo.py"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    std::fs::create_dir(root.join("dir.py")).unwrap();
+    std::fs::write(root.join("huge.py"), "#".repeat(5 << 20)).unwrap();
     let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
         .await
         .unwrap();
@@ -526,6 +534,8 @@ async fn scripts_run_only_from_inside_the_workspace_root() {
         dir.join("outside.py").display().to_string(),
         "link.py".to_owned(),
         "missing.py".to_owned(),
+        "fifo.py".to_owned(),
+        "dir.py".to_owned(),
     ] {
         let err = run(path.clone()).await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{path}");
@@ -536,6 +546,13 @@ async fn scripts_run_only_from_inside_the_workspace_root() {
             err.message()
         );
     }
+    let err = run("huge.py".into()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("5242880 bytes") && err.message().contains("at most 4194304"),
+        "{}",
+        err.message()
+    );
     // The gRPC client of this test is still usable.
     assert!(
         gateway

@@ -1,7 +1,8 @@
 //! Every server of a `nomad up` fleet serves `/metrics`, and a real Prometheus server (Debian's
 //! `prometheus`, started here on loopback with a generated config) scrapes them: PromQL over its
-//! HTTP API finds the seed's serving metrics with the Prometheus types and suffixes, and the
-//! gateway's and the head's after a run.
+//! HTTP API finds the seed's serving metrics with the Prometheus types and suffixes, the
+//! gateway's and the head's after a run, and data for every panel of the shipped Grafana
+//! dashboard (`deploy/grafana/nomad.json`).
 
 use std::path::Path;
 use std::process::Stdio;
@@ -70,6 +71,9 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     let targets = fleet["prometheus"].as_object().unwrap().clone();
     let names: Vec<&str> = targets.keys().map(String::as_str).collect();
     assert_eq!(names, ["device-worker-0", "gateway", "head", "scheduler"]);
+    // `nomad run` drives the rollouts below and serves its own /metrics while it runs (the
+    // rollout and verification panels read it).
+    let runner = format!("127.0.0.1:{}", free_port());
 
     // A real Prometheus, scraping each server every second.
     let mut config =
@@ -80,6 +84,9 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
             address.as_str().unwrap()
         ));
     }
+    config.push_str(&format!(
+        "  - job_name: runner\n    static_configs: [{{targets: ['{runner}']}}]\n"
+    ));
     let config_path = dir.join("prometheus.yml");
     std::fs::write(&config_path, config).unwrap();
     let port = free_port();
@@ -100,6 +107,7 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     // Load: the demo's tasks through the fleet's gateway.
     let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../services/head/demo");
     let run = clean("nomad")
+        .env("NOMAD_OTEL_PROMETHEUS_LISTEN", &runner)
         .args(["run", "--fleet"])
         .arg(&fleet_path)
         .arg("--tasks")
@@ -118,7 +126,7 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     );
 
     wait_for("every target up", Duration::from_secs(60), async || {
-        let up = query(&prometheus, "up == 1").await;
+        let up = query(&prometheus, "up{job!=\"runner\"} == 1").await;
         up.len() == 4
     })
     .await;
@@ -153,6 +161,29 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     ] {
         let series = query(&prometheus, promql).await;
         assert!(!series.is_empty(), "no series for {promql}");
+    }
+
+    // Every panel of the shipped Grafana dashboard has data.
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/nomad.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let panels = dashboard["panels"].as_array().unwrap();
+    assert!(panels.len() >= 12);
+    for panel in panels {
+        for target in panel["targets"].as_array().unwrap() {
+            let promql = target["expr"].as_str().unwrap();
+            let title = panel["title"].as_str().unwrap();
+            wait_for(
+                &format!("panel {title:?}: {promql}"),
+                Duration::from_secs(30),
+                async || !query(&prometheus, promql).await.is_empty(),
+            )
+            .await;
+        }
     }
 
     // Types as Prometheus understood them from each endpoint.

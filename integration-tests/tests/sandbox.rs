@@ -657,3 +657,28 @@ async fn a_run_has_a_budget_of_bridge_calls() {
     gateway.still_serving("the call budget").await;
     gateway.stop().await;
 }
+
+/// An exception's text is bounded as stderr is: a 6 MiB message comes back cut, naming its
+/// size, and the gateway serves on (as root and as an unprivileged user).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_exception_message_is_cut_like_stderr() {
+    for run_as in gateway_users() {
+        let gateway = Gateway::start(&run_as, "  warm: 0\n").await;
+        let reply = gateway.run("raise ValueError('E' * (6 << 20))").await;
+        assert!(
+            reply.error.len() < 200 << 10,
+            "{}: the error is {} bytes",
+            run_as.label,
+            reply.error.len()
+        );
+        assert!(
+            reply.error.contains("ValueError: EEEE")
+                && reply.error.contains("6291456 bytes in all, cut at"),
+            "{}: {}",
+            run_as.label,
+            &reply.error[reply.error.len().saturating_sub(300)..]
+        );
+        gateway.still_serving("a huge exception").await;
+        gateway.stop().await;
+    }
+}

@@ -9,7 +9,7 @@ async fn bad_task_inputs_fail_their_own_rollout_with_a_clear_message() {
     let tasks = vec![
         json!({"id": "good", "tool": "mlp", "arguments": {"input": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]}}),
         json!({"id": "short", "tool": "mlp", "arguments": {"input": [0.1, 0.2]}}),
-        json!({"id": "text", "tool": "mlp", "arguments": {"text": "hello"}}),
+        json!({"id": "text", "tool": "mlp", "arguments": {"text": "password=hunter2 my private prompt"}}),
         json!({"id": "unknown", "tool": "nope", "arguments": {"input": [1.0]}}),
         json!({"id": "no-args", "tool": "mlp", "arguments": {}}),
         json!({"id": "server", "server": "elsewhere", "tool": "mlp", "arguments": {"input": [1.0]}}),
@@ -43,6 +43,14 @@ async fn bad_task_inputs_fail_their_own_rollout_with_a_clear_message() {
         assert!(error.contains(expected), "{id}: {error}");
     }
     fleet.terminate().await;
+    // The gateway's log names a failed call's argument keys and size, never their values.
+    let log = fleet.stderr(nomad_integration_tests::Service::Gateway);
+    assert!(log.contains("upstream call failed"), "{log}");
+    assert!(log.contains("keys [text]"), "{log}");
+    assert!(
+        !log.contains("hunter2") && !log.contains("private prompt"),
+        "{log}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

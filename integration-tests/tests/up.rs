@@ -156,6 +156,11 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
             .permissions(),
     );
     assert_eq!(mode & 0o777, 0o600, "fleet.json mode {mode:o}");
+    // The run directory (its logs hold what callers sent) is this user's alone.
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&run_dir).unwrap().permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o700, "run directory mode {mode:o}");
     let tasks = mlp_tasks(50);
     let tasks_path = dir.join("tasks.jsonl");
     write_tasks(&tasks_path, &tasks[..1]);

@@ -18,6 +18,9 @@ use crate::search::ToolSearch;
 use crate::upstream::record::CallLog;
 use crate::upstream::{Progress, RunTools, Upstreams};
 
+/// The largest script `execute_mcp_script` runs (as the largest code a gRPC call carries).
+pub const MAX_SCRIPT_BYTES: u64 = 4 << 20;
+
 /// The reply to `execute_mcp_code` / `execute_mcp_script`.
 #[derive(Debug, Clone)]
 pub struct ExecuteReply {
@@ -66,6 +69,13 @@ pub enum ExecuteError {
     NoRoot,
     #[error("script {0:?} is not a file inside the workspace root")]
     Outside(String),
+    #[error(
+        "script {path:?} is {bytes} bytes; a script may have at most {MAX_SCRIPT_BYTES} (split it, \
+         or import the rest as a module from the workspace)"
+    )]
+    ScriptTooLarge { path: String, bytes: u64 },
+    #[error("script {path:?} cannot be read as UTF-8 text: {message}")]
+    Unreadable { path: String, message: String },
     /// The sandbox is at capacity (or could not start a process).
     #[error(transparent)]
     Rejected(#[from] Rejected),
@@ -75,9 +85,10 @@ impl ExecuteError {
     /// The gRPC status a caller gets.
     pub fn status(&self) -> tonic::Status {
         match self {
-            ExecuteError::NoRoot | ExecuteError::Outside(_) => {
-                tonic::Status::invalid_argument(self.to_string())
-            }
+            ExecuteError::NoRoot
+            | ExecuteError::Outside(_)
+            | ExecuteError::ScriptTooLarge { .. }
+            | ExecuteError::Unreadable { .. } => tonic::Status::invalid_argument(self.to_string()),
             ExecuteError::Rejected(Rejected::Spawn(_)) => tonic::Status::internal(self.to_string()),
             ExecuteError::Rejected(_) => tonic::Status::resource_exhausted(self.to_string()),
         }
@@ -123,17 +134,46 @@ impl Gateway {
     }
 
     /// `script_path` resolved (symlinks too) and checked to be a file under the workspace root.
-    pub fn resolve_script(&self, script_path: &str) -> Result<PathBuf, ExecuteError> {
+    /// Opens `script_path` once and reads it (at most [`MAX_SCRIPT_BYTES`]). What counts is the
+    /// file actually opened, as the kernel names it: a regular file inside the workspace root.
+    /// A path checked first and read later could be swapped for a link in between.
+    pub fn read_script(&self, script_path: &str) -> Result<(PathBuf, String), ExecuteError> {
+        use std::io::Read as _;
+        use std::os::fd::AsRawFd as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
         let root = self.workspace_root.as_ref().ok_or(ExecuteError::NoRoot)?;
         let candidate = if Path::new(script_path).is_absolute() {
             PathBuf::from(script_path)
         } else {
             root.join(script_path)
         };
-        match candidate.canonicalize() {
-            Ok(p) if p.starts_with(root) && p.is_file() => Ok(p),
-            _ => Err(ExecuteError::Outside(script_path.to_owned())),
+        let outside = || ExecuteError::Outside(script_path.to_owned());
+        // Non-blocking, so a FIFO planted in the root cannot hold the call at open().
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&candidate)
+            .map_err(|_| outside())?;
+        let opened = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .map_err(|_| outside())?;
+        let metadata = file.metadata().map_err(|_| outside())?;
+        if !opened.starts_with(root) || !metadata.is_file() {
+            return Err(outside());
         }
+        if metadata.len() > MAX_SCRIPT_BYTES {
+            return Err(ExecuteError::ScriptTooLarge {
+                path: script_path.to_owned(),
+                bytes: metadata.len(),
+            });
+        }
+        let mut text = String::new();
+        file.take(MAX_SCRIPT_BYTES)
+            .read_to_string(&mut text)
+            .map_err(|e| ExecuteError::Unreadable {
+                path: script_path.to_owned(),
+                message: e.to_string(),
+            })?;
+        Ok((opened, text))
     }
 
     /// Runs `code`; with `progress`, text the `nomad` tools make is offered there as it comes.
@@ -163,9 +203,8 @@ impl Gateway {
         cx: &Context,
         progress: Option<Progress>,
     ) -> Result<ExecuteReply, ExecuteError> {
-        let path = self.resolve_script(script_path);
-        let path = match path {
-            Ok(p) => p,
+        let (path, text) = match self.read_script(script_path) {
+            Ok(read) => read,
             Err(e) => {
                 let kind = [KeyValue::new("request.kind", "execute_mcp_script")];
                 self.requests.add(1, &kind);
@@ -174,10 +213,10 @@ impl Gateway {
                 return Err(e);
             }
         };
-        let size = std::fs::metadata(&path).map_or(0, |m| m.len() as usize);
+        let size = text.len();
         self.execute(
             "execute_mcp_script",
-            Source::Script(path),
+            Source::Script { path, text },
             size,
             env,
             cx,

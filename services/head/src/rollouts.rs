@@ -205,9 +205,17 @@ impl Runner {
                 (Verify::None, _) | (_, None) => (Some(output), None, None, None),
                 (kind, Some(expected)) => {
                     let verdict = self.verify(kind, &output, expected, span.context()).await;
+                    let outcome = match &verdict {
+                        Ok((_, true)) => "passed",
+                        Ok((_, false)) => "failed",
+                        Err(_) => "error",
+                    };
                     self.verify_duration.record(
                         verify_started.elapsed().as_secs_f64(),
-                        &[KeyValue::new("nomad.verify.kind", kind.name())],
+                        &[
+                            KeyValue::new("nomad.verify.kind", kind.name()),
+                            KeyValue::new("nomad.verify.outcome", outcome),
+                        ],
                     );
                     match verdict {
                         Ok((reward, passed)) => (Some(output), None, Some(reward), Some(passed)),

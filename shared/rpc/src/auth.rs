@@ -150,9 +150,11 @@ pub fn install(auth: Auth) -> Result<&'static Auth, RpcError> {
     Ok(installed())
 }
 
-/// Calls that stay open: container and orchestrator health checks carry no credential.
+/// The one call that stays open: container and orchestrator health checks carry no credential.
+/// `Watch` holds a stream open, so it needs the token like everything else (unauthenticated,
+/// thousands of them would cost the server memory for as long as the caller likes).
 fn open_path(path: &str) -> bool {
-    path.starts_with("/grpc.health.v1.Health/")
+    path == "/grpc.health.v1.Health/Check"
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -189,14 +191,21 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
         let authorization = request
             .headers()
             .get(http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok());
-        if open_path(request.uri().path()) || installed().accepts(authorization) {
-            let future = self.inner.call(request);
-            return Box::pin(future);
+        if installed().accepts(authorization) {
+            return Box::pin(self.inner.call(request));
+        }
+        if open_path(request.uri().path()) {
+            // Answered without the token, so it carries none of the caller's trace context:
+            // its span starts a trace of its own and names no one's run.
+            for header in ["traceparent", "tracestate", "baggage"] {
+                request.headers_mut().remove(header);
+            }
+            return Box::pin(self.inner.call(request));
         }
         let message = if authorization.is_some() {
             "wrong bearer token"

@@ -241,8 +241,10 @@ impl RpcServer {
             // connection down with ENHANCE_YOUR_CALM, failing every other call on it. Still a
             // bound, against rapid-reset floods.
             .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_RESET_STREAMS))
-            .layer(ServerTraceLayer)
+            // Authentication first: a refused call is answered before any trace context is
+            // read or any span recorded, so no one without the token writes into a run's trace.
             .layer(auth::ServerAuthLayer)
+            .layer(ServerTraceLayer)
             .layer(tower::util::MapResponseLayer::new(name_the_message_limit))
             .add_routes(self.routes.routes())
             .serve_with_incoming_shutdown(incoming, async move {

@@ -355,7 +355,7 @@ pub const VERIFY_DURATION: MetricDef = def(
     "nomad.verify.duration",
     H,
     "s",
-    "Wall time of one rollout's verification, by verify kind.",
+    "Wall time of one rollout's verification, by verify kind and outcome (passed, failed, error).",
 );
 pub const SERVERS_ACTIVE: MetricDef = def(
     "nomad.servers.active",

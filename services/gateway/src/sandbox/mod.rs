@@ -71,8 +71,11 @@ pub trait ToolHost: Send + Sync {
 #[derive(Debug, Clone)]
 pub enum Source {
     Code(String),
-    /// A script already checked to be inside the workspace root.
-    Script(PathBuf),
+    /// A script's text, read once from `path` (checked to be inside the workspace root).
+    Script {
+        path: PathBuf,
+        text: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -380,15 +383,7 @@ impl Sandbox {
         let timeout = Duration::from_secs_f64(self.config.timeout_seconds);
         let (mode, filename, text) = match source {
             Source::Code(code) => ("code", "<code>".to_owned(), code),
-            Source::Script(path) => match tokio::fs::read_to_string(&path).await {
-                Ok(text) => ("script", path.display().to_string(), text),
-                Err(e) => {
-                    return Ok(failed(Failure::Spawn(format!(
-                        "reading {}: {e}",
-                        path.display()
-                    ))));
-                }
-            },
+            Source::Script { path, text } => ("script", path.display().to_string(), text),
         };
         let acquired = self.pool.acquire(timeout).await;
         let (process, _running) = match acquired {
@@ -429,19 +424,6 @@ impl Sandbox {
             .await;
         self.pool.finished();
         Ok(outcome)
-    }
-}
-
-fn failed(failure: Failure) -> Outcome {
-    Outcome {
-        result: None,
-        failure: Some(failure),
-        stdout: String::new(),
-        stderr: String::new(),
-        returncode: None,
-        tool_calls: 0,
-        duration: Duration::ZERO,
-        warm: false,
     }
 }
 

@@ -277,10 +277,11 @@ impl Started {
                 outcome.returncode = status.ok().and_then(|s| s.code());
                 outcome.tool_calls = end.tool_calls;
                 outcome.failure = match end.done {
+                    // An exception's text is the run's own, bounded as its stderr is.
                     Some(Done { error: Some(e), .. }) => Some(Failure::Exception {
-                        kind: e.kind,
-                        message: e.message,
-                        traceback: e.traceback,
+                        kind: clip(e.kind, 256),
+                        message: clip(e.message, launch.stderr_limit),
+                        traceback: clip(e.traceback, launch.stderr_limit),
                     }),
                     Some(Done { result, .. }) => {
                         let bytes = serde_json::to_vec(&result).map_or(0, |v| v.len());
@@ -389,4 +390,20 @@ impl Drop for HostWorkspace {
             Err(_) => remove(),
         }
     }
+}
+
+/// `text` cut to at most `limit` bytes at a character boundary, saying how much there was.
+fn clip(text: String, limit: usize) -> String {
+    if text.len() <= limit {
+        return text;
+    }
+    let mut end = limit;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{}… ({} bytes in all, cut at {limit})",
+        &text[..end],
+        text.len()
+    )
 }

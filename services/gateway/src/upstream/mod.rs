@@ -1,6 +1,7 @@
 //! Every tool the gateway can reach: the built-in `nomad` server and the configured MCP
 //! servers, behind one call path that applies the allowlist, records the `upstream` span and
-//! metrics, logs (redacted) and carries the caller's trace context.
+//! metrics, logs (arguments' keys and size, never their values) and carries the caller's trace
+//! context.
 
 pub mod mcp;
 pub mod nomad;
@@ -159,16 +160,16 @@ impl Upstreams {
             .await;
         let status = if result.is_ok() { "ok" } else { "error" };
         span.set_attribute(KeyValue::new("nomad.gateway.status", status));
-        // Logs carry at most LOGGED_BYTES of any name, argument, result or error.
+        // Logs carry the arguments' keys and size, never their values (a prompt, a document, a
+        // secret under an innocent key), and at most LOGGED_BYTES of a name or an error.
         let (server_log, tool_log) = (clip(server), clip(tool));
+        let shape = shape_of(arguments);
         match &result {
-            Ok(value) => tracing::debug!(server = %server_log, tool = %tool_log,
-                arguments = %clip(&self.policy.redact(arguments).to_string()),
-                result = %clip(&self.policy.redact(value).to_string()), "upstream call"),
+            Ok(_) => tracing::debug!(server = %server_log, tool = %tool_log, arguments = %shape,
+                "upstream call"),
             Err(e) => {
                 span.set_error(format!("{:?}", e.code()), e.message());
-                tracing::info!(server = %server_log, tool = %tool_log,
-                    arguments = %clip(&self.policy.redact(arguments).to_string()),
+                tracing::info!(server = %server_log, tool = %tool_log, arguments = %shape,
                     error = %clip(e.message()), "upstream call failed");
             }
         }
@@ -207,6 +208,33 @@ impl Upstreams {
             .call(tool, arguments, &trace)
             .await
             .map_err(tonic::Status::unavailable)
+    }
+}
+
+/// What a log line says of a call's arguments: their top-level keys (at most 16, each clipped)
+/// and their size in bytes of JSON.
+fn shape_of(arguments: &Value) -> String {
+    /// Counts what is written, keeping none of it.
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    let _ = serde_json::to_writer(&mut count, arguments);
+    let bytes = count.0;
+    match arguments {
+        Value::Object(map) => {
+            let keys: Vec<String> = map.keys().take(16).map(|k| clip(k).into_owned()).collect();
+            let more = if map.len() > 16 { ", ..." } else { "" };
+            format!("keys [{}{more}], {bytes} bytes", keys.join(", "))
+        }
+        _ => format!("{bytes} bytes"),
     }
 }
 
@@ -255,7 +283,9 @@ impl ToolHost for RunTools<'_> {
             .await
             .map_err(|s| s.message().to_owned());
         if let Some(log) = self.log {
-            log.record(server, tool, started, &arguments, &result);
+            log.record(server, tool, started, &arguments, &result, |v| {
+                self.upstreams.policy.redact(v)
+            });
         }
         result
     }

@@ -1,6 +1,7 @@
 //! A sandboxed run's tool calls as its caller gets them back (`gateway.record_tool_calls`), so a
 //! rollout can be replayed: server, tool, status, start offset and duration of each, in the
-//! order they started; arguments, output and error only with `record_tool_call_payloads`.
+//! order they started; arguments, output and error only with `record_tool_call_payloads`
+//! (redacted as `gateway.redaction` says).
 
 use std::sync::Mutex;
 use std::time::Instant;
@@ -37,6 +38,7 @@ impl CallLog {
         started: Instant,
         arguments: &Value,
         result: &Result<Value, String>,
+        redact: impl Fn(&Value) -> Value,
     ) {
         let offset = started.duration_since(self.started).as_secs_f64();
         let mut call = json!({
@@ -47,9 +49,9 @@ impl CallLog {
             "duration_seconds": started.elapsed().as_secs_f64(),
         });
         if self.payloads {
-            call["arguments"] = arguments.clone();
+            call["arguments"] = redact(arguments);
             match result {
-                Ok(output) => call["output"] = output.clone(),
+                Ok(output) => call["output"] = redact(output),
                 Err(error) => call["error"] = json!(error),
             }
         }
@@ -86,6 +88,7 @@ mod tests {
                 t,
                 &json!({"repo_path": "/r"}),
                 &Ok(json!("log")),
+                Value::clone,
             );
             log.record(
                 "git",
@@ -93,6 +96,7 @@ mod tests {
                 t,
                 &json!({}),
                 &Err("no such revision".into()),
+                Value::clone,
             );
             let (calls, dropped) = log.finish();
             assert_eq!(dropped, 0);
@@ -111,10 +115,10 @@ mod tests {
         let early = Instant::now();
         std::thread::sleep(std::time::Duration::from_millis(2));
         let late = Instant::now();
-        log.record("s", "second", late, &json!({}), &Ok(json!(1)));
-        log.record("s", "first", early, &json!({}), &Ok(json!(1)));
+        log.record("s", "second", late, &json!({}), &Ok(json!(1)), Value::clone);
+        log.record("s", "first", early, &json!({}), &Ok(json!(1)), Value::clone);
         for _ in 0..MAX_RECORDED {
-            log.record("s", "more", late, &json!({}), &Ok(json!(1)));
+            log.record("s", "more", late, &json!({}), &Ok(json!(1)), Value::clone);
         }
         let (calls, dropped) = log.finish();
         assert_eq!(calls.len(), MAX_RECORDED);

@@ -156,6 +156,12 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     }
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("creating run directory {}", run_dir.display()))?;
+    // Its logs hold what callers sent: for this user's eyes only.
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("making {} private", run_dir.display()))?;
+    }
     let config = match user_config {
         Some(path) => path,
         None => {
@@ -283,7 +289,9 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     // Written whole, then renamed: whoever waits for the file never reads half of it.
     let fleet_path = run_dir.join("fleet.json");
     let partial = run_dir.join("fleet.json.partial");
-    // It holds the fleet's token: readable by this user only, from its first byte.
+    // It holds the fleet's token: readable by this user only, from its first byte. A partial
+    // file an earlier start left behind is removed (a link is removed, not followed).
+    let _ = std::fs::remove_file(&partial);
     write_private(&partial, format!("{fleet:#}\n").as_bytes())
         .and_then(|()| std::fs::rename(&partial, &fleet_path))
         .with_context(|| format!("writing {}", fleet_path.display()))?;
@@ -419,14 +427,16 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     Ok(ok)
 }
 
-/// Writes `bytes` to a new file only its owner may read (mode 0600).
+/// Writes `bytes` to a new file only its owner may read (mode 0600). The file must not exist
+/// yet, and a symbolic link in its place is refused, so a token is never written through a link
+/// another user planted or into a file someone else already opened.
 pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     let mut file = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
         .mode(0o600)
         .open(path)?;
     file.write_all(bytes)
@@ -545,6 +555,30 @@ pub async fn command(args: UpArgs) -> anyhow::Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_private_file_is_never_written_through_a_link_or_over_another_file() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("nomad-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let token = dir.join("token");
+        write_private(&token, b"secret").unwrap();
+        assert_eq!(
+            std::fs::metadata(&token).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        // Someone else's file already there, or a link planted to one: refused, untouched.
+        assert!(write_private(&token, b"again").is_err());
+        assert_eq!(std::fs::read(&token).unwrap(), b"secret");
+        let target = dir.join("target");
+        std::fs::write(&target, "theirs").unwrap();
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(write_private(&link, b"secret").is_err());
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "theirs");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn the_demo_tasks_parse_with_their_agent() {
