@@ -309,6 +309,60 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
     assert!(said.contains("NO CREDENTIAL (auth: none)"), "{said}");
     let _ = open.start_kill();
 
+    // /metrics follows the same rule: beyond loopback without a token, the server does not
+    // start; with one, a scrape needs it.
+    let refused = clean("nomad-scheduler")
+        .env("NOMAD_OTEL_PROMETHEUS_LISTEN", "0.0.0.0:0")
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("prometheus_listen") && said.contains("no credential"),
+        "{said}"
+    );
+    let port = std::net::TcpListener::bind("0.0.0.0:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr_file = dir.join("metrics.addr");
+    let log = dir.join("metrics.stderr");
+    let mut scraped = clean("nomad-scheduler")
+        .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
+        .env("NOMAD_OTEL_PROMETHEUS_LISTEN", format!("0.0.0.0:{port}"))
+        .args(["--listen", "127.0.0.1:0", "--addr-file"])
+        .arg(&addr_file)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    wait_for_file(&addr_file, &mut scraped, "nomad-scheduler", &log).await;
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let client = reqwest::Client::new();
+    for (authorization, expected) in [
+        (None, 401),
+        (Some(format!("Bearer {WRONG}")), 401),
+        (Some(format!("Bearer {TEST_TOKEN}")), 200),
+    ] {
+        let mut request = client.get(&url);
+        if let Some(value) = &authorization {
+            request = request.header("authorization", value);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status().as_u16();
+        let body = response.text().await.unwrap();
+        assert_eq!(status, expected, "{authorization:?}: {body}");
+        assert_eq!(
+            body.contains("target_info"),
+            expected == 200,
+            "{authorization:?}: {body}"
+        );
+    }
+    let _ = scraped.start_kill();
+
     // A token that is too short to be a credential is refused at start-up.
     let weak = clean("nomad-scheduler")
         .env("NOMAD_AUTH_TOKEN", "short")

@@ -120,5 +120,33 @@ async fn top_shows_a_live_fleet_under_load_and_quits_on_q() {
         libc::kill(up.id().unwrap() as i32, libc::SIGTERM);
     }
     assert!(up.wait().await.unwrap().success());
+
+    // The fleet is gone (its fleet.json stays): both commands say so and fail.
+    let tasks = dir.join("stopped-tasks.jsonl");
+    std::fs::write(
+        &tasks,
+        "{\"id\": \"t\", \"tool\": \"embed\", \"arguments\": {\"text\": \"x\"}}\n",
+    )
+    .unwrap();
+    for args in [
+        vec!["top", "--once", "--fleet"],
+        vec!["run", "--tasks", tasks.to_str().unwrap(), "--fleet"],
+    ] {
+        let stopped = clean("nomad")
+            .args(&args)
+            .arg(&fleet)
+            .output()
+            .await
+            .unwrap();
+        let said = String::from_utf8_lossy(&stopped.stderr);
+        assert!(
+            !stopped.status.success(),
+            "{args:?} succeeded on a stopped fleet"
+        );
+        assert!(
+            said.contains(&format!("fleet {run_id} is not running")),
+            "{args:?}: {said}"
+        );
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -184,8 +184,9 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     );
     assert!(refused.contains("requires its bearer token"), "{refused}");
 
-    // The rollout driver, as a user runs it against the fleet (its gateway, token and run id
-    // from fleet.json), with its telemetry in the run directory beside the fleet's.
+    // The rollout driver, as a user runs it against the fleet (its gateway, token, run id and
+    // telemetry from fleet.json, nothing set in its environment): its spans land in the run
+    // directory beside the fleet's.
     let results_path = dir.join("results.jsonl");
     write_tasks(&tasks_path, &tasks);
     let driver = clean("nomad")
@@ -197,15 +198,12 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
         .arg("--fleet")
         .arg(run_dir.join("fleet.json"))
         .args(["--concurrency", "8"])
-        .env("NOMAD_OTEL_ENABLED", "true")
-        .env("NOMAD_OTEL_EXPORTER", "console")
-        .stdout(std::fs::File::create(run_dir.join("driver.jsonl")).unwrap())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap()
-        .wait_with_output()
-        .await
         .unwrap();
+    let driver_pid = driver.id().unwrap();
+    let driver = driver.wait_with_output().await.unwrap();
     assert!(
         driver.status.success(),
         "nomad run failed:\n{}",
@@ -253,9 +251,15 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     assert!(!up_log.contains(" exited ("), "a server failed:\n{up_log}");
 
     // Every rollout is one whole trace across the four services, from the run directory.
+    let driver_file = format!("run-{driver_pid}.jsonl");
     let mut console = String::new();
-    for file in ["driver", "scheduler", "device-worker-0", "gateway"] {
-        console.push_str(&std::fs::read_to_string(run_dir.join(format!("{file}.jsonl"))).unwrap());
+    for file in [
+        driver_file.as_str(),
+        "scheduler.jsonl",
+        "device-worker-0.jsonl",
+        "gateway.jsonl",
+    ] {
+        console.push_str(&std::fs::read_to_string(run_dir.join(file)).unwrap());
     }
     check_rollout_traces(&from_console(&console), &results, &run_id);
 

@@ -24,6 +24,7 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
             } else {
                 ConsoleSink::Stdout
             },
+            ..Default::default()
         },
         ..Default::default()
     };

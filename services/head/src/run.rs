@@ -59,18 +59,32 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         template.as_deref(),
     )
     .map_err(anyhow::Error::msg)?;
-    let fleet = args.fleet.as_deref().map(FleetFile::read).transpose()?;
+    let fleet = match args.fleet.as_deref() {
+        Some(path) => Some(FleetFile::read_running(path).await?),
+        None => None,
+    };
     let gateway = args
         .gateway
         .clone()
         .or_else(|| fleet.as_ref().map(|f| f.gateway.clone()))
         .unwrap_or_else(|| "127.0.0.1:7001".to_owned());
     let mut run_id = String::new();
-    let options = StartOptions {
+    let mut options = StartOptions {
         serves: false,
         token: fleet.as_ref().and_then(|f| f.token.clone()),
         ..Default::default()
     };
+    // A fleet's client exports where the fleet does, unless its environment says otherwise;
+    // console lines go to a file of its own in the fleet's run directory, so `nomad traces`,
+    // `report` and `top` see these rollouts beside the fleet's spans.
+    if let Some(fleet) = &fleet {
+        options.env_defaults = fleet.telemetry_env.clone().into_iter().collect();
+        if let Some(run_dir) = &fleet.run_dir {
+            options.init.console_sink = nomad_telemetry::ConsoleSink::File(
+                run_dir.join(format!("run-{}.jsonl", std::process::id())),
+            );
+        }
+    }
     let service = Service::start_with(ServerType::Head, &args.service, options, |settings| {
         // The fleet's run id, unless the environment or the config names one.
         if settings.run_id.is_none() {

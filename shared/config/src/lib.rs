@@ -203,6 +203,23 @@ impl Env for ProcessEnv {
     }
 }
 
+/// An environment with defaults under it: a variable `user` sets always wins.
+pub struct Layered<'a> {
+    pub user: &'a dyn Env,
+    pub defaults: &'a [(String, String)],
+}
+
+impl Env for Layered<'_> {
+    fn var(&self, name: &str) -> Option<String> {
+        self.user.var(name).or_else(|| {
+            self.defaults
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        })
+    }
+}
+
 impl Env for HashMap<String, String> {
     fn var(&self, name: &str) -> Option<String> {
         self.get(name).cloned()

@@ -15,6 +15,8 @@ use nomad_telemetry::{
 };
 use tokio::net::TcpListener;
 
+use crate::RpcError;
+
 /// The arguments every service takes (`#[command(flatten)]`).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct ServiceArgs {
@@ -27,6 +29,30 @@ pub struct ServiceArgs {
     /// Write the bound gRPC address here once listening.
     #[arg(long)]
     pub addr_file: Option<PathBuf>,
+}
+
+/// `/metrics` follows the gRPC listen rule: on loopback it is open; beyond it only with the
+/// fleet's token, which every scrape must then carry (`auth: none` serves it open, logged).
+fn scrape_auth(
+    listen: SocketAddr,
+) -> Result<Option<nomad_telemetry::scrape::ScrapeAuth>, RpcError> {
+    let auth = crate::auth::installed();
+    if listen.ip().is_loopback() {
+        return Ok(None);
+    }
+    if auth.token.is_some() {
+        let accepts =
+            std::sync::Arc::new(|given: Option<&str>| crate::auth::installed().accepts(given));
+        return Ok(Some(nomad_telemetry::scrape::ScrapeAuth(accepts)));
+    }
+    if auth.open {
+        return Ok(None);
+    }
+    Err(RpcError::Auth(format!(
+        "telemetry.prometheus_listen would serve /metrics on {listen} with no credential: set \
+         NOMAD_AUTH_TOKEN (scrapers then send `Authorization: Bearer <token>`), or listen on a \
+         loopback address; `auth: none` serves it open"
+    )))
 }
 
 /// How a service starts beyond its arguments.
@@ -43,6 +69,9 @@ pub struct StartOptions {
     /// Start-up phases timed so far. A serving process traces its start-up anyway (until it
     /// listens); one that does not serve only when it gives these (`nomad up`).
     pub startup: Option<Phases>,
+    /// Telemetry variables that apply where the environment sets none (a client of a fleet
+    /// takes the fleet's).
+    pub env_defaults: Vec<(String, String)>,
 }
 
 impl Default for StartOptions {
@@ -53,6 +82,7 @@ impl Default for StartOptions {
             gpu_count: None,
             token: None,
             startup: None,
+            env_defaults: Vec::new(),
         }
     }
 }
@@ -88,7 +118,12 @@ impl Service {
             auth.token = options.token.clone().map(Into::into);
         }
         crate::auth::install(auth)?;
-        let mut settings = nomad_telemetry::load_settings(&config)?;
+        let block: nomad_telemetry::TelemetryBlock = config.section("telemetry")?;
+        let env = nomad_config::Layered {
+            user: &nomad_config::ProcessEnv,
+            defaults: &options.env_defaults,
+        };
+        let mut settings = nomad_telemetry::config::resolve(&block, &env)?;
         adjust(&mut settings)?;
         phases.mark("config");
         if options.serves {
@@ -104,12 +139,28 @@ impl Service {
         server_name: Option<String>,
         config: ConfigFile,
         settings: TelemetrySettings,
-        options: StartOptions,
+        mut options: StartOptions,
     ) -> anyhow::Result<Self> {
+        let mut open_metrics = None;
+        if let Some(listen) = settings.prometheus_listen {
+            options.init.scrape_auth = scrape_auth(listen)?;
+            open_metrics = options
+                .init
+                .scrape_auth
+                .is_none()
+                .then_some(listen)
+                .filter(|l| !l.ip().is_loopback());
+        }
         let mut identity = ServerIdentity::new(kind).named(server_name);
         identity.gpu_count = options.gpu_count;
         let run_id = settings.run_id.clone();
         let telemetry = nomad_telemetry::init(settings, &identity, options.init)?;
+        if let Some(listen) = open_metrics {
+            tracing::error!(
+                "telemetry.prometheus_listen serves {listen} with NO CREDENTIAL (auth: none): \
+                 anyone who can reach it reads the fleet's metrics"
+            );
+        }
         let startup = match options.startup {
             Some(mut phases) => {
                 phases.mark("telemetry");

@@ -54,14 +54,6 @@ pub enum TelemetryError {
     },
 }
 
-/// Reads the `telemetry:` block from `file` and resolves it against the process environment.
-pub fn load_settings(
-    file: &nomad_config::ConfigFile,
-) -> Result<TelemetrySettings, nomad_config::ConfigError> {
-    let block: TelemetryBlock = file.section("telemetry")?;
-    config::resolve(&block, &nomad_config::ProcessEnv)
-}
-
 /// The installed providers; flushes them on [`Telemetry::shutdown`].
 #[derive(Debug)]
 pub struct Telemetry {
@@ -79,6 +71,8 @@ pub struct Telemetry {
 pub struct InitOptions {
     /// Where console records go (stderr for a process whose stdout is a protocol).
     pub console_sink: ConsoleSink,
+    /// Who may scrape `/metrics` (`None`: anyone who reaches it, as on loopback).
+    pub scrape_auth: Option<scrape::ScrapeAuth>,
 }
 
 fn exporter_error(
@@ -247,7 +241,7 @@ pub fn init(
     };
     let (scrape_reader, scrape) = match settings.prometheus_listen {
         Some(listen) => {
-            let (reader, endpoint) = scrape::start(listen)?;
+            let (reader, endpoint) = scrape::start(listen, options.scrape_auth.clone())?;
             (Some(reader), Some(endpoint))
         }
         None => (None, None),

@@ -3,6 +3,7 @@
 //! and types per the OpenTelemetry-to-Prometheus rules and the resource as `target_info`.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use opentelemetry_prometheus::PrometheusExporter;
 
@@ -28,9 +29,27 @@ fn error(message: String) -> TelemetryError {
     }
 }
 
-/// The metric reader to add to the meter provider, and the endpoint serving what it reads.
-/// Must run inside a Tokio runtime.
-pub fn start(listen: SocketAddr) -> Result<(PrometheusExporter, Endpoint), TelemetryError> {
+/// Who may scrape: given a request's `Authorization` header, whether to answer it (the fleet's
+/// token check, from the process's auth layer).
+#[derive(Clone)]
+pub struct ScrapeAuth(pub Arc<Accepts>);
+
+/// A check of an `Authorization` header value (absent: `None`).
+pub type Accepts = dyn Fn(Option<&str>) -> bool + Send + Sync;
+
+impl std::fmt::Debug for ScrapeAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ScrapeAuth")
+    }
+}
+
+/// The metric reader to add to the meter provider, and the endpoint serving what it reads;
+/// with `auth`, a scrape it does not accept is answered 401 and gets nothing. Must run inside a
+/// Tokio runtime.
+pub fn start(
+    listen: SocketAddr,
+    auth: Option<ScrapeAuth>,
+) -> Result<(PrometheusExporter, Endpoint), TelemetryError> {
     let registry = prometheus::Registry::new();
     let reader = opentelemetry_prometheus::exporter()
         .with_registry(registry.clone())
@@ -45,9 +64,24 @@ pub fn start(listen: SocketAddr) -> Result<(PrometheusExporter, Endpoint), Telem
         .map_err(|e| error(format!("prometheus_listen {listen}: {e}")))?;
     let app = axum::Router::new().route(
         "/metrics",
-        axum::routing::get(move || {
+        axum::routing::get(move |headers: axum::http::HeaderMap| {
             let registry = registry.clone();
+            let auth = auth.clone();
             async move {
+                let authorization = headers
+                    .get(axum::http::header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok());
+                if let Some(ScrapeAuth(accepts)) = &auth
+                    && !accepts(authorization)
+                {
+                    return (
+                        axum::http::StatusCode::UNAUTHORIZED,
+                        [(axum::http::header::CONTENT_TYPE, "text/plain")],
+                        "this endpoint requires the fleet's bearer token (Authorization: Bearer \
+                         <token>; in Prometheus: `authorization: {credentials_file: ...}`)\n"
+                            .to_owned(),
+                    );
+                }
                 let text = prometheus::TextEncoder::new().encode_to_string(&registry.gather());
                 match text {
                     Ok(text) => (

@@ -49,8 +49,11 @@ struct Sources {
 const ANSWER_WITHIN: Duration = Duration::from_secs(2);
 
 impl Sources {
-    fn open(args: &TopArgs) -> anyhow::Result<Self> {
-        let fleet = args.fleet.as_deref().map(FleetFile::read).transpose()?;
+    async fn open(args: &TopArgs) -> anyhow::Result<Self> {
+        let fleet = match args.fleet.as_deref() {
+            Some(path) => Some(FleetFile::read_running(path).await?),
+            None => None,
+        };
         let scheduler_address = match (&fleet, &args.scheduler) {
             (Some(f), _) => f.scheduler.clone(),
             (None, Some(s)) => s.clone(),
@@ -184,7 +187,7 @@ fn quit_keys() -> tokio::sync::mpsc::Receiver<()> {
 pub async fn top(args: TopArgs) -> anyhow::Result<bool> {
     let interval =
         nomad_config::seconds("--interval", args.interval).map_err(anyhow::Error::msg)?;
-    let mut sources = Sources::open(&args)?;
+    let mut sources = Sources::open(&args).await?;
     if args.once {
         let view = sources.poll().await;
         print!("{}", text_frame(&view, 120)?);

@@ -2,24 +2,8 @@
 //! variables, and its own defaults, never over a variable of the user's.
 
 use nomad_config::Env;
+pub use nomad_config::Layered;
 use nomad_telemetry::TelemetryBlock;
-
-/// The user's environment with defaults under it: a variable the user set always wins.
-pub struct Layered<'a> {
-    pub user: &'a dyn Env,
-    pub defaults: &'a [(String, String)],
-}
-
-impl Env for Layered<'_> {
-    fn var(&self, name: &str) -> Option<String> {
-        self.user.var(name).or_else(|| {
-            self.defaults
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
-        })
-    }
-}
 
 /// Telemetry settings `nomad up` hands its children (and itself) when neither the config nor
 /// the environment configures telemetry: console export into the run directory, with memory

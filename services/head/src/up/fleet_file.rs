@@ -12,6 +12,9 @@ pub struct FleetFile {
     pub scheduler: String,
     pub gateway: String,
     pub token: Option<String>,
+    /// The fleet's telemetry variables, for a client to export where the fleet does.
+    #[serde(default)]
+    pub telemetry_env: std::collections::BTreeMap<String, String>,
 }
 
 impl FleetFile {
@@ -20,5 +23,33 @@ impl FleetFile {
             .with_context(|| format!("reading the fleet file {}", path.display()))?;
         serde_json::from_str(&text)
             .with_context(|| format!("{} is not a fleet.json of nomad up", path.display()))
+    }
+
+    /// Reads `path` and checks that the fleet still answers: its file outlives it, and a
+    /// stopped fleet should be named as such, not met as a connection error on every call.
+    pub async fn read_running(path: &Path) -> anyhow::Result<Self> {
+        let fleet = Self::read(path)?;
+        let connected = tokio::time::timeout(
+            std::time::Duration::from_secs(3),
+            tokio::net::TcpStream::connect(fleet.gateway.trim_start_matches("http://")),
+        )
+        .await;
+        match connected {
+            Ok(Ok(_)) => Ok(fleet),
+            Ok(Err(e)) => anyhow::bail!(
+                "fleet {} is not running: its gateway {} refuses connections ({e}); start it \
+                 again with `nomad up` (its fleet.json: {})",
+                fleet.run_id,
+                fleet.gateway,
+                path.display()
+            ),
+            Err(_) => anyhow::bail!(
+                "fleet {} is not answering: its gateway {} did not accept a connection within \
+                 3 s (its fleet.json: {})",
+                fleet.run_id,
+                fleet.gateway,
+                path.display()
+            ),
+        }
     }
 }

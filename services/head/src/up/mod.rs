@@ -190,10 +190,12 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         serves: false,
         init: InitOptions {
             console_sink: ConsoleSink::File(run_dir.join("head.jsonl")),
+            ..Default::default()
         },
         gpu_count: None,
         token: None,
         startup: Some(phases),
+        env_defaults: Vec::new(),
     };
     let telemetry = Service::with_settings(
         ServerType::Head,
@@ -269,6 +271,23 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     };
 
     let servers = sup.running();
+    // What a client of this fleet (`nomad run --fleet`) needs to export its telemetry where the
+    // fleet's goes: the user's variables first, then the config's and `nomad up`'s defaults. Not
+    // the address of a scrape endpoint, nor a server's own name.
+    let telemetry_env = {
+        let wanted = |k: &str| {
+            (k.starts_with("OTEL_") || k.starts_with("NOMAD_OTEL_"))
+                && !matches!(k, "NOMAD_OTEL_PROMETHEUS_LISTEN" | "OTEL_SERVICE_NAME")
+        };
+        let mut vars: std::collections::BTreeMap<String, String> =
+            std::env::vars().filter(|(k, _)| wanted(k)).collect();
+        for (k, v) in &child_env {
+            if wanted(k) {
+                vars.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+        vars
+    };
     let fleet = json!({
         "run_id": run_id,
         "run_dir": run_dir,
@@ -278,6 +297,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
         "gateway_mcp": addresses.mcp_url,
         "tools_mcp": addresses.tools_url,
         "openai_base_url": addresses.openai_url,
+        "telemetry_env": telemetry_env,
         "head_pid": std::process::id(),
         "token": token.as_deref(),
         "prometheus": addresses.prometheus.iter()
