@@ -8,7 +8,7 @@
 #
 # Without a registry, deploy/docker/build-prebuilt-image makes the same image from binaries
 # built on the host.
-ARG BUILD_BASE=rust:1.88-bookworm
+ARG BUILD_BASE=rust:1.90-bookworm
 ARG RUNTIME_BASE=debian:bookworm-slim
 
 FROM ${BUILD_BASE} AS build
@@ -16,7 +16,7 @@ ARG CARGO_FEATURES=""
 # The CUDA bases have no Rust toolchain: install one there.
 RUN if ! command -v cargo >/dev/null; then \
       apt-get update && apt-get install -y --no-install-recommends curl ca-certificates build-essential \
-      && curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --default-toolchain 1.88; \
+      && curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --default-toolchain 1.90; \
     fi
 ENV PATH=/root/.cargo/bin:/usr/local/cargo/bin:$PATH
 WORKDIR /src

@@ -335,3 +335,18 @@ fn refuses_rows_of_the_wrong_width_and_skips_other_types() {
         }
     }
 }
+
+/// The kernel tests above check nothing where the CPU lacks a kernel (and say so on stderr). On
+/// x86_64, where Nomad's CPU workers run, the row and tile kernels need only AVX2, FMA and F16C:
+/// they must be here, so those tests did check something.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_row_and_tile_kernels_were_checked_on_this_cpu() {
+    assert!(
+        Kernel::Rows.supported() && Kernel::Tiles.supported(),
+        "this x86_64 CPU lacks AVX2, FMA or F16C: the kernel tests above checked nothing"
+    );
+    if !Kernel::TilesVnni.supported() {
+        eprintln!("no AVX-512 VNNI here: the VNNI tile kernel was not checked");
+    }
+}
