@@ -146,3 +146,14 @@ pub fn descendants_running(pid: u32, needle: &str) -> usize {
         })
         .count()
 }
+
+/// The peak resident memory (`VmHWM`) of process `pid`, in KiB.
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}

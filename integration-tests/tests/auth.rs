@@ -390,3 +390,133 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
     assert!(!dir.join("x").exists() && !dir.join("runs").exists());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// One OTLP trace export request with a span of `name` (the collector writes its name).
+fn export_request(
+    name: &str,
+) -> opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest {
+    use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
+    opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest {
+        resource_spans: vec![ResourceSpans {
+            scope_spans: vec![ScopeSpans {
+                spans: vec![Span {
+                    trace_id: vec![7; 16],
+                    span_id: vec![9; 8],
+                    name: name.into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+    }
+}
+
+/// `nomad collect` (a Slurm job's collector) listens beyond loopback only with the token, and
+/// every export must carry it: without it, OTLP/HTTP answers 401 and OTLP/gRPC UNAUTHENTICATED,
+/// and nothing of the forged spans reaches `traces.jsonl`; the token holder's spans do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_collector_writes_only_what_the_token_holder_exports() {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_client::TraceServiceClient;
+    use prost::Message as _;
+    let dir = Fleet::new_dir();
+    let refused = clean("nomad")
+        .args(["collect", "--out"])
+        .arg(dir.join("open"))
+        .args(["--listen", "0.0.0.0:0", "--http-listen", "127.0.0.1:0"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("nomad collect --listen") && said.contains("no credential"),
+        "{said}"
+    );
+
+    let out = dir.join("otel");
+    let (grpc_file, http_file, log) = (
+        dir.join("collect.addr"),
+        dir.join("collect-http.addr"),
+        dir.join("collect.stderr"),
+    );
+    let mut collector = clean("nomad")
+        .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
+        .args(["collect", "--out"])
+        .arg(&out)
+        .args(["--listen", "0.0.0.0:0", "--http-listen", "0.0.0.0:0"])
+        .arg("--addr-file")
+        .arg(&grpc_file)
+        .arg("--http-addr-file")
+        .arg(&http_file)
+        .args(["--quiet-seconds", "0.2"])
+        .stderr(std::fs::File::create(&log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let port = |bound: String| bound.rsplit_once(':').unwrap().1.to_owned();
+    let grpc = format!(
+        "127.0.0.1:{}",
+        port(wait_for_file(&grpc_file, &mut collector, "nomad collect", &log).await)
+    );
+    let http = format!(
+        "http://127.0.0.1:{}/v1/traces",
+        port(wait_for_file(&http_file, &mut collector, "nomad collect", &log).await)
+    );
+
+    let client = reqwest::Client::new();
+    for (token, name, expected) in [
+        (None, "forged.http.none", 401),
+        (Some(WRONG), "forged.http.wrong", 401),
+        (Some(TEST_TOKEN), "honest.http", 200),
+    ] {
+        let mut request = client
+            .post(&http)
+            .header("content-type", "application/x-protobuf")
+            .body(export_request(name).encode_to_vec());
+        if let Some(token) = token {
+            request = request.header("authorization", format!("Bearer {token}"));
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status().as_u16();
+        let body = response.text().await.unwrap_or_default();
+        assert_eq!(status, expected, "{name}: {body}");
+        if expected == 401 {
+            assert!(body.contains("bearer token"), "{name}: {body}");
+        }
+    }
+    for (token, name, expected) in [
+        (None, "forged.grpc.none", Some(tonic::Code::Unauthenticated)),
+        (
+            Some(WRONG),
+            "forged.grpc.wrong",
+            Some(tonic::Code::Unauthenticated),
+        ),
+        (Some(TEST_TOKEN), "honest.grpc", None),
+    ] {
+        let exported = TraceServiceClient::new(dial(&grpc, token).await)
+            .export(export_request(name))
+            .await;
+        assert_eq!(code(exported), expected, "{name}");
+    }
+
+    // SIGTERM: the collector writes out what it took and stops.
+    // SAFETY: kill(2) on the child we spawned.
+    unsafe { libc::kill(collector.id().unwrap() as i32, libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(30), collector.wait())
+        .await
+        .expect("nomad collect stops on SIGTERM")
+        .unwrap();
+    assert!(
+        status.success(),
+        "{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+    let traces = std::fs::read_to_string(out.join("traces.jsonl")).unwrap();
+    assert!(
+        traces.contains("honest.http") && traces.contains("honest.grpc"),
+        "{traces}"
+    );
+    assert!(!traces.contains("forged"), "{traces}");
+    let _ = std::fs::remove_dir_all(dir);
+}

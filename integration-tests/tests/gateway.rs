@@ -129,6 +129,23 @@ async fn sandboxed_code_calls_every_kind_of_upstream_inside_the_callers_trace() 
     let count = |name: &str| ours.iter().filter(|s| s.name == name).count();
     assert_eq!(count("nomad.gateway.execute_mcp_code"), 2);
     assert_eq!(count("nomad.gateway.sandbox.run"), 2);
+    // Each run's wait for a slot is a span of its own, under its sandbox.run.
+    let runs: BTreeSet<&str> = ours
+        .iter()
+        .filter(|s| s.name == "nomad.gateway.sandbox.run")
+        .map(|s| s.span_id.as_str())
+        .collect();
+    let waits: Vec<_> = ours
+        .iter()
+        .filter(|s| s.name == "nomad.gateway.sandbox.queue_wait")
+        .collect();
+    assert_eq!(waits.len(), 2);
+    assert!(
+        waits
+            .iter()
+            .all(|s| runs.contains(s.parent_span_id.as_deref().unwrap_or_default())),
+        "a queue_wait span outside its run"
+    );
     assert_eq!(count("nomad.gateway.upstream_tool"), 6);
     assert!(
         count("nomad.tool.request") >= 2,
@@ -261,6 +278,14 @@ async fn sandboxed_code_calls_every_kind_of_upstream_inside_the_callers_trace() 
     }
     assert_eq!(layers.get("cgroup"), Some(&0.0), "{layers:?}");
     assert_eq!(value("nomad.gateway.sandbox.starts", &[]), 2.0);
+    assert_eq!(
+        value(
+            "nomad.gateway.sandbox.queue_wait",
+            &[("outcome", "admitted")]
+        ),
+        2.0,
+        "two admitted runs in the queue-wait histogram"
+    );
     for (server, tool) in [
         ("echo_stdio", "shout"),
         ("echo_http", "shout"),
@@ -381,16 +406,6 @@ fn runner_processes(gateway_pid: u32) -> usize {
     nomad_integration_tests::users::descendants_running(gateway_pid, "-B\0/nomad/runner.py")
 }
 
-fn peak_rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandboxed_code_cannot_escape_and_the_gateway_keeps_serving() {
     let dir = Fleet::new_dir();
@@ -421,7 +436,7 @@ async fn sandboxed_code_cannot_escape_and_the_gateway_keeps_serving() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let port = listener.local_addr().unwrap().port();
-    let before = peak_rss_kib(gateway_pid);
+    let before = nomad_integration_tests::users::peak_rss_kib(gateway_pid);
 
     let cases: Vec<(&str, String, &str)> = vec![
         ("infinite loop", "while True:\n    pass\n".into(), "timeout"),
@@ -487,7 +502,8 @@ async fn sandboxed_code_cannot_escape_and_the_gateway_keeps_serving() {
         "the sandbox reached the loopback listener"
     );
     assert!(!outside.join("escaped.txt").exists());
-    let growth_mib = (peak_rss_kib(gateway_pid).saturating_sub(before)) / 1024;
+    let growth_mib =
+        (nomad_integration_tests::users::peak_rss_kib(gateway_pid).saturating_sub(before)) / 1024;
     assert!(
         growth_mib < 64,
         "the gateway's peak RSS grew {growth_mib} MiB during the runs"
@@ -529,6 +545,21 @@ async fn scripts_run_only_from_inside_the_workspace_root() {
     };
     let ok = run("job.py".into()).await.unwrap().into_inner();
     assert_eq!(ok.result_json, "42", "{}", ok.error);
+    // With a workspace root, code mode offers scripts.
+    let listed = mcp_client(
+        &fleet.gateway_mcp_url(),
+        "auto",
+        None,
+        &json!([{"list": true}]),
+    )
+    .await;
+    let offered: BTreeSet<&str> = listed[0]["tools"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{}", listed[0]))
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert!(offered.contains("execute_mcp_script"), "{offered:?}");
     for path in [
         "../outside.py".to_owned(),
         dir.join("outside.py").display().to_string(),

@@ -682,3 +682,66 @@ async fn a_huge_exception_message_is_cut_like_stderr() {
         gateway.stop().await;
     }
 }
+
+/// What a run sends is bounded before the gateway holds or parses it (as root and as an
+/// unprivileged user): a frame declaring more than the run's limit ends the run naming the
+/// limit, unread; a call over `max_call_bytes` fails in the run with a message; a RESULT over
+/// `result_limit` comes as its size alone. Three million numbers as RESULT (6 MiB of JSON, some
+/// 100 MiB once parsed) leave the gateway's peak memory where it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_run_sends_is_bounded_before_the_gateway_holds_it() {
+    for run_as in gateway_users() {
+        let gateway = Gateway::start(&run_as, "  warm: 0\n").await;
+        gateway.still_serving("start-up").await;
+        let before = nomad_integration_tests::users::peak_rss_kib(gateway.pid);
+        let label = run_as.label;
+
+        // A raw frame header declaring 8 MiB, written straight to the bridge.
+        let raw = gateway
+            .run(
+                "import os, sys, time\nfd = sys.modules['__main__']._FD\n\
+                 os.write(fd, (8 << 20).to_bytes(4, 'big'))\ntime.sleep(0.5)",
+            )
+            .await;
+        assert!(
+            raw.error
+                .contains("bridge frame of 8388608 bytes exceeds the 4259840-byte limit"),
+            "{label}: {}",
+            raw.error
+        );
+
+        // A call over max_call_bytes never leaves the run.
+        let call = gateway
+            .result(
+                label,
+                "import sys\nbridge = next(f for f in sys.meta_path if hasattr(f, 'bridge')).bridge\n\
+                 try:\n    bridge.request('call_tool', {'server': 'nomad', 'tool': 'embed', \
+                 'arguments': {'text': 'x' * (5 << 20)}})\n    RESULT = 'sent'\n\
+                 except Exception as e:\n    RESULT = str(e)",
+            )
+            .await;
+        let call = call.as_str().unwrap();
+        assert!(
+            call.contains("a call may send at most 4194304 (sandbox.max_call_bytes)"),
+            "{label}: {call}"
+        );
+
+        // A RESULT over the limit: its size, not its bytes.
+        let big = gateway.run("RESULT = [0] * (3 << 20)").await;
+        assert!(
+            big.error
+                .contains("result too large: RESULT is 6291457 bytes of JSON, the limit is 65536"),
+            "{label}: {}",
+            big.error
+        );
+        let grown_mib = (nomad_integration_tests::users::peak_rss_kib(gateway.pid)
+            .saturating_sub(before))
+            / 1024;
+        assert!(
+            grown_mib < 48,
+            "{label}: the gateway's peak memory grew {grown_mib} MiB"
+        );
+        gateway.still_serving("oversized frames").await;
+        gateway.stop().await;
+    }
+}

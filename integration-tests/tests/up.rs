@@ -161,6 +161,25 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
         &std::fs::metadata(&run_dir).unwrap().permissions(),
     );
     assert_eq!(mode & 0o777, 0o700, "run directory mode {mode:o}");
+    // Code mode over MCP (the official client, with the token): without a workspace root,
+    // `execute_mcp_script` is not offered, since every call of it would fail.
+    let listed = nomad_integration_tests::peers::mcp_client(
+        fleet["gateway_mcp"].as_str().unwrap(),
+        "auto",
+        Some(token),
+        &serde_json::json!([{"list": true}]),
+    )
+    .await;
+    let offered: BTreeSet<&str> = listed[0]["tools"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{}", listed[0]))
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        offered,
+        BTreeSet::from(["search_code_tools", "execute_mcp_code"])
+    );
     let tasks = mlp_tasks(50);
     let tasks_path = dir.join("tasks.jsonl");
     write_tasks(&tasks_path, &tasks[..1]);
@@ -392,6 +411,27 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     assert_eq!(services.len(), 4, "{services:?}");
     let (ok, _, stderr) = nomad_traces(&["no-such-run", "--from", run_dir.to_str().unwrap()]).await;
     assert!(!ok && stderr.contains("no rollouts"), "{stderr}");
+    // From the directory that holds runs/: `latest` is this run, and an unknown run is refused
+    // naming it.
+    for (run, found) in [("latest", true), ("no-such-run", false)] {
+        let out = clean("nomad")
+            .args(["traces", run, "--json"])
+            .current_dir(&dir)
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), found, "{run}: {stderr}");
+        if found {
+            let rollouts: Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(trace_ids(&rollouts), result_trace_ids(&results));
+        } else {
+            assert!(
+                stderr.contains("no run \"no-such-run\"") && stderr.contains(&run_id),
+                "{stderr}"
+            );
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -134,6 +134,11 @@ impl Gateway {
     }
 
     /// `script_path` resolved (symlinks too) and checked to be a file under the workspace root.
+    /// Whether `execute_mcp_script` can run anything (a workspace root is configured).
+    pub fn runs_scripts(&self) -> bool {
+        self.workspace_root.is_some()
+    }
+
     /// Opens `script_path` once and reads it (at most [`MAX_SCRIPT_BYTES`]). What counts is the
     /// file actually opened, as the kernel names it: a regular file inside the workspace root.
     /// A path checked first and read later could be swapped for a link in between.
@@ -261,7 +266,10 @@ impl Gateway {
             log: log.as_ref(),
             progress,
         };
-        let ran = self.sandbox.run(source, &env, &trace, &tools).await;
+        let ran = self
+            .sandbox
+            .run(source, &env, run_span.context(), &trace, &tools)
+            .await;
         drop(tools);
         let outcome = match ran {
             Ok(outcome) => outcome,
@@ -298,6 +306,10 @@ impl Gateway {
                 KeyValue::new(
                     "nomad.gateway.sandbox.start",
                     if outcome.warm { "warm" } else { "cold" },
+                ),
+                KeyValue::new(
+                    "nomad.gateway.sandbox.queue_wait_seconds",
+                    outcome.queue_wait.as_secs_f64(),
                 ),
             ]);
             match &outcome.failure {

@@ -29,10 +29,12 @@ fn schema(value: Value) -> Arc<Map<String, Value>> {
     }
 }
 
-fn tools() -> Vec<Tool> {
+/// The tools offered: `execute_mcp_script` only where there is a workspace root to run
+/// scripts from (without one, every call of it would fail).
+fn tools(scripts: bool) -> Vec<Tool> {
     let env = json!({"type": "object", "additionalProperties": {"type": "string"},
                      "description": "Environment variables for the code."});
-    vec![
+    let mut tools = vec![
         Tool::new(
             "search_code_tools",
             "Find upstream tools for a task, in plain words or by name (ranked by words and by \
@@ -64,7 +66,9 @@ fn tools() -> Vec<Tool> {
                 "required": ["code"]
             })),
         ),
-        Tool::new(
+    ];
+    if scripts {
+        tools.push(Tool::new(
             "execute_mcp_script",
             "Run a Python script file from the gateway's workspace root in the sandbox, as \
              execute_mcp_code runs code.",
@@ -73,8 +77,9 @@ fn tools() -> Vec<Tool> {
                 "properties": {"script_path": {"type": "string"}, "env": env},
                 "required": ["script_path"]
             })),
-        ),
-    ]
+        ));
+    }
+    tools
 }
 
 fn string(args: &Map<String, Value>, key: &str) -> Result<Option<String>, McpError> {
@@ -128,7 +133,9 @@ impl ServerHandler for McpFrontEnd {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        Ok(ListToolsResult::with_all_items(tools()))
+        Ok(ListToolsResult::with_all_items(tools(
+            self.gateway.runs_scripts(),
+        )))
     }
 
     async fn call_tool(

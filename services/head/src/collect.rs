@@ -5,6 +5,11 @@
 //! Nothing is dropped: requests wait for room in a bounded queue, and when it stays full the
 //! exporter is told to retry (`UNAVAILABLE` / HTTP 503). On SIGTERM it keeps receiving until its
 //! peers have gone quiet (they flush on the same signal), then writes out the queue and exits.
+//!
+//! It listens on loopback unless told otherwise, and beyond loopback only with the fleet's token
+//! (`NOMAD_AUTH_TOKEN`), which every export must then carry (`authorization: Bearer <token>`,
+//! as exporters send it with `OTEL_EXPORTER_OTLP_HEADERS`): a request without it is refused
+//! before its body is read.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -48,11 +53,11 @@ pub struct CollectArgs {
     /// Directory for traces.jsonl, metrics.jsonl and logs.jsonl (created; appended to).
     #[arg(long)]
     pub out: PathBuf,
-    /// OTLP/gRPC address.
-    #[arg(long, default_value = "0.0.0.0:4317")]
+    /// OTLP/gRPC address (beyond loopback only with NOMAD_AUTH_TOKEN).
+    #[arg(long, default_value = "127.0.0.1:4317")]
     pub listen: String,
     /// OTLP/HTTP (protobuf) address: POST /v1/traces, /v1/metrics, /v1/logs.
-    #[arg(long, default_value = "0.0.0.0:4318")]
+    #[arg(long, default_value = "127.0.0.1:4318")]
     pub http_listen: String,
     /// Write the bound gRPC address here once listening.
     #[arg(long)]
@@ -236,6 +241,29 @@ fn http_router(intake: Intake) -> axum::Router {
             }),
         )
         .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BYTES))
+        // Outermost: a request without the token is answered before its body is read.
+        .layer(axum::middleware::from_fn(authenticate))
+}
+
+/// Refuses an OTLP/HTTP request that lacks the installed token (401), naming what to send.
+async fn authenticate(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if nomad_rpc::auth::installed().accepts(given) {
+        return next.run(request).await;
+    }
+    (
+        StatusCode::UNAUTHORIZED,
+        "this collector requires the fleet's bearer token: send `authorization: Bearer <token>` \
+         (OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>)\n",
+    )
+        .into_response()
 }
 
 /// Appends each batch to its file; flushes whenever the queue is empty, syncs at the end.
@@ -289,6 +317,12 @@ pub async fn collect(args: CollectArgs) -> anyhow::Result<bool> {
         enqueue_wait: ENQUEUE_WAIT,
     };
 
+    // The fleet's token from the environment (a Slurm job exports it to every step).
+    let auth = nomad_rpc::auth::Auth::resolve(
+        &nomad_config::ConfigFile::load(None)?,
+        &nomad_config::ProcessEnv,
+    )?;
+    let auth = nomad_rpc::auth::install(auth)?;
     let bind = |address: String| async move {
         tokio::net::TcpListener::bind(&address)
             .await
@@ -298,12 +332,15 @@ pub async fn collect(args: CollectArgs) -> anyhow::Result<bool> {
     let http_listener = bind(args.http_listen.clone()).await?;
     let grpc_addr = grpc_listener.local_addr()?;
     let http_addr = http_listener.local_addr()?;
+    auth.check_listen("nomad collect --listen", grpc_addr)?;
+    auth.check_listen("nomad collect --http-listen", http_addr)?;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
     let grpc = tonic::transport::Server::builder()
+        .layer(nomad_rpc::auth::ServerAuthLayer)
         .add_service(
             TraceServiceServer::new(intake.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
         )

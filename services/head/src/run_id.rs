@@ -2,6 +2,8 @@
 //! `SLURM_JOB_ID`, else 12 hex digits of a random UUID. It names the run directory, so it must be
 //! a plain name.
 
+use std::path::{Path, PathBuf};
+
 use nomad_config::Env;
 use nomad_telemetry::TelemetrySettings;
 
@@ -38,9 +40,90 @@ pub fn check(id: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The directory of run `run_id` under `runs` (`latest`: the newest run there). An unknown run
+/// is refused naming where it looked and the runs that are there, newest first.
+pub fn locate(runs: &Path, run_id: &str) -> anyhow::Result<(String, PathBuf)> {
+    let where_ = std::path::absolute(runs).unwrap_or_else(|_| runs.to_owned());
+    let known = runs_in(runs);
+    if run_id == "latest" {
+        return match known.first() {
+            Some(id) => Ok((id.clone(), runs.join(id))),
+            None => anyhow::bail!(
+                "no runs in {} yet: `nomad up --demo` makes one (or give --from DIR)",
+                where_.display()
+            ),
+        };
+    }
+    check(run_id).map_err(|e| anyhow::anyhow!("run id {run_id:?}: {e}"))?;
+    let dir = runs.join(run_id);
+    if dir.is_dir() {
+        return Ok((run_id.to_owned(), dir));
+    }
+    let there = if known.is_empty() {
+        " (there are no runs there)".to_owned()
+    } else {
+        let shown: Vec<&str> = known.iter().take(10).map(String::as_str).collect();
+        let more = if known.len() > 10 { ", ..." } else { "" };
+        format!(" (runs there, newest first: {}{more})", shown.join(", "))
+    };
+    anyhow::bail!(
+        "no run {run_id:?} in {}{there}; give one of them, `latest`, or --from DIR",
+        where_.display()
+    )
+}
+
+/// The run directories under `runs`, newest first (by modification time).
+fn runs_in(runs: &Path) -> Vec<String> {
+    let mut found: Vec<(std::time::SystemTime, String)> = std::fs::read_dir(runs)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let modified = e.metadata().and_then(|m| m.modified()).ok()?;
+            check(&name).is_ok().then_some((modified, name))
+        })
+        .collect();
+    found.sort_by(|a, b| b.cmp(a));
+    found.into_iter().map(|(_, name)| name).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_is_found_by_id_or_as_latest_and_an_unknown_one_names_the_others() {
+        let runs = std::env::temp_dir().join(format!("nomad-runs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&runs);
+        let said = locate(&runs, "latest").unwrap_err().to_string();
+        assert!(
+            said.contains("no runs in") && said.contains("nomad up --demo"),
+            "{said}"
+        );
+        for id in ["older", "newer"] {
+            std::fs::create_dir_all(runs.join(id)).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(
+            locate(&runs, "older").unwrap(),
+            ("older".into(), runs.join("older"))
+        );
+        assert_eq!(locate(&runs, "latest").unwrap().0, "newer");
+        let said = locate(&runs, "nope").unwrap_err().to_string();
+        assert!(
+            said.contains("no run \"nope\"") && said.contains("newest first: newer, older"),
+            "{said}"
+        );
+        assert!(
+            locate(&runs, "../x")
+                .unwrap_err()
+                .to_string()
+                .contains("1 to 64")
+        );
+        std::fs::remove_dir_all(&runs).unwrap();
+    }
 
     #[test]
     fn configured_then_slurm_then_random() {

@@ -333,7 +333,7 @@ mod tests {
 
 #[derive(clap::Args)]
 pub struct TracesArgs {
-    /// The run id (`nomad.run.id`).
+    /// The run id (`nomad.run.id`); `latest` is the newest run under runs/.
     pub run_id: String,
     /// A run directory of console-exporter files (default: runs/<RUN_ID>).
     #[arg(long, conflicts_with = "jaeger")]
@@ -357,6 +357,7 @@ pub struct TracesArgs {
 
 /// Returns whether the run has any rollouts.
 pub async fn show(args: TracesArgs) -> anyhow::Result<bool> {
+    let mut run_id = args.run_id.clone();
     let spans = match &args.jaeger {
         Some(url) => {
             let lookback = nomad_config::seconds(
@@ -367,17 +368,18 @@ pub async fn show(args: TracesArgs) -> anyhow::Result<bool> {
             anyhow::ensure!(args.search_depth > 0, "--search-depth must be at least 1");
             load_jaeger(url, &args.run_id, lookback, args.search_depth).await?
         }
-        None => {
-            let dir = args
-                .from
-                .clone()
-                .unwrap_or_else(|| PathBuf::from("runs").join(&args.run_id));
-            load_dir(&dir)?
-        }
+        None => match &args.from {
+            Some(dir) => load_dir(dir)?,
+            None => {
+                let (id, dir) = crate::run_id::locate(Path::new("runs"), &run_id)?;
+                run_id = id;
+                load_dir(&dir)?
+            }
+        },
     };
-    let rollouts = rollouts(spans, &args.run_id);
+    let rollouts = rollouts(spans, &run_id);
     if rollouts.is_empty() {
-        eprintln!("no rollouts of run {} found", args.run_id);
+        eprintln!("no rollouts of run {run_id} found");
         return Ok(false);
     }
     print(&rollouts, args.json, args.limit);

@@ -205,13 +205,19 @@ fn seconds_field(
         .transpose()
 }
 
-/// `key=value` pairs separated by commas, as in `OTEL_EXPORTER_OTLP_HEADERS`.
+/// `key=value` pairs separated by commas, as in `OTEL_EXPORTER_OTLP_HEADERS` (values
+/// percent-decoded, as the specification writes them: `authorization=Bearer%20<token>`).
 fn parse_headers(variable: &str, raw: &str) -> Result<Vec<(String, String)>, ConfigError> {
     raw.split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
         .map(|pair| match pair.split_once('=') {
-            Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+            Some((k, v)) if !k.trim().is_empty() => Ok((
+                k.trim().to_owned(),
+                percent_encoding::percent_decode_str(v.trim())
+                    .decode_utf8_lossy()
+                    .into_owned(),
+            )),
             _ => Err(invalid(
                 variable,
                 raw,

@@ -144,12 +144,13 @@ fn rows() -> Vec<Row> {
         Row {
             field: "otlp_headers",
             file: "otlp_headers: {a: file}",
-            standard: Some(("OTEL_EXPORTER_OTLP_HEADERS", "a=otel")),
+            // Values are percent-decoded, as the specification writes them.
+            standard: Some(("OTEL_EXPORTER_OTLP_HEADERS", "a=Bearer%20otel")),
             nomad: ("NOMAD_OTEL_OTLP_HEADERS", "a=nomad,b=2"),
             read: |s| format!("{:?}", s.otlp_headers),
             default: "[]",
             from_file: r#"[("a", "file")]"#,
-            from_standard: r#"[("a", "otel")]"#,
+            from_standard: r#"[("a", "Bearer otel")]"#,
             from_nomad: r#"[("a", "nomad"), ("b", "2")]"#,
         },
         Row {

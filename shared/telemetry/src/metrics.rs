@@ -451,6 +451,12 @@ pub const GATEWAY_SANDBOX_REJECTIONS: MetricDef = def(
     "{run}",
     "Runs refused before starting, by `reason` (queue_full, no_slot, spawn).",
 );
+pub const GATEWAY_SANDBOX_QUEUE_WAIT: MetricDef = def(
+    "nomad.gateway.sandbox.queue_wait",
+    H,
+    "s",
+    "Time a run waited for a sandbox slot, by `outcome` (admitted, queue_full, no_slot, spawn).",
+);
 
 /// The gateway table, in the original's order.
 pub const GATEWAY: &[MetricDef] = &[
@@ -476,6 +482,7 @@ pub const SANDBOX: &[MetricDef] = &[
     GATEWAY_SANDBOX_WARM,
     GATEWAY_SANDBOX_STARTS,
     GATEWAY_SANDBOX_REJECTIONS,
+    GATEWAY_SANDBOX_QUEUE_WAIT,
 ];
 
 /// Every service, while metrics are exported.

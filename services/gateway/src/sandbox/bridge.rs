@@ -18,8 +18,11 @@ pub const MAX_FRAME: usize = 16 << 20;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum FrameError {
-    #[error("bridge frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
-    TooLarge(usize),
+    #[error(
+        "bridge frame of {len} bytes exceeds the {limit}-byte limit (a tool call may send at \
+         most sandbox.max_call_bytes)"
+    )]
+    TooLarge { len: usize, limit: usize },
     #[error("bridge frame is not JSON: {0}")]
     NotJson(String),
 }
@@ -28,7 +31,10 @@ pub enum FrameError {
 pub fn encode(value: &impl Serialize) -> Result<Vec<u8>, FrameError> {
     let body = serde_json::to_vec(value).map_err(|e| FrameError::NotJson(e.to_string()))?;
     if body.len() > MAX_FRAME {
-        return Err(FrameError::TooLarge(body.len()));
+        return Err(FrameError::TooLarge {
+            len: body.len(),
+            limit: MAX_FRAME,
+        });
     }
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
@@ -46,19 +52,38 @@ pub fn encode_run<'a>(fields: impl IntoIterator<Item = &'a str>) -> Result<Vec<u
     }
     let body = frame.len() - 4;
     if body > MAX_FRAME {
-        return Err(FrameError::TooLarge(body));
+        return Err(FrameError::TooLarge {
+            len: body,
+            limit: MAX_FRAME,
+        });
     }
     frame[..4].copy_from_slice(&(body as u32).to_be_bytes());
     Ok(frame)
 }
 
-/// Incremental decoder: feed bytes, take complete frames.
-#[derive(Debug, Default)]
+/// Incremental decoder: feed bytes, take complete frames of at most `limit` bytes.
+#[derive(Debug)]
 pub struct Decoder {
     buffer: Vec<u8>,
+    limit: usize,
+}
+
+impl Default for Decoder {
+    fn default() -> Self {
+        Self::with_limit(MAX_FRAME)
+    }
 }
 
 impl Decoder {
+    /// A decoder that refuses a frame declaring more than `limit` bytes (at most `MAX_FRAME`),
+    /// before any of its body is buffered: what one run may make the gateway hold and parse.
+    pub fn with_limit(limit: usize) -> Self {
+        Self {
+            buffer: Vec::new(),
+            limit: limit.min(MAX_FRAME),
+        }
+    }
+
     pub fn push(&mut self, bytes: &[u8]) {
         self.buffer.extend_from_slice(bytes);
     }
@@ -68,7 +93,7 @@ impl Decoder {
         self.next_as()
     }
 
-    /// The next complete frame as a `T`, if one is buffered. A length over `MAX_FRAME` is an
+    /// The next complete frame as a `T`, if one is buffered. A length over the limit is an
     /// error before any of its body is buffered, so a hostile peer cannot make the gateway
     /// allocate it.
     pub fn next_as<T: DeserializeOwned>(&mut self) -> Result<Option<T>, FrameError> {
@@ -76,8 +101,11 @@ impl Decoder {
             return Ok(None);
         }
         let len = u32::from_be_bytes(self.buffer[..4].try_into().expect("4 bytes")) as usize;
-        if len > MAX_FRAME {
-            return Err(FrameError::TooLarge(len));
+        if len > self.limit {
+            return Err(FrameError::TooLarge {
+                len,
+                limit: self.limit,
+            });
         }
         if self.buffer.len() < 4 + len {
             return Ok(None);
@@ -183,7 +211,23 @@ mod tests {
     fn an_oversized_length_is_refused_before_its_body_arrives() {
         let mut d = Decoder::default();
         d.push(&((MAX_FRAME + 1) as u32).to_be_bytes());
-        assert_eq!(d.next_frame(), Err(FrameError::TooLarge(MAX_FRAME + 1)));
+        assert_eq!(
+            d.next_frame(),
+            Err(FrameError::TooLarge {
+                len: MAX_FRAME + 1,
+                limit: MAX_FRAME
+            })
+        );
+        // A run's own limit, below the bridge's.
+        let mut d = Decoder::with_limit(1000);
+        d.push(&1001u32.to_be_bytes());
+        assert_eq!(
+            d.next_frame(),
+            Err(FrameError::TooLarge {
+                len: 1001,
+                limit: 1000
+            })
+        );
     }
 
     #[test]

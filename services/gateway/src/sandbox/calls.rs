@@ -29,6 +29,9 @@ pub struct Done {
     pub result: Value,
     #[serde(default)]
     pub error: Option<DoneError>,
+    /// The size of a RESULT over the run's limit, sent instead of it.
+    #[serde(default)]
+    pub result_bytes: Option<usize>,
 }
 
 #[derive(Debug, Default)]

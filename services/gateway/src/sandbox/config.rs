@@ -41,6 +41,8 @@ pub struct SandboxConfig {
     pub max_calls_in_flight: usize,
     /// Tool calls one run may make in all.
     pub max_tool_calls: u64,
+    /// Largest tool call a run may send over the bridge, in bytes of JSON (its arguments).
+    pub max_call_bytes: usize,
     /// Where the gateway makes its private directory (default: the system temp dir).
     pub workspace_dir: Option<PathBuf>,
     /// Environment passed to the code; nothing else of the gateway's environment is.
@@ -80,6 +82,8 @@ impl Default for SandboxConfig {
                 .into(),
             max_calls_in_flight: 16,
             max_tool_calls: 10_000,
+            // As much as one gRPC message to the scheduler carries.
+            max_call_bytes: 4 << 20,
             workspace_dir: None,
             env: BTreeMap::new(),
             allow_unisolated: false,
@@ -111,6 +115,14 @@ impl SandboxConfig {
         at_least("max_files", self.max_files, 64)?;
         at_least("max_calls_in_flight", self.max_calls_in_flight as u64, 1)?;
         at_least("max_tool_calls", self.max_tool_calls, 1)?;
+        at_least("max_call_bytes", self.max_call_bytes as u64, 1024)?;
+        if self.max_call_bytes > super::bridge::MAX_FRAME {
+            return Err(format!(
+                "sandbox.max_call_bytes is {}; the bridge carries at most {} bytes a frame",
+                self.max_call_bytes,
+                super::bridge::MAX_FRAME
+            ));
+        }
         if let Some(n) = self.max_concurrent {
             at_least("max_concurrent", n as u64, 1)?;
         }

@@ -27,9 +27,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use nomad_telemetry::KeyValue;
 use nomad_telemetry::metrics as defs;
-use opentelemetry::metrics::{Counter, ObservableGauge, ObservableUpDownCounter};
+use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
+use opentelemetry::metrics::{Counter, Histogram, ObservableGauge, ObservableUpDownCounter};
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
@@ -147,6 +147,8 @@ pub struct Outcome {
     pub duration: Duration,
     /// Whether the run got a runner from the warm pool.
     pub warm: bool,
+    /// How long the run waited for a slot before it started.
+    pub queue_wait: Duration,
 }
 
 pub struct Sandbox {
@@ -155,6 +157,7 @@ pub struct Sandbox {
     isolation: Isolation,
     starts: Counter<u64>,
     rejections: Counter<u64>,
+    queue_wait: Histogram<f64>,
     _gauges: Gauges,
 }
 
@@ -245,6 +248,7 @@ impl Sandbox {
             stdout_limit: config.stdout_limit,
             stderr_limit: config.stderr_limit,
             result_limit: config.result_limit,
+            call_limit: config.max_call_bytes,
             budget: process::Budget {
                 in_flight: config.max_calls_in_flight,
                 total: config.max_tool_calls,
@@ -344,6 +348,7 @@ impl Sandbox {
             isolation,
             starts: defs::GATEWAY_SANDBOX_STARTS.u64_counter(),
             rejections: defs::GATEWAY_SANDBOX_REJECTIONS.u64_counter(),
+            queue_wait: defs::GATEWAY_SANDBOX_QUEUE_WAIT.f64_histogram(),
             _gauges: gauges,
         })
     }
@@ -377,6 +382,7 @@ impl Sandbox {
         &self,
         source: Source,
         env: &BTreeMap<String, String>,
+        cx: &Context,
         context: &[(String, String)],
         host: &impl ToolHost,
     ) -> Result<Outcome, Rejected> {
@@ -385,15 +391,32 @@ impl Sandbox {
             Source::Code(code) => ("code", "<code>".to_owned(), code),
             Source::Script { path, text } => ("script", path.display().to_string(), text),
         };
+        // The wait for a slot is a span of its own, so a slow rollout's waterfall says where
+        // its time went before its code started.
+        let waiting = GroupSpan::start(SpanGroup::Sandbox, "nomad.gateway.sandbox.queue_wait", cx);
+        let wait_started = Instant::now();
         let acquired = self.pool.acquire(timeout).await;
+        let queue_wait = wait_started.elapsed();
+        let outcome = acquired
+            .as_ref()
+            .map_or_else(Rejected::reason, |_| "admitted");
+        self.queue_wait.record(
+            queue_wait.as_secs_f64(),
+            &[KeyValue::new("outcome", outcome)],
+        );
         let (process, _running) = match acquired {
-            Ok(p) => p,
+            Ok(p) => {
+                waiting.set_ok();
+                p
+            }
             Err(e) => {
+                waiting.set_error(e.reason(), e.to_string());
                 self.rejections
                     .add(1, &[KeyValue::new("reason", e.reason())]);
                 return Err(e);
             }
         };
+        drop(waiting);
         self.starts.add(
             1,
             &[KeyValue::new(
@@ -419,10 +442,11 @@ impl Sandbox {
             source: text,
             env,
         };
-        let outcome = process
+        let mut outcome = process
             .run(job, &self.pool.expected, host, timeout, &self.pool.launch)
             .await;
         self.pool.finished();
+        outcome.queue_wait = queue_wait;
         Ok(outcome)
     }
 }

@@ -30,6 +30,8 @@ pub struct Launch {
     pub stdout_limit: usize,
     pub stderr_limit: usize,
     pub result_limit: usize,
+    /// Largest tool call the run may send (`sandbox.max_call_bytes`).
+    pub call_limit: usize,
     pub budget: Budget,
 }
 
@@ -41,6 +43,25 @@ pub struct Budget {
 }
 
 impl Launch {
+    /// The largest frame the gateway takes from this run: a tool call, or the end of the run
+    /// (RESULT, or an exception's message and traceback, each of which the runner cuts to these
+    /// limits), with room for the framing. Anything larger ends the run before the gateway
+    /// holds or parses it.
+    pub fn frame_limit(&self) -> usize {
+        self.call_limit
+            .max(self.result_limit)
+            .max(2 * self.stderr_limit)
+            + (64 << 10)
+    }
+
+    /// What the runner is told of the limits: `call,result,text` in bytes.
+    fn runner_limits(&self) -> String {
+        format!(
+            "{},{},{}",
+            self.call_limit, self.result_limit, self.stderr_limit
+        )
+    }
+
     /// Starts a process in `slot`, with its own cgroup where there are cgroups (`warm`: it
     /// preloads modules while it waits).
     pub fn start(
@@ -137,7 +158,7 @@ impl Started {
             pgid: child.id().map(|p| p as i32),
             child,
             bridge,
-            decoder: Decoder::default(),
+            decoder: Decoder::with_limit(launch.frame_limit()),
             stdout,
             stderr,
             report: None,
@@ -221,7 +242,7 @@ impl Started {
     ) -> Outcome {
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + timeout;
-        let prepared = tokio::time::timeout_at(deadline, self.send(job, expected)).await;
+        let prepared = tokio::time::timeout_at(deadline, self.send(job, expected, launch)).await;
         // From here on the parts are used separately; the slot, cgroup and workspace are dropped
         // only at the end, when the process is gone.
         let Started {
@@ -244,6 +265,7 @@ impl Started {
             tool_calls: 0,
             duration: Duration::ZERO,
             warm,
+            queue_wait: Duration::ZERO,
         };
         let mut end = BridgeEnd::default();
         let served = match prepared {
@@ -283,6 +305,14 @@ impl Started {
                         message: clip(e.message, launch.stderr_limit),
                         traceback: clip(e.traceback, launch.stderr_limit),
                     }),
+                    // The runner did not send a RESULT over the limit, only its size.
+                    Some(Done {
+                        result_bytes: Some(bytes),
+                        ..
+                    }) if bytes > launch.result_limit => Some(Failure::ResultTooLarge {
+                        bytes,
+                        limit: launch.result_limit,
+                    }),
                     Some(Done { result, .. }) => {
                         let bytes = serde_json::to_vec(&result).map_or(0, |v| v.len());
                         if bytes > launch.result_limit {
@@ -321,9 +351,15 @@ impl Started {
     }
 
     /// Checks the isolation, then sends the run.
-    async fn send(&mut self, job: Job, expected: &Report) -> Result<(), Failure> {
+    async fn send(&mut self, job: Job, expected: &Report, launch: &Launch) -> Result<(), Failure> {
         self.check(Some(expected), false).await?;
-        let mut fields = vec![job.mode, job.filename.as_str(), job.source.as_str()];
+        let limits = launch.runner_limits();
+        let mut fields = vec![
+            job.mode,
+            job.filename.as_str(),
+            job.source.as_str(),
+            limits.as_str(),
+        ];
         for (k, v) in &job.env {
             fields.extend([k.as_str(), v.as_str()]);
         }

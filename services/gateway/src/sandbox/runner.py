@@ -6,7 +6,10 @@ The runner starts ahead of its run (the gateway keeps a few waiting), reads one 
 bridge, executes it and exits; it never serves a second run. The bridge is a socket pair
 inherited as descriptor NOMAD_BRIDGE_FD: frames of a 4-byte big-endian length and a body. The
 first frame the runner reads is the run (fields, each a 4-byte length and UTF-8 text: mode,
-file name, source, then environment names and values); every later frame either way is JSON.
+file name, source, the limits `call,result,text` in bytes, then environment names and values);
+every later frame either way is JSON. The runner keeps to the limits itself: a call over them
+fails here with a message, RESULT over them is sent as its size alone, and an exception's text
+is cut (the gateway ends a run whose frame is larger, unread).
 
 The code calls upstream tools with `from mcp_tools.<server> import <tool>`; each tool is a
 function (keyword or positional arguments, in the order of its schema) and has an `_async`
@@ -24,6 +27,8 @@ MAX_FRAME = 16 << 20
 # ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, without importing ast.
 _ALLOW_TOP_LEVEL_AWAIT = 0x2000
 _FD = int(os.environ.get("NOMAD_BRIDGE_FD", "3"))
+# Bytes of a tool call, of RESULT and of an exception's message or traceback, as the run says.
+_LIMITS = {"call": MAX_FRAME, "result": MAX_FRAME, "text": MAX_FRAME}
 
 
 class ToolError(Exception):
@@ -54,6 +59,16 @@ def _write_frame(body):
     data = memoryview(len(body).to_bytes(4, "big") + body)
     while data:
         data = data[os.write(_FD, data):]
+
+
+def _clip(text, limit):
+    """`text` in at most `limit` bytes of UTF-8, saying how much there was."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return text
+    note = f"\u2026 ({len(data)} bytes in all, cut at {limit})"
+    keep = max(0, limit - len(note.encode()))
+    return data[:keep].decode("utf-8", "ignore") + note
 
 
 def _fields(body):
@@ -132,6 +147,11 @@ class Bridge:
             self._pending[request_id] = slot
         try:
             body = json.dumps({"id": request_id, "method": method, "params": params}, separators=(",", ":")).encode()
+            if len(body) > _LIMITS["call"]:
+                raise ToolError(
+                    f"this call is {len(body)} bytes of JSON; a call may send at most "
+                    f"{_LIMITS['call']} (sandbox.max_call_bytes)"
+                )
             with self._send_lock:
                 _write_frame(body)
             done.acquire()
@@ -146,6 +166,11 @@ class Bridge:
         return reply.get("result")
 
     def done(self, result="null", error=None):
+        if error is not None:
+            error = {k: _clip(v, _LIMITS["text"]) if isinstance(v, str) else v for k, v in error.items()}
+        size = len(result.encode())
+        if size > _LIMITS["result"]:
+            result = 'null,"result_bytes":' + str(size)
         body = '{"method":"done","params":{"result":' + result + ',"error":' + _to_json(error) + "}}"
         with self._send_lock:
             _write_frame(body.encode())
@@ -279,7 +304,8 @@ def main():
     except (EOFError, OSError, ValueError):
         _exit(2)
     mode, filename, source = fields[0], fields[1], fields[2]
-    os.environ.update(zip(fields[3::2], fields[4::2]))
+    _LIMITS.update(zip(("call", "result", "text"), map(int, fields[3].split(","))))
+    os.environ.update(zip(fields[4::2], fields[5::2]))
     bridge = Bridge()
     sys.meta_path.insert(0, _ToolsImporter(bridge))
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}

@@ -14,7 +14,7 @@ use crate::traces;
 
 #[derive(clap::Args)]
 pub struct ReportArgs {
-    /// The run id.
+    /// The run id; `latest` is the newest run under runs/.
     pub run_id: String,
     /// The run directory (default: runs/<RUN_ID>).
     #[arg(long)]
@@ -66,13 +66,16 @@ pub fn write(dir: &Path, run_id: &str, out: &Path, waterfalls: usize) -> anyhow:
 }
 
 pub async fn report(args: ReportArgs) -> anyhow::Result<bool> {
-    crate::run_id::check(&args.run_id)
-        .map_err(|e| anyhow::anyhow!("run id {:?}: {e}", args.run_id))?;
-    let dir = args
-        .from
-        .unwrap_or_else(|| Path::new("runs").join(&args.run_id));
+    let (run_id, dir) = match args.from {
+        Some(dir) => {
+            crate::run_id::check(&args.run_id)
+                .map_err(|e| anyhow::anyhow!("run id {:?}: {e}", args.run_id))?;
+            (args.run_id, dir)
+        }
+        None => crate::run_id::locate(Path::new("runs"), &args.run_id)?,
+    };
     let out = args.out.unwrap_or_else(|| dir.join("report.html"));
-    write(&dir, &args.run_id, &out, args.waterfalls)?;
+    write(&dir, &run_id, &out, args.waterfalls)?;
     println!("{}", out.display());
     Ok(true)
 }

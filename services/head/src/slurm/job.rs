@@ -227,10 +227,15 @@ pub async fn job(args: JobArgs) -> anyhow::Result<bool> {
 
     // The driver's own telemetry goes to the collector too, unless the user named an endpoint.
     let block: TelemetryBlock = file.section("telemetry")?;
-    let defaults: Vec<(String, String)> = endpoint
+    let mut defaults: Vec<(String, String)> = endpoint
         .iter()
         .map(|e| ("OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(), e.clone()))
         .collect();
+    if endpoint.is_some()
+        && let Some(headers) = collector_headers()
+    {
+        defaults.push(("NOMAD_OTEL_OTLP_HEADERS".to_owned(), headers));
+    }
     let mut settings = nomad_telemetry::config::resolve(
         &block,
         &Layered {
@@ -309,6 +314,14 @@ struct Layout<'a> {
     timeout: Duration,
 }
 
+/// The OTLP headers that carry the job's token to its collector (`None` without a token).
+fn collector_headers() -> Option<String> {
+    nomad_rpc::auth::installed()
+        .token
+        .as_deref()
+        .map(|token| format!("authorization=Bearer%20{token}"))
+}
+
 /// Starts the steps; returns the gateway's address and the collector's endpoint (`None` when
 /// the user's own `OTEL_EXPORTER_OTLP_ENDPOINT` is in force).
 async fn start(
@@ -365,6 +378,10 @@ async fn start(
             steps
                 .env
                 .push(("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint.clone()));
+            // The collector listens beyond loopback, so it asks every export for the job's token.
+            if let Some(headers) = collector_headers() {
+                steps.env.push(("NOMAD_OTEL_OTLP_HEADERS".into(), headers));
+            }
             Some(endpoint)
         }
     };
