@@ -67,6 +67,32 @@ pub const TEST_TOKEN: &str = "nomad-test-token-0123456789abcdef";
 
 /// A channel that carries [`TEST_TOKEN`] (a server without a token ignores it), as every Nomad
 /// client dials.
+/// Awaits `calls` while reading the scheduler's snapshot every 250 ms; returns their output and
+/// the largest mean batch size of `tool` seen. The snapshot covers the last 10 s only, and a
+/// loaded machine can take longer than that from the batches to the end of `calls`.
+pub async fn batched_while<T>(
+    scheduler: &mut SchedulerClient<nomad_rpc::Channel>,
+    tool: &str,
+    calls: impl std::future::Future<Output = T>,
+) -> (T, f64) {
+    tokio::pin!(calls);
+    let mut biggest = 0.0f64;
+    loop {
+        tokio::select! {
+            output = &mut calls => return (output, biggest),
+            () = tokio::time::sleep(Duration::from_millis(250)) => {
+                let snapshot = scheduler
+                    .snapshot(nomad_proto::v1::SchedulerSnapshotRequest {})
+                    .await
+                    .expect("the scheduler's snapshot")
+                    .into_inner();
+                let seen = snapshot.tools.iter().find(|t| t.name == tool);
+                biggest = biggest.max(seen.map_or(0.0, |t| t.recent_batch_size));
+            }
+        }
+    }
+}
+
 pub fn rpc_channel(addr: &str) -> nomad_rpc::Channel {
     static INSTALLED: std::sync::Once = std::sync::Once::new();
     INSTALLED.call_once(|| {

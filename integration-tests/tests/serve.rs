@@ -12,7 +12,6 @@ use nomad_integration_tests::model_host::{
 };
 use nomad_integration_tests::peers::{mcp_client, mcp_client_stdio};
 use nomad_integration_tests::read_jsonl;
-use nomad_proto::v1::SchedulerSnapshotRequest;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::{Value, json};
 
@@ -192,11 +191,12 @@ async fn every_tool_is_an_mcp_tool_of_its_own_over_http_batched_and_cancellable(
         .iter()
         .map(|a| json!({"tool": "ToySurrogate", "arguments": a}))
         .collect();
-    let replies = mcp_client(
-        &url,
-        "auto",
-        Some(TEST_TOKEN),
-        &json!({"concurrent": true, "calls": calls}),
+    let mut scheduler = SchedulerClient::new(rpc_channel(fleet["scheduler"].as_str().unwrap()));
+    let calls = json!({"concurrent": true, "calls": calls});
+    let (replies, biggest_batches) = nomad_integration_tests::fleet::batched_while(
+        &mut scheduler,
+        "ToySurrogate",
+        mcp_client(&url, "auto", Some(TEST_TOKEN), &calls),
     )
     .await;
     let expected = reference_toy(&dir.join("toy-weights"), &inputs);
@@ -204,21 +204,9 @@ async fn every_tool_is_an_mcp_tool_of_its_own_over_http_batched_and_cancellable(
         assert_eq!(reply["is_error"], false, "call {i}: {reply}");
         assert_close(&reply["structured"], want, &format!("call {i}"));
     }
-    let mut scheduler = SchedulerClient::new(rpc_channel(fleet["scheduler"].as_str().unwrap()));
-    let snapshot = scheduler
-        .snapshot(SchedulerSnapshotRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    let toy = snapshot
-        .tools
-        .iter()
-        .find(|t| t.name == "ToySurrogate")
-        .unwrap();
     assert!(
-        toy.recent_batch_size > 1.0,
-        "batches of {}",
-        toy.recent_batch_size
+        biggest_batches > 1.0,
+        "batches of at most {biggest_batches} on average while the calls ran"
     );
 
     // A call that gives up while it waits behind a slow one leaves the queue.

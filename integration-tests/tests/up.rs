@@ -590,3 +590,38 @@ async fn a_dead_server_is_reported_and_the_fleet_stops() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// README's five-minute tour: its Python snippet (the official MCP client, the token from
+/// fleet.json) runs as written against a live default fleet and prints the embedding's shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
+    let dir = Fleet::new_dir();
+    let (mut up, fleet) = nomad_integration_tests::fleet::nomad_up(&dir, "readme-tour").await;
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .unwrap();
+    let snippet = readme
+        .split("```python\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("README has a Python snippet");
+    assert!(snippet.contains("runs/<run id>/fleet.json"), "{snippet}");
+    let snippet = snippet.replace("runs/<run id>/fleet.json", fleet.to_str().unwrap());
+    let out = tokio::process::Command::new(nomad_integration_tests::peers::python_sdk())
+        .arg("-c")
+        .arg(&snippet)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.trim(), "[384]");
+    // SAFETY: kill(2) on the child we spawned.
+    unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
+    assert!(up.wait().await.unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}

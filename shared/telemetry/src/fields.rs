@@ -1,8 +1,8 @@
 //! The one table of telemetry settings: each field of the `telemetry:` block with its
 //! `NOMAD_OTEL_*` variable, the standard OpenTelemetry variables that outrank the file for it,
 //! its default, and how to read it from a block. The resolver names variables from here,
-//! `nomad up` hands the block to its children through it, and README's field table is generated
-//! from it (a test fails when README drifts).
+//! `nomad up` hands the block to its children through it, and docs/telemetry.md's field table is
+//! generated from it (a test fails when it drifts).
 
 use std::collections::BTreeMap;
 
@@ -42,12 +42,12 @@ pub struct MemoryProfilingBlock {
 pub struct Field {
     /// The key in the block (`memory_profiling.enabled` for a nested one).
     pub key: &'static str,
-    /// What README says after the key (allowed values, units).
+    /// What docs/telemetry.md says after the key (allowed values, units).
     pub note: &'static str,
     pub variable: &'static str,
     /// Standard variables that outrank the config file for this field.
     pub standard: &'static [&'static str],
-    /// How README describes the standard variables.
+    /// How docs/telemetry.md describes the standard variables.
     pub standard_doc: &'static str,
     pub default: &'static str,
     /// The block's value, as its `NOMAD_OTEL_*` variable would spell it.
@@ -244,7 +244,7 @@ pub const PROMETHEUS_LISTEN: Field = Field {
     value: |b| b.prometheus_listen.clone(),
 };
 
-/// Every field, in README's order.
+/// Every field, in docs/telemetry.md's order.
 pub const FIELDS: &[Field] = &[
     ENABLED,
     SERVICE_NAME,
@@ -266,7 +266,7 @@ pub const FIELDS: &[Field] = &[
     PROMETHEUS_LISTEN,
 ];
 
-/// README's table of the fields.
+/// docs/telemetry.md's table of the fields.
 pub fn markdown_table() -> String {
     let mut out =
         String::from("| field | variable | standard variable | default |\n|---|---|---|---|\n");
@@ -330,8 +330,8 @@ mod tests {
     }
 
     #[test]
-    fn readme_field_table_matches_the_table() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+    fn docs_telemetry_field_table_matches_the_table() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/telemetry.md");
         let readme = std::fs::read_to_string(&path).unwrap();
         let (start, end) = (
             "<!-- telemetry-fields:start -->\n",
@@ -339,9 +339,12 @@ mod tests {
         );
         let a = readme
             .find(start)
-            .expect("README has the telemetry-fields markers")
+            .expect("docs/telemetry.md has the telemetry-fields markers")
             + start.len();
-        let b = readme[a..].find(end).expect("README has the end marker") + a;
+        let b = readme[a..]
+            .find(end)
+            .expect("docs/telemetry.md has the end marker")
+            + a;
         let expected = markdown_table();
         if readme[a..b] != expected {
             if std::env::var_os("NOMAD_BLESS").is_some() {
@@ -349,8 +352,9 @@ mod tests {
                 std::fs::write(&path, updated).unwrap();
             } else {
                 panic!(
-                    "README's telemetry field table is out of date with shared/telemetry/src/\
-                     fields.rs; regenerate it with: NOMAD_BLESS=1 cargo test -p nomad-telemetry readme_"
+                    "docs/telemetry.md's field table is out of date with shared/telemetry/src/\
+                     fields.rs; regenerate it with: NOMAD_BLESS=1 cargo test -p nomad-telemetry \
+                     docs_telemetry_"
                 );
             }
         }
