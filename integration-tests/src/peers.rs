@@ -86,6 +86,17 @@ pub async fn mcp_client(url: &str, mode: &str, token: Option<&str>, calls: &Valu
 }
 
 /// Runs `calls` against a stdio MCP server the Python SDK client spawns as `command`.
+/// The names of the tools the MCP endpoint at `url` lists (the official client, `auto` mode).
+pub async fn mcp_tool_names(url: &str, token: Option<&str>) -> std::collections::BTreeSet<String> {
+    let listed = mcp_client(url, "auto", token, &serde_json::json!([{"list": true}])).await;
+    listed[0]["tools"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no tool list: {}", listed[0]))
+        .iter()
+        .map(|t| t["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
 pub async fn mcp_client_stdio(command: &[String], calls: &Value) -> Vec<Value> {
     let mut args = vec!["stdio".to_owned(), "auto".to_owned()];
     args.extend(command.iter().cloned());

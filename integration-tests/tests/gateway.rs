@@ -546,19 +546,8 @@ async fn scripts_run_only_from_inside_the_workspace_root() {
     let ok = run("job.py".into()).await.unwrap().into_inner();
     assert_eq!(ok.result_json, "42", "{}", ok.error);
     // With a workspace root, code mode offers scripts.
-    let listed = mcp_client(
-        &fleet.gateway_mcp_url(),
-        "auto",
-        None,
-        &json!([{"list": true}]),
-    )
-    .await;
-    let offered: BTreeSet<&str> = listed[0]["tools"]
-        .as_array()
-        .unwrap_or_else(|| panic!("{}", listed[0]))
-        .iter()
-        .map(|t| t["name"].as_str().unwrap())
-        .collect();
+    let offered =
+        nomad_integration_tests::peers::mcp_tool_names(&fleet.gateway_mcp_url(), None).await;
     assert!(offered.contains("execute_mcp_script"), "{offered:?}");
     for path in [
         "../outside.py".to_owned(),

@@ -397,12 +397,12 @@ impl Sandbox {
         let wait_started = Instant::now();
         let acquired = self.pool.acquire(timeout).await;
         let queue_wait = wait_started.elapsed();
-        let outcome = acquired
+        let admission = acquired
             .as_ref()
             .map_or_else(Rejected::reason, |_| "admitted");
         self.queue_wait.record(
             queue_wait.as_secs_f64(),
-            &[KeyValue::new("outcome", outcome)],
+            &[KeyValue::new("outcome", admission)],
         );
         let (process, _running) = match acquired {
             Ok(p) => {
