@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use nomad_telemetry::grpc::{ClientTrace, ClientTraceLayer, ServerTraceLayer};
+use nomad_telemetry::grpc::{Trace, TraceLayer};
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt as _;
 use tonic::service::RoutesBuilder;
@@ -16,7 +16,7 @@ use tower::Layer;
 
 /// The transport every generated client in Nomad uses: a lazily connected channel wrapped in
 /// the client propagation layer and the one that sends the fleet's token.
-pub type Channel = ClientTrace<auth::ClientAuth<tonic::transport::Channel>>;
+pub type Channel = Trace<auth::ClientAuth<tonic::transport::Channel>>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RpcError {
@@ -129,7 +129,7 @@ pub fn channel(address: &str) -> Result<Channel, RpcError> {
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(10))
         .connect_lazy();
-    Ok(ClientTraceLayer.layer(auth::ClientAuthLayer.layer(channel)))
+    Ok(TraceLayer::client().layer(auth::ClientAuthLayer.layer(channel)))
 }
 
 /// Binds `address` (`127.0.0.1:0` picks a free port) and reports the address actually bound.
@@ -244,7 +244,7 @@ impl RpcServer {
             // Authentication first: a refused call is answered before any trace context is
             // read or any span recorded, so no one without the token writes into a run's trace.
             .layer(auth::ServerAuthLayer)
-            .layer(ServerTraceLayer)
+            .layer(TraceLayer::server())
             .layer(tower::util::MapResponseLayer::new(name_the_message_limit))
             .add_routes(self.routes.routes())
             .serve_with_incoming_shutdown(incoming, async move {
