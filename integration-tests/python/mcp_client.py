@@ -9,7 +9,7 @@ MODE is `auto` (newest protocol, falling back to the initialize handshake) or `l
 once on the one session. A call with "timeout" gives up after that many seconds (the client then
 sends `notifications/cancelled`); {"list": true} lists the tools instead ({"tools": [{"name",
 "description", "input_schema", "output_schema"}]}). Prints one JSON line per call, in the calls'
-order: {"is_error", "structured", "text"} (and, for a call with "progress": true, "progress":
+order: {"is_error", "structured", "text", "meta"} (and, for a call with "progress": true, "progress":
 the [progress, message] pairs the server sent) or {"exception": "..."}.
 """
 
@@ -58,7 +58,12 @@ async def main():
                         read_timeout_seconds=call.get("timeout"),
                     )
                     text = "".join(getattr(c, "text", "") for c in result.content)
-                    reply = {"is_error": bool(result.is_error), "structured": result.structured_content, "text": text}
+                    reply = {
+                        "is_error": bool(result.is_error),
+                        "structured": result.structured_content,
+                        "text": text,
+                        "meta": result.meta,
+                    }
                     if call.get("progress"):
                         reply["progress"] = notes
                     return reply

@@ -170,12 +170,22 @@ async fn every_tool_is_an_mcp_tool_of_its_own_over_http_batched_and_cancellable(
         replies[3]
     );
     assert_eq!(replies[4]["is_error"], true);
+    assert_eq!(
+        replies[4]["meta"]["nomad/error_code"], "INVALID_ARGUMENT",
+        "a failed call's code is in its _meta: {}",
+        replies[4]
+    );
     let bad = replies[4]["text"].as_str().unwrap();
     assert!(
         bad.starts_with("invalid arguments") && bad.contains("values: List should have at least 4"),
         "{bad}"
     );
     assert_eq!(replies[5]["is_error"], true);
+    assert_eq!(
+        replies[5]["meta"]["nomad/error_code"], "NOT_FOUND",
+        "{}",
+        replies[5]
+    );
     assert!(
         replies[5]["text"]
             .as_str()

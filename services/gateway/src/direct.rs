@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult,
-    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+    MetaObject, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -18,6 +18,9 @@ use serde_json::{Map, Value, json};
 use crate::execute::Gateway;
 use crate::sandbox::ToolSpec;
 use crate::upstream::nomad;
+
+/// The `_meta` key of a failed call's result that holds its code (`INVALID_ARGUMENT`, ...).
+pub const ERROR_CODE_META: &str = "nomad/error_code";
 
 #[derive(Clone)]
 pub struct DirectTools {
@@ -60,7 +63,7 @@ impl DirectTools {
             .upstreams
             .tools(nomad::NAME)
             .await
-            .map_err(|e| McpError::internal_error(e, None))
+            .map_err(|e| McpError::internal_error(e.message, None))
     }
 }
 
@@ -134,27 +137,19 @@ impl ServerHandler for DirectTools {
                     value
                 })
             }
-            Err(status) => CallToolResult::error(vec![ContentBlock::text(format!(
-                "{}: {}",
-                code_name(status.code()),
-                status.message()
-            ))]),
+            Err(error) => {
+                let mut result = CallToolResult::error(vec![ContentBlock::text(format!(
+                    "{}: {}",
+                    error.code.describe(),
+                    error.message
+                ))]);
+                // The code a program acts on (retry, fix the arguments), beside the words.
+                let mut meta = MetaObject::new();
+                meta.0.insert(ERROR_CODE_META.into(), json!(error.code));
+                result.meta = Some(meta);
+                result
+            }
         }))
-    }
-}
-
-/// A status code as the words a caller can act on.
-fn code_name(code: tonic::Code) -> &'static str {
-    match code {
-        tonic::Code::InvalidArgument => "invalid arguments",
-        tonic::Code::NotFound => "not found",
-        tonic::Code::ResourceExhausted => "overloaded (retry later)",
-        tonic::Code::FailedPrecondition => "the tool cannot serve",
-        tonic::Code::Unavailable => "unavailable (retry later)",
-        tonic::Code::DeadlineExceeded => "timed out",
-        tonic::Code::Cancelled => "cancelled",
-        tonic::Code::PermissionDenied => "not allowed",
-        _ => "failed",
     }
 }
 

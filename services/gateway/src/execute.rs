@@ -344,7 +344,7 @@ impl Gateway {
         server: &str,
         tool: &str,
         arguments: &Value,
-    ) -> Result<Value, tonic::Status> {
+    ) -> Result<Value, crate::tool_error::ToolError> {
         let started = Instant::now();
         let kind = KeyValue::new("request.kind", "call_tool");
         self.requests.add(1, std::slice::from_ref(&kind));

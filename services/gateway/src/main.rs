@@ -14,6 +14,7 @@ mod schema;
 mod search;
 mod serve;
 mod service;
+mod tool_error;
 mod upstream;
 
 use std::path::PathBuf;

@@ -284,7 +284,8 @@ async fn embed(
         upstreams.call_unrecorded(&embedder.server, &embedder.tool, &arguments),
     )
     .await
-    .map_err(|_| format!("no embedding within {} s", deadline.as_secs_f64()))??;
+    .map_err(|_| format!("no embedding within {} s", deadline.as_secs_f64()))?
+    .map_err(|e| e.message)?;
     let output = called
         .get("output")
         .and_then(Value::as_array)
@@ -303,12 +304,8 @@ async fn list_all(upstreams: &Upstreams) -> (Vec<(String, ToolSpec)>, Vec<(Strin
         |server| async move {
             let listed = tokio::time::timeout(LIST_DEADLINE, upstreams.tools(&server))
                 .await
-                .unwrap_or_else(|_| {
-                    Err(format!(
-                        "no tool listing within {} s",
-                        LIST_DEADLINE.as_secs()
-                    ))
-                });
+                .map_err(|_| format!("no tool listing within {} s", LIST_DEADLINE.as_secs()))
+                .and_then(|listed| listed.map_err(|e| e.message));
             (server, listed)
         },
     ))

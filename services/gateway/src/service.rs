@@ -175,7 +175,8 @@ impl GatewayApi for GatewayService {
         let value = self
             .gateway
             .call_tool(&Context::current(), &server, &tool, &arguments)
-            .await?;
+            .await
+            .map_err(Status::from)?;
         Ok(Response::new(GatewayCallToolResponse {
             result_json: value.to_string(),
         }))

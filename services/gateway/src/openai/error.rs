@@ -7,6 +7,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
+use crate::tool_error::{ToolError, ToolErrorCode};
+
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]
 pub struct ApiError {
@@ -65,11 +67,11 @@ impl ApiError {
         }
     }
 
-    /// A scheduler or tool status as the HTTP error a client acts on.
-    pub fn from_status(status: tonic::Status) -> Self {
-        use tonic::Code;
-        let message = status.message().to_owned();
-        let (http, kind, code) = match status.code() {
+    /// A failed tool call as the HTTP error a client acts on.
+    pub fn from_tool_error(error: ToolError) -> Self {
+        use ToolErrorCode as Code;
+        let message = error.message;
+        let (http, kind, code) = match error.code {
             Code::InvalidArgument => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
             Code::NotFound => (
                 StatusCode::NOT_FOUND,

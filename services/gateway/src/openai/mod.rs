@@ -102,7 +102,7 @@ async fn call(
         .upstreams
         .call(cx, nomad::NAME, tool, arguments, progress)
         .await
-        .map_err(ApiError::from_status)
+        .map_err(ApiError::from_tool_error)
 }
 
 async fn models(State(gateway): Gw) -> Result<Json<Value>, ApiError> {

@@ -9,6 +9,7 @@
 //! `list_tools {server}`, `call_tool {server, tool, arguments}`. Its last message is
 //! `done {result | error}`.
 
+use crate::tool_error::ToolError;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -133,13 +134,10 @@ pub struct Response {
     pub id: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result: Option<Value>,
+    /// Why the request failed: a code (what to do next) and a message (what was wrong), raised
+    /// in the run as `ToolError` with `.code` and the message.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<ResponseError>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ResponseError {
-    pub message: String,
+    pub error: Option<ToolError>,
 }
 
 impl Response {
@@ -151,13 +149,11 @@ impl Response {
         }
     }
 
-    pub fn error(id: u64, message: impl Into<String>) -> Self {
+    pub fn error(id: u64, error: ToolError) -> Self {
         Self {
             id,
             result: None,
-            error: Some(ResponseError {
-                message: message.into(),
-            }),
+            error: Some(error),
         }
     }
 }

@@ -12,6 +12,7 @@ use tokio::sync::Mutex;
 use super::ToolHost;
 use super::bridge::{self, Decoder, Response};
 use super::process::Budget;
+use crate::tool_error::{ToolError, ToolErrorCode};
 
 #[derive(Debug, Deserialize)]
 pub struct DoneError {
@@ -93,14 +94,17 @@ pub async fn serve(
                 } else {
                     Response::error(
                         id,
-                        format!(
-                            "this run has used its {max} bridge calls (sandbox.max_tool_calls)"
+                        ToolError::new(
+                            ToolErrorCode::ResourceExhausted,
+                            format!(
+                                "this run has used its {max} bridge calls (sandbox.max_tool_calls)"
+                            ),
                         ),
                     )
                 };
-                if let Ok(frame) = bridge::encode(&response)
-                    .or_else(|e| bridge::encode(&Response::error(id, e.to_string())))
-                {
+                if let Ok(frame) = bridge::encode(&response).or_else(|e| {
+                    bridge::encode(&Response::error(id, ToolError::internal(e.to_string())))
+                }) {
                     let _ = writer.lock().await.write_all(&frame).await;
                 }
             });
@@ -144,7 +148,10 @@ async fn handle(host: &impl ToolHost, id: u64, method: &str, params: Value) -> R
                 Err(e) => Response::error(id, e),
             }
         }
-        other => Response::error(id, format!("unknown bridge method {other:?}")),
+        other => Response::error(
+            id,
+            ToolError::invalid_argument(format!("unknown bridge method {other:?}")),
+        ),
     }
 }
 
@@ -167,7 +174,7 @@ mod tests {
             vec!["s".into()]
         }
 
-        async fn tools(&self, _server: &str) -> Result<Vec<super::super::ToolSpec>, String> {
+        async fn tools(&self, _server: &str) -> Result<Vec<super::super::ToolSpec>, ToolError> {
             Ok(Vec::new())
         }
 
@@ -176,7 +183,7 @@ mod tests {
             _server: &str,
             _tool: &str,
             arguments: Value,
-        ) -> Result<Value, String> {
+        ) -> Result<Value, ToolError> {
             let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
             self.most.fetch_max(now, Ordering::SeqCst);
             self.calls.fetch_add(1, Ordering::SeqCst);
@@ -239,9 +246,10 @@ mod tests {
         let refused = replies
             .iter()
             .filter(|r| {
-                r["error"]["message"]
-                    .as_str()
-                    .is_some_and(|m| m.contains("sandbox.max_tool_calls"))
+                r["error"]["code"] == "RESOURCE_EXHAUSTED"
+                    && r["error"]["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("sandbox.max_tool_calls"))
             })
             .count();
         assert_eq!(refused, 10);

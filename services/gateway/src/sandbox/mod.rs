@@ -27,6 +27,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::tool_error::ToolError;
 use nomad_telemetry::metrics as defs;
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
 use opentelemetry::metrics::{Counter, Histogram, ObservableGauge, ObservableUpDownCounter};
@@ -58,13 +59,13 @@ pub struct ToolSpec {
 /// What sandboxed code can reach: the gateway's upstream tools.
 pub trait ToolHost: Send + Sync {
     fn servers(&self) -> Vec<String>;
-    fn tools(&self, server: &str) -> impl Future<Output = Result<Vec<ToolSpec>, String>> + Send;
+    fn tools(&self, server: &str) -> impl Future<Output = Result<Vec<ToolSpec>, ToolError>> + Send;
     fn call(
         &self,
         server: &str,
         tool: &str,
         arguments: Value,
-    ) -> impl Future<Output = Result<Value, String>> + Send;
+    ) -> impl Future<Output = Result<Value, ToolError>> + Send;
 }
 
 /// What to run.
@@ -560,11 +561,11 @@ impl ToolHost for NoTools {
         Vec::new()
     }
 
-    async fn tools(&self, server: &str) -> Result<Vec<ToolSpec>, String> {
-        Err(format!("no server {server:?}"))
+    async fn tools(&self, server: &str) -> Result<Vec<ToolSpec>, ToolError> {
+        Err(ToolError::not_found(format!("no server {server:?}")))
     }
 
-    async fn call(&self, server: &str, tool: &str, _arguments: Value) -> Result<Value, String> {
-        Err(format!("no tool {server}.{tool}"))
+    async fn call(&self, server: &str, tool: &str, _arguments: Value) -> Result<Value, ToolError> {
+        Err(ToolError::not_found(format!("no tool {server}.{tool}")))
     }
 }

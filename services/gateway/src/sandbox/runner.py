@@ -32,7 +32,18 @@ _LIMITS = {"call": MAX_FRAME, "result": MAX_FRAME, "text": MAX_FRAME}
 
 
 class ToolError(Exception):
-    """An upstream tool call failed; the message says why."""
+    """A tool call failed: `.code` says what kind of failure (what to do next), the message
+    what was wrong.
+
+    Codes: INVALID_ARGUMENT (fix the arguments), NOT_FOUND (no such server or tool),
+    PERMISSION_DENIED (not in the gateway's allowlist), RESOURCE_EXHAUSTED (a queue or this run's
+    budget is full), UNAVAILABLE (no worker or server now), FAILED_PRECONDITION (the tool cannot
+    serve), DEADLINE_EXCEEDED, CANCELLED, UNKNOWN (the tool itself failed), INTERNAL.
+    """
+
+    def __init__(self, message, code="INTERNAL"):
+        super().__init__(message)
+        self.code = code
 
 
 def _read_exact(n):
@@ -55,7 +66,9 @@ def _read_frame():
 
 def _write_frame(body):
     if len(body) > MAX_FRAME:
-        raise ToolError(f"message of {len(body)} bytes exceeds the bridge's {MAX_FRAME}-byte limit")
+        raise ToolError(
+            f"message of {len(body)} bytes exceeds the bridge's {MAX_FRAME}-byte limit", "INVALID_ARGUMENT"
+        )
     data = memoryview(len(body).to_bytes(4, "big") + body)
     while data:
         data = data[os.write(_FD, data):]
@@ -150,7 +163,8 @@ class Bridge:
             if len(body) > _LIMITS["call"]:
                 raise ToolError(
                     f"this call is {len(body)} bytes of JSON; a call may send at most "
-                    f"{_LIMITS['call']} (sandbox.max_call_bytes)"
+                    f"{_LIMITS['call']} (sandbox.max_call_bytes)",
+                    "INVALID_ARGUMENT",
                 )
             with self._send_lock:
                 _write_frame(body)
@@ -160,9 +174,10 @@ class Bridge:
                 self._pending.pop(request_id, None)
         reply = slot["reply"]
         if reply is None:
-            raise ToolError("the gateway closed the bridge")
-        if reply.get("error"):
-            raise ToolError(reply["error"].get("message", "tool call failed"))
+            raise ToolError("the gateway closed the bridge", "UNAVAILABLE")
+        error = reply.get("error")
+        if error:
+            raise ToolError(error.get("message", "tool call failed"), error.get("code", "INTERNAL"))
         return reply.get("result")
 
     def done(self, result="null", error=None):

@@ -21,6 +21,7 @@ use tokio::sync::{Mutex, Notify};
 
 use crate::config::{ServerConfig, Timing};
 use crate::sandbox::ToolSpec;
+use crate::tool_error::{ToolError, ToolErrorCode};
 
 type Session = RunningService<RoleClient, Listener>;
 
@@ -66,7 +67,7 @@ pub struct McpServer {
 
 /// How a call failed: the server answered with an error, or the session is unusable.
 enum CallError {
-    Tool(String),
+    Tool(ToolError),
     Session(String),
 }
 
@@ -192,22 +193,25 @@ impl McpServer {
 
     /// Runs `f` on a live session; when the session itself fails, opens a new one and tries once
     /// more.
-    async fn with_session<T, F, Fut>(&self, f: F) -> Result<T, String>
+    async fn with_session<T, F, Fut>(&self, f: F) -> Result<T, ToolError>
     where
         F: Fn(Peer<RoleClient>) -> Fut,
         Fut: Future<Output = Result<T, CallError>>,
     {
         for attempt in 0..2 {
-            match f(self.peer().await?).await {
+            match f(self.peer().await.map_err(ToolError::unavailable)?).await {
                 Ok(v) => return Ok(v),
-                Err(CallError::Tool(message)) => return Err(message),
+                Err(CallError::Tool(error)) => return Err(error),
                 Err(CallError::Session(message)) => {
                     tracing::warn!(server = %self.name, "MCP session failed ({message}); reconnecting");
                     if let Some(dead) = self.session.lock().await.take() {
                         let _ = dead.cancel().await;
                     }
                     if attempt == 1 {
-                        return Err(format!("MCP server {:?}: {message}", self.name));
+                        return Err(ToolError::unavailable(format!(
+                            "MCP server {:?}: {message}",
+                            self.name
+                        )));
                     }
                 }
             }
@@ -229,13 +233,17 @@ impl McpServer {
             .with_session(|peer| async move {
                 match tokio::time::timeout(deadline, peer.list_all_tools()).await {
                     Ok(listed) => listed.map_err(|e| CallError::Session(e.to_string())),
-                    Err(_) => Err(CallError::Tool(format!(
-                        "listing tools: no answer within {} s",
-                        deadline.as_secs_f64()
+                    Err(_) => Err(CallError::Tool(ToolError::new(
+                        ToolErrorCode::DeadlineExceeded,
+                        format!(
+                            "listing tools: no answer within {} s",
+                            deadline.as_secs_f64()
+                        ),
                     ))),
                 }
             })
-            .await?
+            .await
+            .map_err(|e| e.message)?
             .into_iter()
             .map(|t| ToolSpec {
                 title: t
@@ -275,12 +283,12 @@ impl McpServer {
         tool: &str,
         arguments: &Value,
         trace: &HashMap<String, String>,
-    ) -> Result<Value, String> {
+    ) -> Result<Value, ToolError> {
         let Value::Object(arguments) = arguments else {
-            return Err(format!(
+            return Err(ToolError::invalid_argument(format!(
                 "{}.{tool}: arguments must be a JSON object",
                 self.name
-            ));
+            )));
         };
         let mut meta = MetaObject::new();
         for (key, value) in trace {
@@ -297,20 +305,33 @@ impl McpServer {
                     match tokio::time::timeout(deadline, peer.call_tool(params)).await {
                         Ok(called) => called.map_err(|e| match e {
                             rmcp::ServiceError::McpError(e) => {
-                                CallError::Tool(e.message.to_string())
+                                CallError::Tool(ToolError::new(code_of(&e.code), e.message))
                             }
                             other => CallError::Session(other.to_string()),
                         }),
                         // Not retried: the tool may still be working on it.
-                        Err(_) => Err(CallError::Tool(format!(
-                            "no answer within {} s (the server's call timeout)",
-                            deadline.as_secs_f64()
+                        Err(_) => Err(CallError::Tool(ToolError::new(
+                            ToolErrorCode::DeadlineExceeded,
+                            format!(
+                                "no answer within {} s (the server's call timeout)",
+                                deadline.as_secs_f64()
+                            ),
                         ))),
                     }
                 }
             })
             .await?;
         result_value(&self.name, tool, result)
+    }
+}
+
+/// A JSON-RPC error from the server as a tool error code: the two a caller can act on keep
+/// their meaning; any other is the tool's own failure.
+fn code_of(code: &rmcp::model::ErrorCode) -> ToolErrorCode {
+    match *code {
+        rmcp::model::ErrorCode::INVALID_PARAMS => ToolErrorCode::InvalidArgument,
+        rmcp::model::ErrorCode::METHOD_NOT_FOUND => ToolErrorCode::NotFound,
+        _ => ToolErrorCode::Unknown,
     }
 }
 
@@ -325,9 +346,12 @@ fn text_of(result: &CallToolResult) -> String {
 
 /// A tool result as the sandbox sees it: its structured content if any, else its text (one text
 /// block as a string, several as a list).
-fn result_value(server: &str, tool: &str, result: CallToolResult) -> Result<Value, String> {
+fn result_value(server: &str, tool: &str, result: CallToolResult) -> Result<Value, ToolError> {
     if result.is_error == Some(true) {
-        return Err(format!("{server}.{tool} failed: {}", text_of(&result)));
+        return Err(ToolError::new(
+            ToolErrorCode::Unknown,
+            format!("{server}.{tool} failed: {}", text_of(&result)),
+        ));
     }
     if let Some(structured) = result.structured_content {
         return Ok(structured);

@@ -22,6 +22,7 @@ use tokio::sync::Notify;
 
 use self::policy::Policy;
 use crate::sandbox::{ToolHost, ToolSpec};
+use crate::tool_error::{ToolError, ToolErrorCode};
 
 pub struct Upstreams {
     nomad: nomad::Nomad,
@@ -57,15 +58,16 @@ impl Upstreams {
     }
 
     /// `server`'s tools that the allowlist lets through.
-    pub async fn tools(&self, server: &str) -> Result<Vec<ToolSpec>, String> {
+    pub async fn tools(&self, server: &str) -> Result<Vec<ToolSpec>, ToolError> {
         let tools = if server == nomad::NAME {
-            self.nomad.tools().await?
+            self.nomad.tools().await
         } else {
             match self.servers.get(server) {
-                Some(s) => s.tools().await?,
-                None => return Err(self.unknown_server(server)),
+                Some(s) => s.tools().await,
+                None => return Err(ToolError::not_found(self.unknown_server(server))),
             }
-        };
+        }
+        .map_err(ToolError::unavailable)?;
         Ok(tools
             .into_iter()
             .filter(|t| self.policy.allows(server, &t.name))
@@ -95,17 +97,13 @@ impl Upstreams {
         server: &str,
         tool: &str,
         arguments: &Value,
-    ) -> Result<Value, String> {
+    ) -> Result<Value, ToolError> {
         if server == nomad::NAME {
-            return self
-                .nomad
-                .call(tool, arguments, None)
-                .await
-                .map_err(|s| s.message().to_owned());
+            return self.nomad.call(tool, arguments, None).await;
         }
         match self.servers.get(server) {
             Some(upstream) => upstream.call(tool, arguments, &HashMap::new()).await,
-            None => Err(self.unknown_server(server)),
+            None => Err(ToolError::not_found(self.unknown_server(server))),
         }
     }
 
@@ -146,7 +144,7 @@ impl Upstreams {
         tool: &str,
         arguments: &Value,
         progress: Option<&Progress>,
-    ) -> Result<Value, tonic::Status> {
+    ) -> Result<Value, ToolError> {
         let (server_label, tool_label) = self.labels(server, tool).await;
         let span = GroupSpan::start(SpanGroup::Upstream, "nomad.gateway.upstream_tool", cx);
         span.set_attributes([
@@ -168,9 +166,9 @@ impl Upstreams {
             Ok(_) => tracing::debug!(server = %server_log, tool = %tool_log, arguments = %shape,
                 "upstream call"),
             Err(e) => {
-                span.set_error(format!("{:?}", e.code()), e.message());
+                span.set_error(e.code.as_str(), &e.message);
                 tracing::info!(server = %server_log, tool = %tool_log, arguments = %shape,
-                    error = %clip(e.message()), "upstream call failed");
+                    code = e.code.as_str(), error = %clip(&e.message), "upstream call failed");
             }
         }
         let attributes = [
@@ -191,23 +189,21 @@ impl Upstreams {
         tool: &str,
         arguments: &Value,
         progress: Option<&Progress>,
-    ) -> Result<Value, tonic::Status> {
+    ) -> Result<Value, ToolError> {
         if !self.policy.allows(server, tool) {
-            return Err(tonic::Status::permission_denied(format!(
-                "{server}:{tool} is not in the gateway's allowlist"
-            )));
+            return Err(ToolError::new(
+                ToolErrorCode::PermissionDenied,
+                format!("{server}:{tool} is not in the gateway's allowlist"),
+            ));
         }
         if server == nomad::NAME {
             return self.nomad.call(tool, arguments, progress).await;
         }
         let Some(upstream) = self.servers.get(server) else {
-            return Err(tonic::Status::not_found(self.unknown_server(server)));
+            return Err(ToolError::not_found(self.unknown_server(server)));
         };
         let trace = nomad_telemetry::propagation::inject_map(cx);
-        upstream
-            .call(tool, arguments, &trace)
-            .await
-            .map_err(tonic::Status::unavailable)
+        upstream.call(tool, arguments, &trace).await
     }
 }
 
@@ -271,17 +267,16 @@ impl ToolHost for RunTools<'_> {
         self.upstreams.server_names()
     }
 
-    async fn tools(&self, server: &str) -> Result<Vec<ToolSpec>, String> {
+    async fn tools(&self, server: &str) -> Result<Vec<ToolSpec>, ToolError> {
         self.upstreams.tools(server).await
     }
 
-    async fn call(&self, server: &str, tool: &str, arguments: Value) -> Result<Value, String> {
+    async fn call(&self, server: &str, tool: &str, arguments: Value) -> Result<Value, ToolError> {
         let started = Instant::now();
         let result = self
             .upstreams
             .call(&self.cx, server, tool, &arguments, self.progress.as_ref())
-            .await
-            .map_err(|s| s.message().to_owned());
+            .await;
         if let Some(log) = self.log {
             log.record(server, tool, started, &arguments, &result, |v| {
                 self.upstreams.policy.redact(v)

@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 
 use super::nomad_json;
 use crate::sandbox::ToolSpec;
+use crate::tool_error::ToolError;
 
 pub const NAME: &str = "nomad";
 
@@ -285,8 +286,8 @@ impl Nomad {
         tool: &str,
         arguments: &Value,
         progress: Option<&tokio::sync::mpsc::Sender<String>>,
-    ) -> Result<Value, tonic::Status> {
-        let (_, kinds) = self.listing().await.map_err(tonic::Status::unavailable)?;
+    ) -> Result<Value, ToolError> {
+        let (_, kinds) = self.listing().await.map_err(ToolError::unavailable)?;
         let kind = kinds.get(tool).map(String::as_str);
         if tool == MODEL_CARD_TOOL && kind.is_none() {
             return self.model_card(arguments).await;
@@ -296,7 +297,19 @@ impl Nomad {
         } else {
             nomad_json::input_from_value(arguments, kind.and_then(nomad_proto::kinds::kind))
         }
-        .map_err(|e| tonic::Status::invalid_argument(format!("{NAME}.{tool}: {e}")))?;
+        .map_err(|e| match kind {
+            Some(_) => ToolError::invalid_argument(format!("{NAME}.{tool}: {e}")),
+            // Not in the listing, which may be older than the tool: arguments that could fit
+            // some kind go to the scheduler, which knows; these fit none, so the name is wrong.
+            None => {
+                let mut names: Vec<&str> = kinds.keys().map(String::as_str).collect();
+                names.sort_unstable();
+                ToolError::not_found(format!(
+                    "{NAME}.{tool}: no such tool; the scheduler has {}",
+                    names.join(", ")
+                ))
+            }
+        })?;
         let request = CallToolRequest {
             tool: tool.to_owned(),
             input: Some(input),
@@ -311,18 +324,18 @@ impl Nomad {
         }
         .map_err(|s| unreachable_scheduler(tool, s))?;
         let output = reply.output.ok_or_else(|| {
-            tonic::Status::internal(format!("{NAME}.{tool}: the scheduler returned no output"))
+            ToolError::internal(format!("{NAME}.{tool}: the scheduler returned no output"))
         })?;
         nomad_json::output_to_json(&output, reply.generation.as_ref())
-            .map_err(|e| tonic::Status::internal(format!("{NAME}.{tool}: {e}")))
+            .map_err(|e| ToolError::internal(format!("{NAME}.{tool}: {e}")))
     }
 }
 
 impl Nomad {
     /// `get_model_card(tool_name)`: the tool's model card, as text.
-    async fn model_card(&self, arguments: &Value) -> Result<Value, tonic::Status> {
+    async fn model_card(&self, arguments: &Value) -> Result<Value, ToolError> {
         let Some(tool) = arguments.get("tool_name").and_then(Value::as_str) else {
-            return Err(tonic::Status::invalid_argument(format!(
+            return Err(ToolError::invalid_argument(format!(
                 "{NAME}.{MODEL_CARD_TOOL}: arguments need `tool_name` (a string)"
             )));
         };
@@ -358,14 +371,14 @@ async fn streamed(
 }
 
 /// A connection that broke under the call reads as CANCELLED, UNKNOWN or INTERNAL; the caller did
-/// neither, so it gets UNAVAILABLE (the scheduler's own statuses pass as they are).
-fn unreachable_scheduler(tool: &str, status: tonic::Status) -> tonic::Status {
+/// neither, so it gets UNAVAILABLE (the scheduler's own statuses keep their codes).
+fn unreachable_scheduler(tool: &str, status: tonic::Status) -> ToolError {
     if status.code() != tonic::Code::Unavailable && nomad_rpc::peer_lost(&status) {
-        tonic::Status::unavailable(format!(
+        ToolError::unavailable(format!(
             "{NAME}.{tool}: the scheduler is unreachable: {}",
             status.message()
         ))
     } else {
-        status
+        status.into()
     }
 }

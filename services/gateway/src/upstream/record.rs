@@ -8,6 +8,8 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 
+use crate::tool_error::ToolError;
+
 /// Calls one run records at most (the sandbox's default `max_tool_calls`); later ones are
 /// counted in `dropped`.
 const MAX_RECORDED: usize = 10_000;
@@ -37,7 +39,7 @@ impl CallLog {
         tool: &str,
         started: Instant,
         arguments: &Value,
-        result: &Result<Value, String>,
+        result: &Result<Value, ToolError>,
         redact: impl Fn(&Value) -> Value,
     ) {
         let offset = started.duration_since(self.started).as_secs_f64();
@@ -48,11 +50,14 @@ impl CallLog {
             "start_offset_seconds": offset,
             "duration_seconds": started.elapsed().as_secs_f64(),
         });
+        if let Err(error) = result {
+            call["code"] = json!(error.code);
+        }
         if self.payloads {
             call["arguments"] = redact(arguments);
             match result {
                 Ok(output) => call["output"] = redact(output),
-                Err(error) => call["error"] = json!(error),
+                Err(error) => call["error"] = json!(error.message),
             }
         }
         let mut calls = self.calls.lock().expect("call log lock");
@@ -95,13 +100,17 @@ mod tests {
                 "git_show",
                 t,
                 &json!({}),
-                &Err("no such revision".into()),
+                &Err(ToolError::invalid_argument("no such revision")),
                 Value::clone,
             );
             let (calls, dropped) = log.finish();
             assert_eq!(dropped, 0);
             assert_eq!(calls[0]["status"], "ok");
             assert_eq!(calls[1]["status"], "error");
+            assert_eq!(
+                calls[1]["code"], "INVALID_ARGUMENT",
+                "the code is kept, payloads or not"
+            );
             assert_eq!(calls[0].get("arguments").is_some(), payloads);
             assert_eq!(calls[0].get("output").is_some(), payloads);
             assert_eq!(calls[1].get("error").is_some(), payloads);
