@@ -617,3 +617,88 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
     assert!(up.wait().await.unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Ctrl-C during `nomad up --tasks`: one "interrupted" line, the rollouts that finished summed up
+/// (with their report), the fleet stopped, and exit 130 as shells report SIGINT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_stops_the_run_with_130_and_sums_up_what_finished() {
+    let dir = Fleet::new_dir();
+    let made = std::process::Command::new(binary("nomad-device-worker"))
+        .args(["make-mlp", "--layers", "6,4", "--out"])
+        .arg(dir.join("mlp"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let config = dir.join("nomad.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[tools]]\nname = \"mlp\"\nkind = \"mlp\"\nsource = \"{}\"\n",
+            dir.join("mlp").display()
+        ),
+    )
+    .unwrap();
+    // Three quick rollouts first, then ones that outlast the test.
+    let mut tasks: Vec<Value> = (0..3)
+        .map(|i| serde_json::json!({"id": format!("quick-{i}"), "code": "RESULT = 1", "expected": 1}))
+        .collect();
+    tasks.extend((0..8).map(|i| {
+        serde_json::json!({"id": format!("slow-{i}"), "code": "import time\ntime.sleep(25)\nRESULT = 1"})
+    }));
+    let tasks_path = dir.join("tasks.jsonl");
+    write_tasks(&tasks_path, &tasks);
+    let runs = dir.join("runs");
+    let up = clean("nomad")
+        .arg("up")
+        .arg("--config")
+        .arg(&config)
+        .arg("--runs-dir")
+        .arg(&runs)
+        .arg("--tasks")
+        .arg(&tasks_path)
+        .args(["--concurrency", "3", "--ready-timeout", "120"])
+        .env("NOMAD_OTEL_RUN_ID", "interrupted")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let results = runs.join("interrupted/results.jsonl");
+    let deadline = Instant::now() + Duration::from_secs(150);
+    while read_jsonl(&results).len() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the quick rollouts did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // SAFETY: kill(2) on the child we spawned.
+    unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGINT) };
+    let out = tokio::time::timeout(Duration::from_secs(60), up.wait_with_output())
+        .await
+        .expect("nomad up stops within 60 s of Ctrl-C")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert_eq!(
+        stderr.matches("stopping the fleet").count(),
+        1,
+        "said once:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("nomad up: interrupted; stopping the fleet"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("3 of 11 rollouts finished before the run was interrupted"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("3 rollouts: 3 ok, 0 failed; 3 of 3 verified passed"),
+        "the finished rollouts are summed up:\n{stdout}"
+    );
+    assert!(stdout.contains("Report: "), "{stdout}");
+    assert!(runs.join("interrupted/report.html").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -43,12 +43,12 @@ pub enum Command {
 }
 
 impl Command {
-    /// Runs the command; whether everything it did succeeded.
-    pub async fn run(self) -> anyhow::Result<bool> {
-        match self {
-            Command::Up(args) => up::command(args).await,
+    /// Runs the command; how it ended.
+    pub async fn run(self) -> anyhow::Result<Exit> {
+        let succeeded = match self {
+            Command::Up(args) => return up::command(args).await,
             Command::Run(args) => run::run(args).await,
-            Command::Serve(args) => serve::serve(args).await,
+            Command::Serve(args) => return serve::serve(args).await,
             Command::Head(args) => head_api::serve(args).await.map(|()| true),
             Command::Traces(args) => traces::show(args).await,
             Command::Report(args) => report::report(args).await,
@@ -58,6 +58,38 @@ impl Command {
             Command::SlurmJob(args) => slurm::job::job(args).await,
             Command::Top(args) => top::top(args).await,
             Command::Health { address } => health::health(&address).await,
+        };
+        succeeded.map(Exit::from)
+    }
+}
+
+/// How a command ended, as its exit status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// 0: everything it did succeeded.
+    Succeeded,
+    /// 1: a rollout, a check or a server failed.
+    Failed,
+    /// 130: stopped by Ctrl-C before its work was done (128 + SIGINT, as shells report it).
+    Interrupted,
+}
+
+impl From<bool> for Exit {
+    fn from(succeeded: bool) -> Self {
+        if succeeded {
+            Self::Succeeded
+        } else {
+            Self::Failed
+        }
+    }
+}
+
+impl From<Exit> for std::process::ExitCode {
+    fn from(exit: Exit) -> Self {
+        match exit {
+            Exit::Succeeded => Self::SUCCESS,
+            Exit::Failed => Self::from(1),
+            Exit::Interrupted => Self::from(130),
         }
     }
 }

@@ -25,14 +25,11 @@ use std::process::ExitCode;
 
 use clap::Parser as _;
 
-/// Exit 0 when everything succeeded, 1 when a rollout or check failed, 2 on an error.
+/// Exit 0 when everything succeeded, 1 when a rollout or check failed, 2 on an error, 130 when
+/// interrupted (see [`cli::Exit`]).
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     nomad_rpc::bootstrap::main("nomad", 2, || async {
-        Ok(if cli.command.run().await? {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::from(1)
-        })
+        Ok(ExitCode::from(cli.command.run().await?))
     })
 }

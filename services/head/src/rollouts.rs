@@ -473,11 +473,14 @@ pub fn read_jsonl(path: &std::path::Path) -> Vec<Value> {
 }
 
 /// Runs `tasks` with a progress bar, writing each result to `out` (`-`: stdout) as it comes.
+/// Runs `tasks`, writing each result to `out` (`-`: stdout) as it finishes and keeping it in
+/// `finished`, so a caller that stops early (Ctrl-C) still has every rollout that finished.
 pub async fn run_to_file(
     runner: &Runner,
     tasks: Vec<Task>,
     out: &std::path::Path,
-) -> anyhow::Result<Vec<RolloutResult>> {
+    finished: &mut Vec<RolloutResult>,
+) -> anyhow::Result<()> {
     let mut sink: Box<dyn Write + Send> = if out.as_os_str() == "-" {
         Box::new(std::io::stdout())
     } else {
@@ -488,9 +491,10 @@ pub async fn run_to_file(
     };
     let mut progress = Progress::new(tasks.len());
     let mut write_error = None;
-    let results = runner
+    runner
         .run(tasks, |result| {
             progress.record(result);
+            finished.push(result.clone());
             if write_error.is_none() {
                 let line = serde_json::to_string(result).expect("results serialize");
                 if let Err(e) = writeln!(sink, "{line}").and_then(|_| sink.flush()) {
@@ -502,7 +506,7 @@ pub async fn run_to_file(
     if let Some(e) = write_error {
         anyhow::bail!("writing results to {}: {e}", out.display());
     }
-    Ok(results)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -104,9 +104,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         args.concurrency,
         args.embed_tool.clone(),
     );
-    let results = rollouts::run_to_file(&runner, tasks, &args.out).await;
+    let mut results = Vec::new();
+    let ran = rollouts::run_to_file(&runner, tasks, &args.out, &mut results).await;
     service.stop().await;
-    let results = results?;
+    ran?;
     let failed = results.iter().filter(|r| r.status != "ok").count();
     eprintln!(
         "run {run_id}: {} ok, {failed} failed; results in {}",

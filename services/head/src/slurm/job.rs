@@ -270,9 +270,10 @@ pub async fn job(args: JobArgs) -> anyhow::Result<bool> {
         args.concurrency
     );
     let workers = nodes.len();
+    let mut results = Vec::new();
     let outcome = tokio::select! {
-        outcome = rollouts::run_to_file(&runner, tasks, &out) => match outcome {
-            Ok(results) => {
+        outcome = rollouts::run_to_file(&runner, tasks, &out, &mut results) => match outcome {
+            Ok(()) => {
                 let failed = results.iter().filter(|r| r.status != "ok").count();
                 crate::up::summarize(&results, &out);
                 json!({"status": if failed == 0 { "ok" } else { "failed" }, "exit_code": i32::from(failed > 0),

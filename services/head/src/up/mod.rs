@@ -19,6 +19,7 @@ use serde_json::json;
 
 use self::env::Layered;
 use self::fleet::FleetPlan;
+use crate::cli::Exit;
 use crate::rollouts::{self, Runner};
 use crate::supervisor::Supervisor;
 use crate::{memory, run_id, tasks, traces};
@@ -88,7 +89,7 @@ fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
 }
 
 /// Runs the fleet. Returns whether everything it ran succeeded.
-pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
+pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
     let mut phases = nomad_telemetry::startup::Phases::begin();
     let user_env = ProcessEnv;
     let bin_dir = match &options.bin_dir {
@@ -345,6 +346,8 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     });
 
     let mut ok = true;
+    let mut interrupted = false;
+    // The rollouts that finished, and where their results went.
     let mut results = None;
     match (&options.tasks, tasks) {
         (Some(set), Some(tasks)) => {
@@ -352,6 +355,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
                 Some(path) => path.clone(),
                 None => run_dir.join("results.jsonl"),
             };
+            let total = tasks.len();
             let runner = Runner::new(
                 GatewayClient::new(nomad_rpc::channel(&addresses.gateway)?),
                 run_id.clone(),
@@ -364,21 +368,33 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
                 set.source,
                 options.concurrency
             );
+            let mut finished = Vec::new();
             tokio::select! {
-                outcome = rollouts::run_to_file(&runner, tasks, &out) => {
-                    let outcome = outcome?;
-                    ok = outcome.iter().all(|r| r.status == "ok");
-                    results = Some((outcome, out));
+                outcome = rollouts::run_to_file(&runner, tasks, &out, &mut finished) => {
+                    outcome?;
+                    ok = finished.iter().all(|r| r.status == "ok");
                 }
                 exit = sup.next_exit() => {
                     eprintln!("nomad up: {}", sup.report(&exit));
                     ok = false;
                 }
                 () = nomad_rpc::shutdown_signal() => {
-                    eprintln!("nomad up: interrupted; stopping the fleet");
+                    interrupted = true;
                     ok = false;
                 }
             }
+            if finished.len() < total {
+                eprintln!(
+                    "nomad up: {} of {total} rollouts finished before the run {}",
+                    finished.len(),
+                    if interrupted {
+                        "was interrupted"
+                    } else {
+                        "stopped"
+                    }
+                );
+            }
+            results = Some((finished, out));
         }
         _ => {
             let stdio = options.front == fleet::GatewayFront::ToolsStdio;
@@ -402,7 +418,10 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
     if let Some(profiler) = profiler {
         profiler.abort();
     }
-    eprintln!("nomad up: stopping the fleet");
+    eprintln!(
+        "nomad up: {}stopping the fleet",
+        if interrupted { "interrupted; " } else { "" }
+    );
     for exit in sup.stop(Duration::from_secs(15)).await {
         // A server stopped by our SIGTERM exits 0 after flushing; anything else is news.
         if !exit.status.success() {
@@ -444,7 +463,11 @@ pub async fn up(options: UpOptions) -> anyhow::Result<bool> {
             String::new()
         }
     );
-    Ok(ok)
+    Ok(if interrupted {
+        Exit::Interrupted
+    } else {
+        Exit::from(ok)
+    })
 }
 
 /// Writes `bytes` to a new file only its owner may read (mode 0600). The file must not exist
@@ -477,6 +500,38 @@ pub(crate) fn summarize(results: &[rollouts::RolloutResult], out: &Path) {
         results.len(),
         results.len() - failed,
         rewards.len()
+    );
+    // Which ones, so a reader goes straight to them in the results and traces.
+    let named = |label: &str, ids: Vec<&str>| {
+        if !ids.is_empty() {
+            const SHOWN: usize = 10;
+            let more = ids.len().saturating_sub(SHOWN);
+            let more = if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            };
+            println!(
+                "  {label}: {}{more}",
+                ids[..ids.len().min(SHOWN)].join(", ")
+            );
+        }
+    };
+    named(
+        "failed",
+        results
+            .iter()
+            .filter(|r| r.status != "ok")
+            .map(|r| r.task_id.as_str())
+            .collect(),
+    );
+    named(
+        "verified, not passed",
+        results
+            .iter()
+            .filter(|r| r.passed == Some(false))
+            .map(|r| r.task_id.as_str())
+            .collect(),
     );
     println!("Results: {}", out.display());
 }
@@ -524,7 +579,7 @@ pub struct UpArgs {
 }
 
 /// `nomad up` from its arguments.
-pub async fn command(args: UpArgs) -> anyhow::Result<bool> {
+pub async fn command(args: UpArgs) -> anyhow::Result<Exit> {
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
     let ready_timeout =
         nomad_config::seconds("--ready-timeout", args.ready_timeout).map_err(anyhow::Error::msg)?;
