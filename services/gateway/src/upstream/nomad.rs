@@ -361,7 +361,12 @@ async fn streamed(
             Some(call_tool_stream_event::Event::Text(text)) => {
                 let _ = progress.try_send(text);
             }
-            Some(call_tool_stream_event::Event::Done(answer)) => return Ok(answer),
+            Some(call_tool_stream_event::Event::Done(answer)) => {
+                // Read on to the stream's end, so the call ends with the scheduler's status
+                // rather than as abandoned (and its span with it).
+                while let Ok(Some(_)) = events.message().await {}
+                return Ok(answer);
+            }
             None => {}
         }
     }

@@ -98,7 +98,12 @@ pub(super) async fn execute_stream(mut call: Call, text: mpsc::Sender<String>, b
                     Some(Event::Text(t)) => {
                         let _ = text.send(t).await;
                     }
-                    Some(Event::Done(done)) => return Ok(done),
+                    Some(Event::Done(done)) => {
+                        // Read on to the stream's end, so the call ends with the worker's
+                        // status rather than as abandoned (and its span with it).
+                        while let Ok(Some(_)) = stream.message().await {}
+                        return Ok(done);
+                    }
                     None => {}
                 },
                 None => {
