@@ -746,3 +746,58 @@ async fn what_a_run_sends_is_bounded_before_the_gateway_holds_it() {
         gateway.stop().await;
     }
 }
+
+/// Where no cgroup bounds a run (the gateway's log says which bound holds), its processes
+/// together stay within `memory_bytes`: four processes of 300 MiB each, every one within its own
+/// address-space limit of 512 MiB, end the run as over its memory, as root and as an
+/// unprivileged user. With a cgroup, memory.max ends it instead (no RESULT either way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_is_bounded_as_a_whole_not_per_process() {
+    let code = "\
+import os, time
+for _ in range(4):
+    if os.fork() == 0:
+        block = b'x' * (300 << 20)
+        time.sleep(30)
+        os._exit(0)
+time.sleep(30)
+RESULT = 'survived'
+";
+    for run_as in gateway_users() {
+        let label = run_as.label;
+        let gateway = Gateway::start(
+            &run_as,
+            "  warm: 0\n  timeout_seconds: 20\n  memory_bytes: 536870912\n",
+        )
+        .await;
+        gateway.still_serving("start-up").await;
+        let log = std::fs::read_to_string(gateway.dir.join("gateway.stderr")).unwrap();
+        let watched = log.contains("each run's memory as a whole");
+        let started = Instant::now();
+        let reply = gateway.run(code).await;
+        assert_eq!(
+            reply.result_json, "null",
+            "{label}: the run survived: {}",
+            reply.error
+        );
+        if watched {
+            assert!(
+                reply
+                    .error
+                    .starts_with("memory: the run's processes together held")
+                    && reply.error.contains("over sandbox.memory_bytes (512 MiB)"),
+                "{label}: {}",
+                reply.error
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "{label}: stopped only after {:?}",
+                started.elapsed()
+            );
+        } else {
+            assert!(log.contains("a cgroup per run"), "{label}: {log}");
+        }
+        gateway.still_serving("a run over its memory").await;
+        gateway.stop().await;
+    }
+}

@@ -15,6 +15,7 @@ mod cgroup;
 mod config;
 pub mod init;
 mod isolation;
+mod memory;
 mod pool;
 mod process;
 mod seccomp;
@@ -94,6 +95,12 @@ pub enum Failure {
         message: String,
         traceback: String,
     },
+    /// The run's processes together held more than `sandbox.memory_bytes` (no cgroup: the
+    /// gateway's own sampling), and it was killed.
+    Memory {
+        bytes: u64,
+        limit: u64,
+    },
     /// The process ended without reporting (killed, crashed, or exit() before the end).
     NoResult,
     Bridge(String),
@@ -107,6 +114,7 @@ impl Failure {
             Failure::Timeout { .. } => "timeout",
             Failure::ResultTooLarge { .. } => "result_too_large",
             Failure::Exception { .. } => "exception",
+            Failure::Memory { .. } => "memory",
             Failure::NoResult => "no_result",
             Failure::Bridge(_) => "bridge",
             Failure::Spawn(_) => "spawn",
@@ -126,6 +134,12 @@ impl Failure {
                 message,
                 traceback,
             } => format!("{kind}: {message}\n{traceback}"),
+            Failure::Memory { bytes, limit } => format!(
+                "memory: the run's processes together held {} MiB, over sandbox.memory_bytes \
+                 ({} MiB); the run was killed",
+                bytes >> 20,
+                limit >> 20
+            ),
             Failure::NoResult => {
                 "the code ended without reporting a result (killed or crashed; see stderr)".into()
             }
@@ -254,6 +268,8 @@ impl Sandbox {
                 in_flight: config.max_calls_in_flight,
                 total: config.max_tool_calls,
             },
+            // A cgroup's memory.max bounds a run as a whole; without one, the gateway does.
+            memory_watch: cgroup.is_err().then_some(config.memory_bytes),
         };
         let cgroups = cgroup.as_ref().ok();
         let run_limits = cgroup::RunLimits {
@@ -321,7 +337,9 @@ impl Sandbox {
             ),
             Err(why) => tracing::info!(
                 "sandbox limits: per-process rlimits (address space, processes, CPU seconds, \
-                 file size); no per-run cgroup: {why}"
+                 file size), and each run's memory as a whole (the PSS of all its processes, \
+                 sampled every {} ms) within sandbox.memory_bytes; no per-run cgroup: {why}",
+                memory::INTERVAL.as_millis()
             ),
         }
         tracing::info!(

@@ -17,7 +17,7 @@ use super::bridge::{self, Decoder, Message};
 use super::calls::{BridgeEnd, Done, serve};
 use super::cgroup::{Cgroups, RunCgroup, RunLimits};
 use super::init::{self, Report, Spec};
-use super::{Failure, Outcome, ToolHost, workspace};
+use super::{Failure, Outcome, ToolHost, memory, workspace};
 
 /// How to start a sandbox process: the init's spec and the limits the gateway enforces itself.
 pub struct Launch {
@@ -33,6 +33,9 @@ pub struct Launch {
     /// Largest tool call the run may send (`sandbox.max_call_bytes`).
     pub call_limit: usize,
     pub budget: Budget,
+    /// Without a cgroup: the bytes all of a run's processes may hold together, which the
+    /// gateway samples (see [`super::memory`]).
+    pub memory_watch: Option<u64>,
 }
 
 /// Bridge calls one run may make: at once, and in all.
@@ -268,9 +271,17 @@ impl Started {
             queue_wait: Duration::ZERO,
         };
         let mut end = BridgeEnd::default();
+        let mut over_memory = None;
         let served = match prepared {
             Ok(Ok(())) => {
                 let serving = serve(bridge, decoder, host, launch.budget, &mut end);
+                let pid = child.id();
+                let watch = async move {
+                    match (launch.memory_watch, pid) {
+                        (Some(limit), Some(pid)) => memory::exceeded(pid, limit).await,
+                        _ => std::future::pending().await,
+                    }
+                };
                 let waited = tokio::time::timeout_at(deadline, async {
                     tokio::pin!(serving);
                     tokio::select! {
@@ -280,6 +291,11 @@ impl Started {
                             // open (possible only without a PID namespace) is not waited for.
                             let _ = tokio::time::timeout(Duration::from_millis(500), serving).await;
                             status
+                        }
+                        held = watch => {
+                            over_memory = Some(held);
+                            kill(&mut child, pgid);
+                            child.wait().await
                         }
                     }
                 })
@@ -328,6 +344,10 @@ impl Started {
                     None if outcome.returncode == Some(init::SETUP_FAILED) => Some(setup_failure()),
                     None => Some(end.error.map_or(Failure::NoResult, Failure::Bridge)),
                 };
+                if let (Some(bytes), Some(limit)) = (over_memory, launch.memory_watch) {
+                    outcome.result = None;
+                    outcome.failure = Some(Failure::Memory { bytes, limit });
+                }
             }
             None if outcome.failure.is_none() => {
                 outcome.failure = Some(Failure::Timeout {
