@@ -801,3 +801,68 @@ RESULT = 'survived'
         gateway.stop().await;
     }
 }
+
+/// Runs are admitted by what they hold: with a 192 MiB budget for all runs, two runs holding
+/// 80 MiB each leave no room for a third (each counts 32 MiB until sampled), so it waits until
+/// one of them ends; with room in the budget it runs at once. As root and as an unprivileged
+/// user (whose gateway must read its runs' memory from /proc).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_are_admitted_by_the_memory_they_hold() {
+    let holder = "import time\nblock = b'x' * (80 << 20)\ntime.sleep(2.5)\nRESULT = 'held'";
+    for run_as in gateway_users() {
+        let label = run_as.label;
+        for (budget_mib, waits) in [(192u64, true), (4096, false)] {
+            let gateway = Gateway::start(
+                &run_as,
+                &format!(
+                    "  warm: 0\n  timeout_seconds: 10\n  memory_bytes: 201326592\n  \
+                     memory_budget_bytes: {}\n",
+                    budget_mib << 20
+                ),
+            )
+            .await;
+            let started = Instant::now();
+            let holders: Vec<_> = (0..2)
+                .map(|_| {
+                    let mut client = gateway.client.clone();
+                    tokio::spawn(async move {
+                        let reply = client
+                            .execute_code(ExecuteCodeRequest {
+                                code: holder.into(),
+                                env: Default::default(),
+                            })
+                            .await
+                            .unwrap()
+                            .into_inner();
+                        (reply, started.elapsed())
+                    })
+                })
+                .collect();
+            // Long enough for the holders' memory to be sampled (every 200 ms).
+            tokio::time::sleep(Duration::from_millis(1200)).await;
+            let third = gateway.run("RESULT = 'third'").await;
+            let third_done = started.elapsed();
+            let mut first_done = Duration::MAX;
+            for holder in holders {
+                let (reply, done) = holder.await.unwrap();
+                assert_eq!(reply.result_json, "\"held\"", "{label}: {}", reply.error);
+                first_done = first_done.min(done);
+            }
+            assert_eq!(third.result_json, "\"third\"", "{label}: {}", third.error);
+            if waits {
+                assert!(
+                    third_done >= first_done,
+                    "{label}, {budget_mib} MiB: the third run did not wait for a holder to end \
+                     ({third_done:?} < {first_done:?})"
+                );
+            } else {
+                assert!(
+                    third_done + Duration::from_millis(500) < first_done,
+                    "{label}, {budget_mib} MiB: with room, the third run should not wait \
+                     ({third_done:?}, first holder done {first_done:?})"
+                );
+            }
+            gateway.stop().await;
+        }
+    }
+}

@@ -439,6 +439,18 @@ pub const GATEWAY_SANDBOX_WARM: MetricDef = def(
     "{runner}",
     "Sandbox runners started ahead, isolated and waiting for a run.",
 );
+pub const GATEWAY_SANDBOX_MEMORY_USAGE: MetricDef = def(
+    "nomad.gateway.sandbox.memory.usage",
+    U,
+    "By",
+    "Memory the running runs hold together (each run's processes' PSS, sampled; a run not yet sampled counts 32 MiB).",
+);
+pub const GATEWAY_SANDBOX_MEMORY_LIMIT: MetricDef = def(
+    "nomad.gateway.sandbox.memory.limit",
+    U,
+    "By",
+    "What all runs may hold together (`sandbox.memory_budget_bytes`): admission waits while a run would not fit.",
+);
 pub const GATEWAY_SANDBOX_STARTS: MetricDef = def(
     "nomad.gateway.sandbox.starts",
     C,
@@ -449,13 +461,13 @@ pub const GATEWAY_SANDBOX_REJECTIONS: MetricDef = def(
     "nomad.gateway.sandbox.rejections",
     C,
     "{run}",
-    "Runs refused before starting, by `reason` (queue_full, no_slot, spawn).",
+    "Runs refused before starting, by `reason` (queue_full, no_slot, no_memory, spawn).",
 );
 pub const GATEWAY_SANDBOX_QUEUE_WAIT: MetricDef = def(
     "nomad.gateway.sandbox.queue_wait",
     H,
     "s",
-    "Time a run waited for a sandbox slot, by `outcome` (admitted, queue_full, no_slot, spawn).",
+    "Time a run waited for admission (memory and a slot), by `outcome` (admitted, queue_full, no_slot, no_memory, spawn).",
 );
 
 /// The gateway table, in the original's order.
@@ -480,6 +492,8 @@ pub const SANDBOX: &[MetricDef] = &[
     GATEWAY_SANDBOX_RUNS_ACTIVE,
     GATEWAY_SANDBOX_RUNS_QUEUED,
     GATEWAY_SANDBOX_WARM,
+    GATEWAY_SANDBOX_MEMORY_USAGE,
+    GATEWAY_SANDBOX_MEMORY_LIMIT,
     GATEWAY_SANDBOX_STARTS,
     GATEWAY_SANDBOX_REJECTIONS,
     GATEWAY_SANDBOX_QUEUE_WAIT,
@@ -537,7 +551,8 @@ pub const TABLES: &[(&str, &str, &[MetricDef])] = &[
         "The gateway's sandbox: which isolation layers hold (`layer`: user_namespace, \
          mount_namespace, network_namespace, pid_namespace, ipc_namespace, seccomp, landlock, \
          no_new_privs, capabilities_dropped, unprivileged_user, cgroup, rlimits), admission \
-         (`sandbox.max_concurrent`, `sandbox.max_queued`) and the warm pool.",
+         (`sandbox.memory_budget_bytes`, `sandbox.max_concurrent`, `sandbox.max_queued`) and \
+         the warm pool.",
         SANDBOX,
     ),
     (

@@ -28,8 +28,12 @@ pub struct SandboxConfig {
     pub max_files: u64,
     /// CPU of the whole run, in cores, where a cgroup applies.
     pub cpu_cores: f64,
+    /// What all runs may hold in memory together (the PSS of their processes, sampled); a run
+    /// is admitted while there is room for one more. Default: half of the machine's memory.
+    pub memory_budget_bytes: Option<u64>,
     /// Runs executing at once (every Python the gateway starts, warm ones included, counts).
-    /// Default: twice the cores.
+    /// Default: as many as the memory budget has room for at a run's usual size (32 MiB), from
+    /// 4 to 1024.
     pub max_concurrent: Option<usize>,
     /// Runs waiting for one of those; beyond that a call is refused at once.
     pub max_queued: usize,
@@ -74,6 +78,7 @@ impl Default for SandboxConfig {
             disk_bytes: 256 << 20,
             max_files: 16384,
             cpu_cores: 1.0,
+            memory_budget_bytes: None,
             max_concurrent: None,
             max_queued: 256,
             warm: 2,
@@ -109,6 +114,15 @@ impl SandboxConfig {
             }
         };
         at_least("memory_bytes", self.memory_bytes, 64 << 20)?;
+        if let Some(budget) = self.memory_budget_bytes
+            && budget < self.memory_bytes
+        {
+            return Err(format!(
+                "sandbox.memory_budget_bytes ({budget}) is less than one run may hold \
+                 (sandbox.memory_bytes, {}): raise the budget or lower memory_bytes",
+                self.memory_bytes
+            ));
+        }
         at_least("max_processes", self.max_processes, 4)?;
         at_least("open_files", self.open_files, 16)?;
         at_least("disk_bytes", self.disk_bytes, 1 << 20)?;
@@ -145,9 +159,24 @@ impl SandboxConfig {
     }
 
     /// `max_concurrent`, or twice the cores.
+    /// What all runs may hold together: the configured budget, else half of the machine's
+    /// memory (4 GiB where `/proc/meminfo` cannot be read).
+    pub fn memory_budget(&self) -> u64 {
+        self.memory_budget_bytes.unwrap_or_else(|| {
+            let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+                let kib = m.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
+                kib.split_whitespace().next()?.parse::<u64>().ok()
+            });
+            total.map_or(4 << 30, |kib| kib * 1024 / 2)
+        })
+    }
+
+    /// Runs at once: the configured cap, else what the memory budget holds of runs at their
+    /// usual size. Runs that wait on tools hold memory, not CPU, so the core count is no guide.
     pub fn max_concurrent(&self) -> usize {
         self.max_concurrent.unwrap_or_else(|| {
-            2 * std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+            let fits = self.memory_budget() / super::memory::RUN_RESERVE;
+            usize::try_from(fits).unwrap_or(usize::MAX).clamp(4, 1024)
         })
     }
 }

@@ -350,14 +350,26 @@ impl Sandbox {
             directory = %base.display(),
             "sandbox ready"
         );
+        raise_open_files_limit(config.max_concurrent());
+        let ledger = memory::Ledger::new(config.memory_budget());
+        tracing::info!(
+            budget_mib = ledger.budget() >> 20,
+            max_concurrent = config.max_concurrent(),
+            "sandbox admission: runs are admitted while what they hold (sampled every {} ms) \
+             leaves room in the budget for one more, at most max_concurrent at once",
+            memory::INTERVAL.as_millis()
+        );
         let pool = Arc::new(Pool::new(
             launch,
             report,
             cgroup.ok(),
             run_limits,
-            config.max_concurrent(),
-            config.max_queued,
-            config.warm,
+            pool::Admission {
+                ledger,
+                max_concurrent: config.max_concurrent(),
+                max_queued: config.max_queued,
+                warm: config.warm,
+            },
         ));
         tokio::spawn(pool.clone().keep_warm());
         let gauges = gauges(&isolation, &pool);
@@ -423,7 +435,7 @@ impl Sandbox {
             queue_wait.as_secs_f64(),
             &[KeyValue::new("outcome", admission)],
         );
-        let (process, _running) = match acquired {
+        let (process, mut running) = match acquired {
             Ok(p) => {
                 waiting.set_ok();
                 p
@@ -462,8 +474,16 @@ impl Sandbox {
             env,
         };
         let mut outcome = process
-            .run(job, &self.pool.expected, host, timeout, &self.pool.launch)
+            .run(
+                job,
+                &self.pool.expected,
+                host,
+                timeout,
+                &self.pool.launch,
+                &mut running.memory,
+            )
             .await;
+        drop(running);
         self.pool.finished();
         outcome.queue_wait = queue_wait;
         Ok(outcome)
@@ -507,8 +527,19 @@ async fn self_test(
         env: Vec::new(),
     };
     let started = Instant::now();
+    // Counted against a budget of its own: no run is admitted yet.
+    let mut memory = memory::Ledger::new(u64::MAX)
+        .try_admit()
+        .expect("an empty ledger admits a run");
     let outcome = process
-        .run(job, &report, &NoTools, Duration::from_secs(30), launch)
+        .run(
+            job,
+            &report,
+            &NoTools,
+            Duration::from_secs(30),
+            launch,
+            &mut memory,
+        )
         .await;
     match (&outcome.failure, &outcome.result) {
         (None, Some(Value::Number(_))) => {
@@ -550,8 +581,52 @@ fn gauges(isolation: &Isolation, pool: &Arc<Pool>) -> Gauges {
             count(&defs::GATEWAY_SANDBOX_WARM, |c| {
                 c.warm.load(Ordering::Relaxed)
             }),
+            memory_gauge(
+                &defs::GATEWAY_SANDBOX_MEMORY_USAGE,
+                pool,
+                memory::Ledger::held,
+            ),
+            memory_gauge(
+                &defs::GATEWAY_SANDBOX_MEMORY_LIMIT,
+                pool,
+                memory::Ledger::budget,
+            ),
         ],
     }
+}
+
+/// Each run holds a few descriptors in the gateway (its bridge, its output pipes): hundreds of
+/// runs need more than the usual soft limit of 1,024, so the soft limit is raised to the hard one.
+fn raise_open_files_limit(max_concurrent: usize) {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
+    if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_err() {
+        tracing::warn!(soft, hard, "could not raise the open-files limit");
+    }
+    let limit = getrlimit(Resource::RLIMIT_NOFILE).map_or(soft, |(soft, _)| soft);
+    // Bridge, stdout, stderr and a child handle per run, and room for everything else.
+    let needed = 4 * max_concurrent as u64 + 256;
+    if limit < needed {
+        tracing::warn!(
+            limit,
+            needed,
+            "the open-files limit is low for sandbox.max_concurrent runs at once; raise it \
+             (ulimit -n) or lower max_concurrent"
+        );
+    }
+}
+
+fn memory_gauge(
+    def: &defs::MetricDef,
+    pool: &Arc<Pool>,
+    read: fn(&memory::Ledger) -> u64,
+) -> ObservableUpDownCounter<i64> {
+    let ledger = pool.ledger.clone();
+    def.i64_observable_up_down_counter(move |o| {
+        o.observe(i64::try_from(read(&ledger)).unwrap_or(i64::MAX), &[])
+    })
 }
 
 /// Whether users other than the owner can reach and run `path` (every directory above it

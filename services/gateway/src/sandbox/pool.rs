@@ -1,15 +1,18 @@
-//! Admission and the warm pool. Every sandbox process, waiting or running, holds one of
-//! `max_concurrent` slots, so never more Pythons run than that. A run takes a warm process when
-//! one is waiting, else starts one cold in a free slot, else waits (at most `max_queued` runs
-//! wait, each until its deadline). The pool refills in the background, only while no run is
-//! waiting for a slot, one process at a time.
+//! Admission and the warm pool. A run is admitted when what all runs hold leaves room for it in
+//! the gateway's memory budget for runs (see [`super::memory`]) and a slot is free: every
+//! sandbox process, waiting or running, holds one of `max_concurrent` slots, so never more
+//! Pythons run than that. A run takes a warm process when one is waiting, else starts one cold
+//! in a free slot, else waits (at most `max_queued` runs wait, each until its deadline). The pool
+//! refills in the background, only while no run is waiting, one process at a time.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+
+use super::memory::{Ledger, Share};
 
 use super::cgroup::{Cgroups, RunLimits};
 use super::init::Report;
@@ -31,6 +34,15 @@ pub enum Rejected {
          (sandbox.max_concurrent)"
     )]
     NoSlot { waited: f64, max_concurrent: usize },
+    #[error(
+        "no room for another run within {waited:.1} s: the running runs hold {held_mib} MiB of \
+         the {budget_mib} MiB they may hold together (sandbox.memory_budget_bytes)"
+    )]
+    NoMemory {
+        waited: f64,
+        held_mib: u64,
+        budget_mib: u64,
+    },
     #[error("could not start the sandbox: {0}")]
     Spawn(String),
 }
@@ -41,8 +53,20 @@ impl Rejected {
         match self {
             Rejected::QueueFull { .. } => "queue_full",
             Rejected::NoSlot { .. } => "no_slot",
+            Rejected::NoMemory { .. } => "no_memory",
             Rejected::Spawn(_) => "spawn",
         }
+    }
+}
+
+/// A run's place in the queue, given up when dropped.
+struct Queued<'a>(&'a Pool);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.counts.queued.fetch_sub(1, Ordering::AcqRel);
+        // With nobody waiting, the pool may take free slots again.
+        self.0.refill.notify_one();
     }
 }
 
@@ -62,6 +86,8 @@ pub struct Pool {
     pub expected: Report,
     pub cgroups: Option<Cgroups>,
     pub run_limits: RunLimits,
+    /// What all runs hold, against their budget.
+    pub ledger: Arc<Ledger>,
     slots: Arc<Semaphore>,
     max_concurrent: usize,
     max_queued: usize,
@@ -71,13 +97,25 @@ pub struct Pool {
     pub counts: Counts,
 }
 
-/// A running run's hold on its counters.
-pub struct Running<'a>(&'a Counts);
+/// A running run's hold on its counters and its part of the memory budget.
+pub struct Running<'a> {
+    counts: &'a Counts,
+    pub memory: Share,
+}
 
 impl Drop for Running<'_> {
     fn drop(&mut self) {
-        self.0.running.fetch_sub(1, Ordering::Relaxed);
+        self.counts.running.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// What the pool admits: runs while their memory fits the ledger's budget, at most
+/// `max_concurrent` processes at once, `max_queued` runs waiting, `warm` processes started ahead.
+pub struct Admission {
+    pub ledger: Arc<Ledger>,
+    pub max_concurrent: usize,
+    pub max_queued: usize,
+    pub warm: usize,
 }
 
 impl Pool {
@@ -86,15 +124,20 @@ impl Pool {
         expected: Report,
         cgroups: Option<Cgroups>,
         run_limits: RunLimits,
-        max_concurrent: usize,
-        max_queued: usize,
-        warm: usize,
+        admission: Admission,
     ) -> Self {
+        let Admission {
+            ledger,
+            max_concurrent,
+            max_queued,
+            warm,
+        } = admission;
         Self {
             launch,
             expected,
             cgroups,
             run_limits,
+            ledger,
             slots: Arc::new(Semaphore::new(max_concurrent)),
             max_concurrent,
             max_queued,
@@ -117,27 +160,39 @@ impl Pool {
     /// A process for one run: a warm one, or a cold one in a free slot, or, after waiting up to
     /// `wait`, one in the slot that came free.
     pub async fn acquire(&self, wait: Duration) -> Result<(Started, Running<'_>), Rejected> {
-        let running = || {
+        let deadline = Instant::now() + wait;
+        let memory = match self.ledger.try_admit() {
+            Some(share) => share,
+            None => self.wait_for_memory(wait).await?,
+        };
+        let running = |memory| {
             self.counts.running.fetch_add(1, Ordering::Relaxed);
-            Running(&self.counts)
+            Running {
+                counts: &self.counts,
+                memory,
+            }
         };
         if let Some(process) = self.take_warm() {
             self.counts.warm_starts.fetch_add(1, Ordering::Relaxed);
             self.refill.notify_one();
-            return Ok((process, running()));
+            return Ok((process, running(memory)));
         }
         let slot = match self.slots.clone().try_acquire_owned() {
             Ok(slot) => slot,
-            Err(_) => self.wait_for_slot(wait).await?,
+            Err(_) => {
+                self.wait_for_slot(deadline.saturating_duration_since(Instant::now()))
+                    .await?
+            }
         };
         self.counts.cold_starts.fetch_add(1, Ordering::Relaxed);
         let process = self
             .spawn(slot, false)
             .map_err(|e| Rejected::Spawn(e.to_string()))?;
-        Ok((process, running()))
+        Ok((process, running(memory)))
     }
 
-    async fn wait_for_slot(&self, wait: Duration) -> Result<OwnedSemaphorePermit, Rejected> {
+    /// Joins the queue (at most `max_queued` wait), or says it is full.
+    fn enqueue(&self) -> Result<Queued<'_>, Rejected> {
         let queued = &self.counts.queued;
         if queued.fetch_add(1, Ordering::AcqRel) >= self.max_queued {
             queued.fetch_sub(1, Ordering::AcqRel);
@@ -146,10 +201,34 @@ impl Pool {
                 max_concurrent: self.max_concurrent,
             });
         }
+        Ok(Queued(self))
+    }
+
+    /// Waits, in the queue, until the runs' memory leaves room for one more.
+    async fn wait_for_memory(&self, wait: Duration) -> Result<Share, Rejected> {
+        let _queued = self.enqueue()?;
+        let deadline = Instant::now() + wait;
+        loop {
+            if let Some(share) = self.ledger.try_admit() {
+                return Ok(share);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Rejected::NoMemory {
+                    waited: wait.as_secs_f64(),
+                    held_mib: self.ledger.held() >> 20,
+                    budget_mib: self.ledger.budget() >> 20,
+                });
+            }
+            // A wake-up can be missed between the check and the wait: never wait long on one.
+            self.ledger.freed(left.min(Duration::from_millis(50))).await;
+        }
+    }
+
+    async fn wait_for_slot(&self, wait: Duration) -> Result<OwnedSemaphorePermit, Rejected> {
+        let queued = self.enqueue()?;
         let slot = tokio::time::timeout(wait, self.slots.clone().acquire_owned()).await;
-        queued.fetch_sub(1, Ordering::AcqRel);
-        // With nobody waiting, the pool may take free slots again.
-        self.refill.notify_one();
+        drop(queued);
         match slot {
             Ok(Ok(slot)) => Ok(slot),
             Ok(Err(_)) => Err(Rejected::Spawn("the sandbox is shutting down".into())),

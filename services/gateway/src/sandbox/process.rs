@@ -17,7 +17,8 @@ use super::bridge::{self, Decoder, Message};
 use super::calls::{BridgeEnd, Done, serve};
 use super::cgroup::{Cgroups, RunCgroup, RunLimits};
 use super::init::{self, Report, Spec};
-use super::{Failure, Outcome, ToolHost, memory, workspace};
+use super::memory::{self, Share};
+use super::{Failure, Outcome, ToolHost, workspace};
 
 /// How to start a sandbox process: the init's spec and the limits the gateway enforces itself.
 pub struct Launch {
@@ -242,6 +243,7 @@ impl Started {
         host: &impl ToolHost,
         timeout: Duration,
         launch: &Launch,
+        memory: &mut Share,
     ) -> Outcome {
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + timeout;
@@ -276,10 +278,11 @@ impl Started {
             Ok(Ok(())) => {
                 let serving = serve(bridge, decoder, host, launch.budget, &mut end);
                 let pid = child.id();
+                // Sampled always, for the runs' budget; a limit only where no cgroup is one.
                 let watch = async move {
-                    match (launch.memory_watch, pid) {
-                        (Some(limit), Some(pid)) => memory::exceeded(pid, limit).await,
-                        _ => std::future::pending().await,
+                    match pid {
+                        Some(pid) => memory::watch(pid, launch.memory_watch, memory).await,
+                        None => std::future::pending().await,
                     }
                 };
                 let waited = tokio::time::timeout_at(deadline, async {
