@@ -21,6 +21,20 @@ pub struct Cgroups {
 }
 
 /// `0::/some/path` in `/proc/self/cgroup`: this process's cgroup v2 path.
+/// The `memory.max` of the cgroup this process is in (a container's memory limit), when it
+/// has one.
+pub fn own_memory_max() -> Option<u64> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let dir = cgroup2_mount(&mountinfo)?.join(own_path(&own)?.trim_start_matches('/'));
+    // "max" when unlimited: no number, no limit.
+    std::fs::read_to_string(dir.join("memory.max"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 fn own_path(proc_self_cgroup: &str) -> Option<&str> {
     proc_self_cgroup
         .lines()

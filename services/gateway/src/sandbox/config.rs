@@ -159,15 +159,22 @@ impl SandboxConfig {
     }
 
     /// `max_concurrent`, or twice the cores.
-    /// What all runs may hold together: the configured budget, else half of the machine's
-    /// memory (4 GiB where `/proc/meminfo` cannot be read).
+    /// What all runs may hold together: the configured budget, else half of the memory this
+    /// gateway may use: the machine's, or its container's limit when lower (4 GiB where
+    /// neither can be read).
     pub fn memory_budget(&self) -> u64 {
         self.memory_budget_bytes.unwrap_or_else(|| {
-            let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+            let machine = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
                 let kib = m.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
-                kib.split_whitespace().next()?.parse::<u64>().ok()
+                Some(kib.split_whitespace().next()?.parse::<u64>().ok()? * 1024)
             });
-            total.map_or(4 << 30, |kib| kib * 1024 / 2)
+            let container = super::cgroup::own_memory_max();
+            match (machine, container) {
+                (Some(m), Some(c)) => m.min(c) / 2,
+                (Some(m), None) => m / 2,
+                (None, Some(c)) => c / 2,
+                (None, None) => 4 << 30,
+            }
         })
     }
 
