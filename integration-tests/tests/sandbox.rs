@@ -808,7 +808,7 @@ RESULT = 'survived'
 /// user (whose gateway must read its runs' memory from /proc).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runs_are_admitted_by_the_memory_they_hold() {
-    let holder = "import time\nblock = b'x' * (80 << 20)\ntime.sleep(2.5)\nRESULT = 'held'";
+    let holder = "import time\nblock = b'x' * (80 << 20)\ntime.sleep(4)\nRESULT = 'held'";
     for run_as in gateway_users() {
         let label = run_as.label;
         for (budget_mib, waits) in [(192u64, true), (4096, false)] {
@@ -864,5 +864,35 @@ async fn runs_are_admitted_by_the_memory_they_hold() {
             }
             gateway.stop().await;
         }
+    }
+}
+
+/// Runs yield the CPU to the fleet's services: every run starts at niceness 10 and cannot raise
+/// its priority back (as root and as an unprivileged user).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_yields_the_cpu_and_cannot_take_it_back() {
+    let code = "\
+import errno, os
+before = os.getpriority(os.PRIO_PROCESS, 0)
+try:
+    os.setpriority(os.PRIO_PROCESS, 0, 0)
+    raised = 'raised'
+except PermissionError as e:
+    raised = 'refused: ' + errno.errorcode[e.errno]
+RESULT = [before, raised, os.getpriority(os.PRIO_PROCESS, 0)]
+";
+    for run_as in gateway_users() {
+        let gateway = Gateway::start(&run_as, "  warm: 0\n").await;
+        let seen = gateway.result(run_as.label, code).await;
+        assert_eq!(seen[0], 10, "{}: {seen}", run_as.label);
+        assert!(
+            seen[1]
+                .as_str()
+                .is_some_and(|s| s == "refused: EACCES" || s == "refused: EPERM"),
+            "{}: {seen}",
+            run_as.label
+        );
+        assert_eq!(seen[2], 10, "{}: {seen}", run_as.label);
+        gateway.stop().await;
     }
 }

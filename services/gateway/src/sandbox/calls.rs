@@ -11,7 +11,6 @@ use tokio::sync::Mutex;
 
 use super::ToolHost;
 use super::bridge::{self, Decoder, Response};
-use super::process::Budget;
 use crate::tool_error::{ToolError, ToolErrorCode};
 
 #[derive(Debug, Deserialize)]
@@ -33,6 +32,13 @@ pub struct Done {
     /// The size of a RESULT over the run's limit, sent instead of it.
     #[serde(default)]
     pub result_bytes: Option<usize>,
+}
+
+/// Bridge calls one run may make: at once, and in all.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    pub in_flight: usize,
+    pub total: u64,
 }
 
 #[derive(Debug, Default)]

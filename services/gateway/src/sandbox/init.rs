@@ -440,8 +440,18 @@ fn limit(limits: &Limits) -> Result<(), Failed> {
     ] {
         setrlimit(resource, value, value).step(name)?;
     }
+    // Runs yield the CPU to the fleet's own services (the gateway, the scheduler, the model
+    // workers): hundreds of runs at once must not starve what serves them. Lowering one's own
+    // priority needs no privilege, and a run cannot raise it back (that needs CAP_SYS_NICE).
+    // SAFETY: setpriority has no memory preconditions.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, RUN_NICENESS) } != 0 {
+        return Err(std::io::Error::last_os_error()).step("setpriority");
+    }
     Ok(())
 }
+
+/// The niceness every run has (0 is the default, 19 the lowest priority).
+pub const RUN_NICENESS: i32 = 10;
 
 /// Landlock as a second wall: reads only of what the view holds, writes only to the workspace,
 /// `/tmp` and `/dev/shm`, no TCP, no abstract Unix sockets or signals beyond the sandbox.

@@ -264,7 +264,7 @@ impl Sandbox {
             stderr_limit: config.stderr_limit,
             result_limit: config.result_limit,
             call_limit: config.max_call_bytes,
-            budget: process::Budget {
+            budget: calls::Budget {
                 in_flight: config.max_calls_in_flight,
                 total: config.max_tool_calls,
             },

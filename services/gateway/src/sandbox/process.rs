@@ -14,7 +14,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::JoinHandle;
 
 use super::bridge::{self, Decoder, Message};
-use super::calls::{BridgeEnd, Done, serve};
+use super::calls::{BridgeEnd, Budget, Done, serve};
 use super::cgroup::{Cgroups, RunCgroup, RunLimits};
 use super::init::{self, Report, Spec};
 use super::memory::{self, Share};
@@ -37,13 +37,6 @@ pub struct Launch {
     /// Without a cgroup: the bytes all of a run's processes may hold together, which the
     /// gateway samples (see [`super::memory`]).
     pub memory_watch: Option<u64>,
-}
-
-/// Bridge calls one run may make: at once, and in all.
-#[derive(Debug, Clone, Copy)]
-pub struct Budget {
-    pub in_flight: usize,
-    pub total: u64,
 }
 
 impl Launch {
