@@ -26,6 +26,11 @@ struct Gateway {
 
 impl Gateway {
     async fn start(run_as: &RunAs, sandbox_yaml: &str) -> Gateway {
+        Self::start_with_scheduler(run_as, sandbox_yaml, "127.0.0.1:9").await
+    }
+
+    /// A gateway whose scheduler is at `scheduler` (by default a closed port: calls fail fast).
+    async fn start_with_scheduler(run_as: &RunAs, sandbox_yaml: &str, scheduler: &str) -> Gateway {
         let dir = Fleet::new_dir();
         run_as.own(&dir);
         let config = dir.join("nomad.yaml");
@@ -45,7 +50,7 @@ impl Gateway {
             .arg("--config")
             .arg(&config)
             .args(["--listen", "127.0.0.1:0", "--mcp-listen", "127.0.0.1:0"])
-            .args(["--scheduler", "127.0.0.1:9", "--addr-file"])
+            .args(["--scheduler", scheduler, "--addr-file"])
             .arg(&addr_file)
             .stdout(std::fs::File::create(dir.join("gateway.stdout")).unwrap())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -893,6 +898,77 @@ RESULT = [before, raised, os.getpriority(os.PRIO_PROCESS, 0)]
             run_as.label
         );
         assert_eq!(seen[2], 10, "{}: {seen}", run_as.label);
+        gateway.stop().await;
+    }
+}
+
+/// What runs send over their bridges is bounded for all runs together: two runs, each with eight
+/// calls of 1.5 million numbers in flight (3 MB of JSON each, about 48-96 MiB once parsed)
+/// against a scheduler that accepts and never answers, leave the gateway's peak memory within
+/// its 256 MiB bridge budget, where holding them all would take over 750 MiB. As root and as an
+/// unprivileged user; the gateway serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_all_runs_send_is_bounded_together() {
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hole_addr = hole.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = hole.accept().await {
+            held.push(socket);
+        }
+    });
+    let code = "\
+import sys, threading
+bridge = next(f for f in sys.meta_path if hasattr(f, 'bridge')).bridge
+def call():
+    try:
+        bridge.request('call_tool', {'server': 'nomad', 'tool': 'embed',
+                                     'arguments': {'input': [0] * 1_500_000}})
+    except Exception:
+        pass
+threads = [threading.Thread(target=call) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+RESULT = 'sent'
+";
+    for run_as in gateway_users() {
+        let label = run_as.label;
+        let gateway = Gateway::start_with_scheduler(
+            &run_as,
+            "  warm: 0\n  timeout_seconds: 8\n  bridge_memory_bytes: 268435456\n",
+            &hole_addr,
+        )
+        .await;
+        gateway.still_serving("start-up").await;
+        let before = nomad_integration_tests::users::peak_rss_kib(gateway.pid);
+        let runs: Vec<_> = (0..2)
+            .map(|_| {
+                let mut client = gateway.client.clone();
+                tokio::spawn(async move {
+                    client
+                        .execute_code(ExecuteCodeRequest {
+                            code: code.into(),
+                            env: Default::default(),
+                        })
+                        .await
+                        .unwrap()
+                        .into_inner()
+                })
+            })
+            .collect();
+        for run in runs {
+            run.await.unwrap();
+        }
+        let grown_mib = (nomad_integration_tests::users::peak_rss_kib(gateway.pid) - before) >> 10;
+        assert!(
+            grown_mib < 320,
+            "{label}: the gateway's peak memory grew by {grown_mib} MiB"
+        );
+        gateway
+            .still_serving("calls held by a silent scheduler")
+            .await;
         gateway.stop().await;
     }
 }

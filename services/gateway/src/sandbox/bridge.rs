@@ -62,6 +62,9 @@ pub fn encode_run<'a>(fields: impl IntoIterator<Item = &'a str>) -> Result<Vec<u
     Ok(frame)
 }
 
+/// Room a decoder keeps between frames.
+const KEPT_CAPACITY: usize = 128 << 10;
+
 /// Incremental decoder: feed bytes, take complete frames of at most `limit` bytes.
 #[derive(Debug)]
 pub struct Decoder {
@@ -89,15 +92,14 @@ impl Decoder {
         self.buffer.extend_from_slice(bytes);
     }
 
-    /// The next complete message, if one is buffered.
-    pub fn next_frame(&mut self) -> Result<Option<Message>, FrameError> {
-        self.next_as()
+    /// Bytes held, of frames not yet taken.
+    pub fn buffered(&self) -> usize {
+        self.buffer.len()
     }
 
-    /// The next complete frame as a `T`, if one is buffered. A length over the limit is an
-    /// error before any of its body is buffered, so a hostile peer cannot make the gateway
-    /// allocate it.
-    pub fn next_as<T: DeserializeOwned>(&mut self) -> Result<Option<T>, FrameError> {
+    /// The length of the next frame's body once all of it is buffered (`None` before): what
+    /// taking it will cost is known before it is parsed. A length over the limit is an error.
+    pub fn ready_len(&self) -> Result<Option<usize>, FrameError> {
         if self.buffer.len() < 4 {
             return Ok(None);
         }
@@ -108,13 +110,32 @@ impl Decoder {
                 limit: self.limit,
             });
         }
-        if self.buffer.len() < 4 + len {
+        Ok((self.buffer.len() >= 4 + len).then_some(len))
+    }
+
+    /// The next complete message, if one is buffered.
+    pub fn next_frame(&mut self) -> Result<Option<Message>, FrameError> {
+        self.next_as()
+    }
+
+    /// The next complete frame as a `T`, if one is buffered. A length over the limit is an
+    /// error before any of its body is buffered, so a hostile peer cannot make the gateway
+    /// allocate it.
+    pub fn next_as<T: DeserializeOwned>(&mut self) -> Result<Option<T>, FrameError> {
+        let Some(len) = self.ready_len()? else {
             return Ok(None);
-        }
-        let body: Vec<u8> = self.buffer.drain(..4 + len).skip(4).collect();
-        serde_json::from_slice(&body)
+        };
+        // Parsed where it lies: no copy of the body.
+        let parsed = serde_json::from_slice(&self.buffer[4..4 + len])
             .map(Some)
-            .map_err(|e| FrameError::NotJson(e.to_string()))
+            .map_err(|e| FrameError::NotJson(e.to_string()));
+        self.buffer.drain(..4 + len);
+        // A large frame's room is not kept for the rest of the run.
+        if self.buffer.capacity() > KEPT_CAPACITY && self.buffer.len() < self.buffer.capacity() / 4
+        {
+            self.buffer.shrink_to(self.buffer.len().max(KEPT_CAPACITY));
+        }
+        parsed
     }
 }
 

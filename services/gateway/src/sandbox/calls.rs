@@ -7,7 +7,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
 
 use super::ToolHost;
 use super::bridge::{self, Decoder, Response};
@@ -49,26 +49,102 @@ pub struct BridgeEnd {
     pub error: Option<String>,
 }
 
+/// What all runs' bridges may hold in the gateway at once (`sandbox.bridge_memory_bytes`),
+/// counted in KiB: bytes as they are read from a run, and a frame, from when it is parsed until
+/// its call ends, at [`PARSE_FACTOR`] times its length. A run that finds no room waits (its
+/// reads stop, so its writes block); its calls in flight go on and give room back as they end.
+#[derive(Debug, Clone)]
+pub struct BridgeMemory(Arc<Semaphore>);
+
+/// What parsed JSON may cost per byte of its text: a `serde_json::Value` is 32 bytes, the
+/// smallest array element (`0,`) 2 bytes, and a growing array may hold twice its length.
+pub const PARSE_FACTOR: usize = 32;
+
+/// Bytes read from a run at a time.
+const CHUNK: usize = 64 << 10;
+
+impl BridgeMemory {
+    pub fn new(bytes: u64) -> Self {
+        let kib = usize::try_from(bytes / 1024).unwrap_or(usize::MAX);
+        Self(Arc::new(Semaphore::new(kib.min(Semaphore::MAX_PERMITS))))
+    }
+
+    fn kib(bytes: usize) -> u32 {
+        u32::try_from(bytes.div_ceil(1024).max(1)).unwrap_or(u32::MAX)
+    }
+
+    async fn acquire(&self, bytes: usize) -> OwnedSemaphorePermit {
+        self.0
+            .clone()
+            .acquire_many_owned(Self::kib(bytes))
+            .await
+            .expect("the bridge memory semaphore is never closed")
+    }
+
+    fn try_acquire(&self, bytes: usize) -> Option<OwnedSemaphorePermit> {
+        self.0.clone().try_acquire_many_owned(Self::kib(bytes)).ok()
+    }
+}
+
+/// Gives back what `held` counts beyond `bytes`.
+fn keep_only(held: &mut Option<OwnedSemaphorePermit>, bytes: usize) {
+    let keep = if bytes == 0 {
+        0
+    } else {
+        BridgeMemory::kib(bytes) as usize
+    };
+    if let Some(permit) = held {
+        let extra = permit.num_permits().saturating_sub(keep);
+        if extra > 0 {
+            drop(permit.split(extra));
+        }
+        if permit.num_permits() == 0 {
+            *held = None;
+        }
+    }
+}
+
 /// Serves the runner's requests until it closes the bridge. At most `max_calls_in_flight` calls
 /// run at once: frames past that stay undecoded in the buffer, and the runner's writes block
-/// once the socket fills.
+/// once the socket fills. What the run's bridge holds counts against `memory`.
 pub async fn serve(
     stream: UnixStream,
     mut decoder: Decoder,
     host: &impl ToolHost,
     budget: Budget,
+    memory: &BridgeMemory,
     end: &mut BridgeEnd,
 ) {
     use futures::StreamExt as _;
     let (mut reader, writer) = stream.into_split();
     let writer = Arc::new(Mutex::new(writer));
-    let mut buffer = vec![0u8; 64 << 10];
+    let mut buffer = vec![0u8; CHUNK];
     let mut calls = futures::stream::FuturesUnordered::new();
     let mut total_calls = 0u64;
     let mut eof = false;
+    // The decoder's bytes, and the room for the next whole frame once it is wholly read.
+    let mut raw: Option<OwnedSemaphorePermit> = None;
+    let mut room: Option<OwnedSemaphorePermit> = None;
     loop {
-        // Take every frame the budget allows before reading more.
+        // Take every frame the budget and the room allow before reading more.
+        let mut waiting = None;
         while calls.len() < budget.in_flight {
+            let len = match decoder.ready_len() {
+                Ok(Some(len)) => len,
+                Ok(None) => break,
+                Err(e) => {
+                    end.error = Some(e.to_string());
+                    eof = true;
+                    break;
+                }
+            };
+            let Some(parsed) = room
+                .take()
+                .or_else(|| memory.try_acquire(PARSE_FACTOR * len))
+            else {
+                waiting = Some(len);
+                break;
+            };
             let message = match decoder.next_frame() {
                 Ok(Some(m)) => m,
                 Ok(None) => break,
@@ -78,6 +154,7 @@ pub async fn serve(
                     break;
                 }
             };
+            keep_only(&mut raw, decoder.buffered());
             match message.method.as_str() {
                 "done" => {
                     end.done = serde_json::from_value(message.params).ok();
@@ -108,6 +185,8 @@ pub async fn serve(
                         ),
                     )
                 };
+                // The call's arguments are gone; its room goes back with its answer.
+                drop(parsed);
                 if let Ok(frame) = bridge::encode(&response).or_else(|e| {
                     bridge::encode(&Response::error(id, ToolError::internal(e.to_string())))
                 }) {
@@ -118,11 +197,27 @@ pub async fn serve(
         if eof && calls.is_empty() {
             break;
         }
+        let reading = !eof && calls.len() < budget.in_flight && waiting.is_none();
         tokio::select! {
-            read = reader.read(&mut buffer), if !eof && calls.len() < budget.in_flight => {
+            // Room for a whole frame, while this run's calls go on.
+            parsed = memory.acquire(PARSE_FACTOR * waiting.unwrap_or(0)), if waiting.is_some() => {
+                room = Some(parsed);
+            }
+            // Room for a chunk, then the chunk.
+            (chunk, read) = async {
+                let chunk = memory.acquire(CHUNK).await;
+                (chunk, reader.read(&mut buffer).await)
+            }, if reading => {
                 match read {
                     Ok(0) | Err(_) => eof = true,
-                    Ok(n) => decoder.push(&buffer[..n]),
+                    Ok(n) => {
+                        decoder.push(&buffer[..n]);
+                        match &mut raw {
+                            Some(held) => held.merge(chunk),
+                            None => raw = Some(chunk),
+                        }
+                        keep_only(&mut raw, decoder.buffered());
+                    }
                 }
             }
             Some(()) = calls.next(), if !calls.is_empty() => {}
@@ -130,8 +225,8 @@ pub async fn serve(
     }
 }
 
-async fn handle(host: &impl ToolHost, id: u64, method: &str, params: Value) -> Response {
-    let text = |key: &str| {
+async fn handle(host: &impl ToolHost, id: u64, method: &str, mut params: Value) -> Response {
+    let text = |params: &Value, key: &str| {
         params
             .get(key)
             .and_then(Value::as_str)
@@ -140,16 +235,19 @@ async fn handle(host: &impl ToolHost, id: u64, method: &str, params: Value) -> R
     };
     match method {
         "list_servers" => Response::ok(id, serde_json::json!(host.servers())),
-        "list_tools" => match host.tools(&text("server")).await {
+        "list_tools" => match host.tools(&text(&params, "server")).await {
             Ok(tools) => Response::ok(id, serde_json::to_value(tools).unwrap_or_default()),
             Err(e) => Response::error(id, e),
         },
         "call_tool" => {
+            let (server, tool) = (text(&params, "server"), text(&params, "tool"));
+            // Taken, not copied: the call holds the run's arguments once.
             let arguments = params
-                .get("arguments")
-                .cloned()
+                .get_mut("arguments")
+                .map(Value::take)
                 .unwrap_or(Value::Object(Default::default()));
-            match host.call(&text("server"), &text("tool"), arguments).await {
+            drop(params);
+            match host.call(&server, &tool, arguments).await {
                 Ok(value) => Response::ok(id, value),
                 Err(e) => Response::error(id, e),
             }
@@ -233,7 +331,8 @@ mod tests {
             }
             replies
         });
-        let served = serve(ours, Decoder::default(), &host, budget, &mut end);
+        let memory = BridgeMemory::new(1 << 30);
+        let served = serve(ours, Decoder::default(), &host, budget, &memory, &mut end);
         let (_, replies) = tokio::join!(
             tokio::time::timeout(Duration::from_secs(10), served),
             reader
@@ -260,5 +359,66 @@ mod tests {
             .count();
         assert_eq!(refused, 10);
         assert_eq!(end.tool_calls, 40);
+    }
+
+    /// Calls whose parsed arguments fill the gateway's bridge memory wait for room: with room
+    /// for three, never more than three run at once, and every call is still answered.
+    #[tokio::test]
+    async fn calls_past_the_bridge_memory_wait_for_room() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let frame = |id: u64| {
+            bridge::encode(&serde_json::json!({
+                "id": id, "method": "call_tool",
+                "params": {"server": "s", "tool": "t", "arguments": {"text": "x".repeat(10_000)}}
+            }))
+            .unwrap()
+        };
+        let len = frame(10).len() - 4;
+        let per_call = BridgeMemory::kib(PARSE_FACTOR * len) as u64 * 1024;
+        // Room for one chunk read, what stays buffered, and three calls' arguments parsed.
+        let memory = BridgeMemory::new(2 * CHUNK as u64 + 3 * per_call + 1024);
+        let host = Slow::default();
+        let budget = Budget {
+            in_flight: 16,
+            total: 100,
+        };
+        let mut end = BridgeEnd::default();
+        let peer = tokio::spawn(async move {
+            let (mut read_half, mut write_half) = theirs.split();
+            let write = async {
+                for id in 10..50u64 {
+                    write_half.write_all(&frame(id)).await.unwrap();
+                }
+            };
+            let read = async {
+                let mut decoder = Decoder::default();
+                let mut replies = 0;
+                let mut buffer = [0u8; 4096];
+                while replies < 40 {
+                    let n = read_half.read(&mut buffer).await.unwrap();
+                    decoder.push(&buffer[..n]);
+                    while decoder.next_as::<Value>().unwrap().is_some() {
+                        replies += 1;
+                    }
+                }
+                replies
+            };
+            let ((), replies) = tokio::join!(write, read);
+            replies
+        });
+        let served = serve(ours, Decoder::default(), &host, budget, &memory, &mut end);
+        let (_, replies) =
+            tokio::join!(tokio::time::timeout(Duration::from_secs(20), served), peer);
+        assert_eq!(replies.unwrap(), 40, "every call is answered");
+        let most = host.most.load(Ordering::SeqCst);
+        assert!(
+            (2..=3).contains(&most),
+            "{most} calls at once with room for three"
+        );
+        assert_eq!(
+            memory.0.available_permits() as u64,
+            (2 * CHUNK as u64 + 3 * per_call + 1024) / 1024,
+            "every byte's room is given back"
+        );
     }
 }

@@ -47,6 +47,10 @@ pub struct SandboxConfig {
     pub max_tool_calls: u64,
     /// Largest tool call a run may send over the bridge, in bytes of JSON (its arguments).
     pub max_call_bytes: usize,
+    /// What all runs' bridges may hold in the gateway at once: bytes read from runs, and each
+    /// call's arguments, parsed, until it ends (counted at 32 times their JSON, what parsed
+    /// JSON may cost). A run that finds no room waits.
+    pub bridge_memory_bytes: u64,
     /// Where the gateway makes its private directory (default: the system temp dir).
     pub workspace_dir: Option<PathBuf>,
     /// Environment passed to the code; nothing else of the gateway's environment is.
@@ -89,6 +93,7 @@ impl Default for SandboxConfig {
             max_tool_calls: 10_000,
             // As much as one gRPC message to the scheduler carries.
             max_call_bytes: 4 << 20,
+            bridge_memory_bytes: 1 << 30,
             workspace_dir: None,
             env: BTreeMap::new(),
             allow_unisolated: false,

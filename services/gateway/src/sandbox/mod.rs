@@ -268,9 +268,21 @@ impl Sandbox {
                 in_flight: config.max_calls_in_flight,
                 total: config.max_tool_calls,
             },
+            bridge_memory: calls::BridgeMemory::new(config.bridge_memory_bytes),
             // A cgroup's memory.max bounds a run as a whole; without one, the gateway does.
             memory_watch: cgroup.is_err().then_some(config.memory_bytes),
         };
+        // The largest frame, parsed, must fit, or a run sending one would wait for ever.
+        let largest = calls::PARSE_FACTOR as u64 * launch.frame_limit() as u64 + (64 << 10);
+        if config.bridge_memory_bytes < largest {
+            anyhow::bail!(
+                "sandbox.bridge_memory_bytes ({}) cannot hold one parsed frame of the largest \
+                 size the limits allow ({largest} bytes: {} times the largest of max_call_bytes, \
+                 result_limit and twice stderr_limit); raise it or lower those limits",
+                config.bridge_memory_bytes,
+                calls::PARSE_FACTOR
+            );
+        }
         let cgroups = cgroup.as_ref().ok();
         let run_limits = cgroup::RunLimits {
             memory_bytes: config.memory_bytes,

@@ -14,7 +14,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::JoinHandle;
 
 use super::bridge::{self, Decoder, Message};
-use super::calls::{BridgeEnd, Budget, Done, serve};
+use super::calls::{BridgeEnd, BridgeMemory, Budget, Done, serve};
 use super::cgroup::{Cgroups, RunCgroup, RunLimits};
 use super::init::{self, Report, Spec};
 use super::memory::{self, Share};
@@ -34,6 +34,8 @@ pub struct Launch {
     /// Largest tool call the run may send (`sandbox.max_call_bytes`).
     pub call_limit: usize,
     pub budget: Budget,
+    /// What all runs' bridges may hold in the gateway at once.
+    pub bridge_memory: BridgeMemory,
     /// Without a cgroup: the bytes all of a run's processes may hold together, which the
     /// gateway samples (see [`super::memory`]).
     pub memory_watch: Option<u64>,
@@ -269,7 +271,14 @@ impl Started {
         let mut over_memory = None;
         let served = match prepared {
             Ok(Ok(())) => {
-                let serving = serve(bridge, decoder, host, launch.budget, &mut end);
+                let serving = serve(
+                    bridge,
+                    decoder,
+                    host,
+                    launch.budget,
+                    &launch.bridge_memory,
+                    &mut end,
+                );
                 let pid = child.id();
                 // Sampled always, for the runs' budget; a limit only where no cgroup is one.
                 let watch = async move {
