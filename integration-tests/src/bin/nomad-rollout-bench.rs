@@ -8,7 +8,6 @@
 //! Run: `cargo build --release --workspace --bins && target/release/nomad-rollout-bench
 //! [--callers 1,16,64,256] [--seconds 15]`.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -40,42 +39,17 @@ async fn fleet(sandbox_yaml: &str) -> Fleet {
     .await
 }
 
-/// Bytes of `kind` (`Pss:` from smaps_rollup, or `VmRSS:` from status) of `pid`.
-fn kib(pid: u32, file: &str, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/{file}"))
-        .ok()
-        .and_then(|text| {
-            let line = text.lines().find_map(|l| l.strip_prefix(field))?;
-            line.split_whitespace().next()?.parse::<u64>().ok()
-        })
-        .unwrap_or(0)
+/// The gateway's resident memory, in bytes.
+fn rss(pid: u32) -> u64 {
+    nomad_telemetry::process::rss_bytes(Some(pid)).unwrap_or(0)
 }
 
-/// The PSS of every process under `pid` (not `pid` itself), in bytes.
-fn descendants_pss(pid: u32) -> u64 {
-    let children = |pid: u32| -> Vec<u32> {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-            return Vec::new();
-        };
-        tasks
-            .filter_map(Result::ok)
-            .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
-            .flat_map(|l| {
-                l.split_whitespace()
-                    .filter_map(|p| p.parse().ok())
-                    .collect::<Vec<u32>>()
-            })
-            .collect()
-    };
-    let mut pending = children(pid);
-    let mut total = 0;
-    while let Some(p) = pending.pop() {
-        if Path::new(&format!("/proc/{p}")).exists() {
-            total += kib(p, "smaps_rollup", "Pss:") * 1024;
-            pending.extend(children(p));
-        }
-    }
-    total
+/// The PSS of every process under the gateway (its runs), in bytes.
+fn runs_pss(gateway: u32) -> u64 {
+    let all = nomad_telemetry::process::tree_memory(gateway).map_or(0, |m| m.pss.unwrap_or(m.rss));
+    let own = nomad_telemetry::process::process_memory(gateway)
+        .map_or(0, |(rss, pss)| pss.unwrap_or(rss));
+    all.saturating_sub(own)
 }
 
 struct Row {
@@ -135,9 +109,9 @@ async fn measure(fleet: &Fleet, callers: usize, seconds: f64) -> Row {
         tokio::spawn(async move {
             let (mut gateway, mut runs) = (0, 0);
             while !stop.load(Ordering::Relaxed) {
-                gateway = gateway.max(kib(gateway_pid, "status", "VmRSS:") * 1024);
+                gateway = gateway.max(rss(gateway_pid));
                 runs = runs.max(
-                    tokio::task::spawn_blocking(move || descendants_pss(gateway_pid))
+                    tokio::task::spawn_blocking(move || runs_pss(gateway_pid))
                         .await
                         .unwrap(),
                 );

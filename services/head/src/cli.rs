@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
-use crate::{collect, head_api, health, report, run, serve, slurm, top, traces, up};
+use crate::{collect, fleets, head_api, health, report, run, serve, slurm, top, traces, up};
 
 /// Nomad head: start a fleet, run rollouts against it, and read their traces.
 #[derive(Parser)]
@@ -16,6 +16,10 @@ pub struct Cli {
 pub enum Command {
     /// Start the fleet as child processes; with --demo or --tasks, run a task set, then stop.
     Up(up::UpArgs),
+    /// List the fleets `nomad up` started under a runs directory (running ones; --all).
+    Ps(fleets::PsArgs),
+    /// Stop a fleet `nomad up` started (the one running, or the run id given).
+    Down(fleets::DownArgs),
     /// Run every task of a tasks JSONL file as one rollout and write one result line per task.
     Run(run::RunArgs),
     /// Serve a config's tools over MCP, each tool an MCP tool of its own (as the original
@@ -47,6 +51,8 @@ impl Command {
     pub async fn run(self) -> anyhow::Result<Exit> {
         let succeeded = match self {
             Command::Up(args) => return up::command(args).await,
+            Command::Ps(args) => fleets::ps(args),
+            Command::Down(args) => fleets::down(args).await,
             Command::Run(args) => run::run(args).await,
             Command::Serve(args) => return serve::serve(args).await,
             Command::Head(args) => head_api::serve(args).await.map(|()| true),

@@ -3,6 +3,7 @@
 
 mod cli;
 mod collect;
+mod fleets;
 mod head_api;
 mod health;
 mod memory;

@@ -1,7 +1,6 @@
 //! Memory profiling of the fleet (`memory_profiling.enabled`): the host, and each server's
-//! whole process tree (found through `/proc/<pid>/task/*/children`), with RSS and PSS from
-//! `smaps_rollup` and RSS from `statm` where that is missing. PSS is left out for a tree when any
-//! member lacks it.
+//! whole process tree (`nomad_telemetry::process::tree_memory`). PSS is left out for a tree when
+//! any member lacks it.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -9,88 +8,7 @@ use std::time::Duration;
 
 use nomad_telemetry::KeyValue;
 use nomad_telemetry::metrics as defs;
-
-/// One process tree's memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct TreeMemory {
-    pub processes: u64,
-    pub rss: u64,
-    pub pss: Option<u64>,
-}
-
-/// A `Name:   N kB` field of a /proc text file, in bytes.
-fn kib_field(text: &str, name: &str) -> Option<u64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kb| kb.parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-}
-
-/// `Rss` and `Pss` (bytes) from the text of `/proc/<pid>/smaps_rollup`.
-pub fn parse_smaps_rollup(text: &str) -> Option<(u64, u64)> {
-    Some((kib_field(text, "Rss:")?, kib_field(text, "Pss:")?))
-}
-
-/// `(total, available)` bytes from the text of `/proc/meminfo`.
-pub fn parse_meminfo(text: &str) -> Option<(u64, u64)> {
-    Some((
-        kib_field(text, "MemTotal:")?,
-        kib_field(text, "MemAvailable:")?,
-    ))
-}
-
-/// `pid` and all its descendants.
-pub fn process_tree(pid: u32) -> Vec<u32> {
-    let mut tree = vec![pid];
-    let mut i = 0;
-    while i < tree.len() {
-        let p = tree[i];
-        if let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) {
-            for task in tasks.flatten() {
-                if let Ok(children) = std::fs::read_to_string(task.path().join("children")) {
-                    tree.extend(
-                        children
-                            .split_whitespace()
-                            .filter_map(|c| c.parse::<u32>().ok()),
-                    );
-                }
-            }
-        }
-        i += 1;
-    }
-    tree.sort_unstable();
-    tree.dedup();
-    tree
-}
-
-/// Memory of `pid`'s process tree; `None` when the process is gone.
-pub fn tree_memory(pid: u32) -> Option<TreeMemory> {
-    let mut total = TreeMemory {
-        pss: Some(0),
-        ..Default::default()
-    };
-    let mut seen = false;
-    for p in process_tree(pid) {
-        let (rss, pss) = match std::fs::read_to_string(format!("/proc/{p}/smaps_rollup"))
-            .ok()
-            .and_then(|t| parse_smaps_rollup(&t))
-        {
-            Some((rss, pss)) => (rss, Some(pss)),
-            None => {
-                let Some(rss) = nomad_telemetry::process::rss_bytes(Some(p)) else {
-                    continue; // exited between listing and reading
-                };
-                (rss, None)
-            }
-        };
-        seen = true;
-        total.processes += 1;
-        total.rss += rss;
-        total.pss = total.pss.zip(pss).map(|(a, b)| a + b);
-    }
-    seen.then_some(total)
-}
+use nomad_telemetry::process::{TreeMemory, parse_meminfo, tree_memory};
 
 #[derive(Debug, Default)]
 struct Samples {
@@ -203,50 +121,5 @@ impl Profiler {
                 let _ = tokio::task::spawn_blocking(move || this.sample(&servers)).await;
             }
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_smaps_rollup_and_meminfo() {
-        let rollup = "00400000-7ffd [rollup]\nRss:               10240 kB\nPss:                4096 kB\nShared_Clean: 1 kB\n";
-        assert_eq!(
-            parse_smaps_rollup(rollup),
-            Some((10240 * 1024, 4096 * 1024))
-        );
-        assert_eq!(parse_smaps_rollup("Rss: 1 kB\n"), None, "no PSS line");
-        let meminfo = "MemTotal:       24000000 kB\nMemFree: 1 kB\nMemAvailable:   20000000 kB\n";
-        assert_eq!(
-            parse_meminfo(meminfo),
-            Some((24000000 * 1024, 20000000 * 1024))
-        );
-    }
-
-    #[test]
-    fn a_process_tree_includes_children_and_grandchildren() {
-        let mut child = std::process::Command::new("sh")
-            .args(["-c", "sleep 30 & sleep 30 & wait"])
-            .spawn()
-            .unwrap();
-        let pid = child.id();
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while process_tree(pid).len() < 3 && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let tree = process_tree(pid);
-        let memory = tree_memory(pid).unwrap();
-        child.kill().unwrap();
-        let _ = child.wait();
-        assert_eq!(tree.len(), 3, "{tree:?}");
-        assert_eq!(memory.processes, 3);
-        assert!(memory.rss > 0);
-        let pss = memory
-            .pss
-            .expect("smaps_rollup is readable for our own children");
-        assert!(pss <= memory.rss, "PSS {pss} > RSS {}", memory.rss);
-        assert!(tree_memory(u32::MAX - 1).is_none());
     }
 }

@@ -317,6 +317,17 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
         .and_then(|()| std::fs::rename(&partial, &fleet_path))
         .with_context(|| format!("writing {}", fleet_path.display()))?;
     eprintln!("nomad up: run {run_id} is ready");
+    let others: Vec<String> = crate::fleets::running(&options.runs_dir)
+        .into_iter()
+        .filter(|id| *id != run_id)
+        .collect();
+    if !others.is_empty() {
+        eprintln!(
+            "  note: also running under {}: {} (`nomad ps` lists them, `nomad down RUN_ID` stops one)",
+            options.runs_dir.display(),
+            others.join(", ")
+        );
+    }
     eprintln!("  run directory   {}", run_dir.display());
     eprintln!(
         "  fleet.json      {} (addresses and the token: clients send `Authorization: Bearer <token>`)",
