@@ -315,3 +315,30 @@ async fn a_client_that_starts_nomad_serve_talks_to_it_over_stdio() {
     assert_eq!(replies[2]["structured"], json!({"result": 5.0}));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A port another program holds is refused before anything starts, once, naming the flag that
+/// picks another; exit 2 like every other start-up error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_port_in_use_is_named_with_the_flag_to_change_it() {
+    let dir = nomad_integration_tests::Fleet::new_dir();
+    let config = dir.join("nomad.yml");
+    std::fs::write(&config, "tools: []\n").unwrap();
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let out = clean("nomad")
+        .arg("serve")
+        .arg(&config)
+        .args(["-t", "http", "--port", &port, "--runs-dir"])
+        .arg(dir.join("runs"))
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let said = format!("port {port} on 127.0.0.1 is in use");
+    assert_eq!(stderr.matches(&said).count(), 1, "{stderr}");
+    assert!(stderr.contains("choose another with --port"), "{stderr}");
+    assert!(!dir.join("runs").exists(), "nothing started: {stderr}");
+    drop(held);
+    let _ = std::fs::remove_dir_all(&dir);
+}

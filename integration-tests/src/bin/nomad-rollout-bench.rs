@@ -46,7 +46,7 @@ fn rss(pid: u32) -> u64 {
 
 /// The PSS of every process under the gateway (its runs), in bytes.
 fn runs_pss(gateway: u32) -> u64 {
-    let all = nomad_telemetry::process::tree_memory(gateway).map_or(0, |m| m.pss.unwrap_or(m.rss));
+    let all = nomad_telemetry::process::tree_memory(gateway).map_or(0, |m| m.held);
     let own = nomad_telemetry::process::process_memory(gateway)
         .map_or(0, |(rss, pss)| pss.unwrap_or(rss));
     all.saturating_sub(own)

@@ -97,6 +97,7 @@ impl Profiler {
                     (Some(a), Some(b)) => Some(a.max(b)),
                     (a, b) => a.or(b),
                 },
+                held: entry.1.held.max(now.held),
             };
         }
         if let Some((total, available)) = host {

@@ -63,9 +63,12 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<crate::cli::Exit> {
     };
     let front = match args.transport {
         Transport::Stdio => GatewayFront::ToolsStdio,
-        Transport::Http => GatewayFront::ToolsHttp {
-            listen: format!("{host}:{}", args.port),
-        },
+        Transport::Http => {
+            port_free(&host, args.port)?;
+            GatewayFront::ToolsHttp {
+                listen: format!("{host}:{}", args.port),
+            }
+        }
     };
     up::up(up::UpOptions {
         config: Some(args.config),
@@ -81,4 +84,17 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<crate::cli::Exit> {
         strict: args.strict,
     })
     .await
+}
+
+/// Refuses a port another process holds before any server starts, naming the flag that picks
+/// another (the gateway would find it later, and only its log would say so).
+fn port_free(host: &str, port: u16) -> anyhow::Result<()> {
+    match std::net::TcpListener::bind((host, port)) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => anyhow::bail!(
+            "port {port} on {host} is in use (another `nomad serve`, or another program): choose \
+             another with --port"
+        ),
+        Err(e) => anyhow::bail!("cannot listen on {host}:{port}: {e} (see --host and --port)"),
+    }
 }

@@ -22,13 +22,14 @@ pub type Channel = Trace<auth::ClientAuth<tonic::transport::Channel>>;
 pub enum RpcError {
     #[error("invalid address {address:?}: {reason}")]
     InvalidAddress { address: String, reason: String },
-    #[error("cannot listen on {address}: {source}")]
+    // The reason is the source, which error chains print after this.
+    #[error("cannot listen on {address}{}", in_use_hint(source))]
     Bind {
         address: String,
         #[source]
         source: std::io::Error,
     },
-    #[error("writing address file {path}: {source}")]
+    #[error("writing address file {path}")]
     AddrFile {
         path: String,
         #[source]
@@ -40,6 +41,15 @@ pub enum RpcError {
     Tls(String),
     #[error("auth: {0}")]
     Auth(String),
+}
+
+/// What to do about a port another process holds.
+fn in_use_hint(error: &std::io::Error) -> &'static str {
+    if error.kind() == std::io::ErrorKind::AddrInUse {
+        " (another process holds that port: stop it, or choose another port)"
+    } else {
+        ""
+    }
 }
 
 /// A multi-thread runtime with at least two workers: exporters flush on the runtime while the

@@ -63,7 +63,11 @@ pub fn rss_bytes(pid: Option<u32>) -> Option<u64> {
 pub struct TreeMemory {
     pub processes: u64,
     pub rss: u64,
+    /// The tree's PSS, when every process of it had one.
     pub pss: Option<u64>,
+    /// Each process's PSS, or its RSS where it had none (a process caught mid-exec): what the
+    /// tree holds, as closely as each process lets it be counted.
+    pub held: u64,
 }
 
 /// A `Name:   N kB` field of a /proc text file, in bytes.
@@ -142,6 +146,7 @@ pub fn tree_memory(pid: u32) -> Option<TreeMemory> {
         total.processes += 1;
         total.rss += rss;
         total.pss = total.pss.zip(pss).map(|(a, b)| a + b);
+        total.held += pss.unwrap_or(rss);
     }
     seen.then_some(total)
 }

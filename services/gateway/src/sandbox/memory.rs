@@ -118,7 +118,7 @@ pub async fn watch(root: u32, limit: Option<u64>, share: &mut Share) -> u64 {
 /// Bytes held by `root` and its descendants: their PSS, or their RSS where a process's PSS
 /// cannot be read; 0 when `root` is gone.
 fn held_by_tree(root: u32) -> u64 {
-    nomad_telemetry::process::tree_memory(root).map_or(0, |m| m.pss.unwrap_or(m.rss))
+    nomad_telemetry::process::tree_memory(root).map_or(0, |m| m.held)
 }
 
 #[cfg(test)]
