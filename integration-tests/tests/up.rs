@@ -611,7 +611,7 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(stdout.trim(), "[384]");
+    assert_eq!(stdout.lines().collect::<Vec<_>>(), ["[384]", "[384]"]);
     // SAFETY: kill(2) on the child we spawned.
     unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
     assert!(up.wait().await.unwrap().success());

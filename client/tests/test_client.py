@@ -1,0 +1,128 @@
+"""The client against a real fleet: `nomad up` (the built binaries: NOMAD_BIN_DIR, else the
+workspace's target/debug) with an `mlp` tool, found as `nomad ps` finds it, called sync and
+async, its failures raised with the gateway's codes, code run in its sandbox, its tools searched.
+
+    python -m unittest discover -s client/tests
+"""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "client"))
+
+from nomad_client import AsyncFleet, Fleet, ToolError, find_fleet  # noqa: E402
+
+BIN = Path(os.environ.get("NOMAD_BIN_DIR", ROOT / "target" / "debug"))
+
+
+def setUpModule():
+    global DIR, UP, RUNS, STDERR
+    for binary in ("nomad", "nomad-device-worker", "nomad-gateway", "nomad-scheduler"):
+        if not (BIN / binary).is_file():
+            raise RuntimeError(f"{BIN / binary} is missing: build first (cargo build --workspace --bins)")
+    DIR = Path(tempfile.mkdtemp(prefix="nomad-client-"))
+    subprocess.run(
+        [BIN / "nomad-device-worker", "make-mlp", "--layers", "6,4", "--out", DIR / "mlp"],
+        check=True, capture_output=True,
+    )
+    (DIR / "nomad.yml").write_text(f"tools:\n  - {{name: mlp, kind: mlp, source: {DIR / 'mlp'}}}\n")
+    RUNS = DIR / "runs"
+    STDERR = open(DIR / "up.stderr", "w")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "NOMAD_OTEL_RUN_ID": "client-test"}
+    UP = subprocess.Popen(
+        [BIN / "nomad", "up", "--config", DIR / "nomad.yml", "--runs-dir", RUNS],
+        env=env, stdout=subprocess.DEVNULL, stderr=STDERR,
+    )
+    fleet = RUNS / "client-test" / "fleet.json"
+    deadline = time.monotonic() + 120
+    while not fleet.is_file():
+        if UP.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the fleet did not start:\n{(DIR / 'up.stderr').read_text()}")
+        time.sleep(0.1)
+
+
+def tearDownModule():
+    UP.send_signal(signal.SIGTERM)
+    UP.wait(timeout=60)
+    STDERR.close()
+    shutil.rmtree(DIR, ignore_errors=True)
+
+
+class SyncClient(unittest.TestCase):
+    def test_the_running_fleet_is_found_and_its_tools_called(self):
+        self.assertEqual(find_fleet(RUNS), RUNS / "client-test" / "fleet.json")
+        with Fleet.latest(RUNS) as fleet:
+            tools = {t["name"]: t for t in fleet.tools()}
+            self.assertIn("mlp", tools)
+            self.assertIn("get_model_card", tools)
+            self.assertIn("input", json.dumps(tools["mlp"]["input_schema"]))
+            answer = fleet.call("mlp", input=[0.5] * 6)
+            self.assertEqual(answer["shape"], [4])
+            self.assertEqual(len(answer["output"]), 4)
+            # The same session serves the next call.
+            self.assertEqual(fleet.call("mlp", input=[0.5] * 6), answer)
+
+    def test_failures_are_raised_with_the_gateways_code(self):
+        with Fleet.latest(RUNS) as fleet:
+            with self.assertRaises(ToolError) as wrong:
+                fleet.call("mlp", input=[0.5] * 5)
+            self.assertEqual(wrong.exception.code, "INVALID_ARGUMENT", wrong.exception)
+            self.assertIn("6", wrong.exception.message)
+            with self.assertRaises(ToolError) as unknown:
+                fleet.call("nope", text="x")
+            self.assertEqual(unknown.exception.code, "INVALID_ARGUMENT", unknown.exception)
+            self.assertIn("nope", unknown.exception.message)
+
+    def test_code_runs_in_the_sandbox_and_calls_tools(self):
+        with Fleet.latest(RUNS) as fleet:
+            run = fleet.run("from mcp_tools.nomad import mlp\nprint('hi')\nRESULT = mlp([0.5] * 6)['shape']")
+            self.assertTrue(run.ok, run.error)
+            self.assertEqual(run.result, [4])
+            self.assertEqual(run.stdout, "hi\n")
+            failed = fleet.run("raise ValueError('boom')")
+            self.assertFalse(failed.ok)
+            self.assertEqual(failed.status, "error")
+            self.assertIn("ValueError: boom", failed.error)
+
+    def test_search_finds_the_tool(self):
+        with Fleet.latest(RUNS) as fleet:
+            found = fleet.search("mlp", limit=3)
+            self.assertTrue(any(t["name"] == "mlp" for t in found), found)
+
+    def test_a_fleet_file_that_is_not_one_is_refused_by_name(self):
+        bad = DIR / "not-a-fleet.json"
+        bad.write_text("{}")
+        with self.assertRaises(ValueError) as refused:
+            Fleet.from_file(bad)
+        self.assertIn("gateway_mcp", str(refused.exception))
+        with self.assertRaises(FileNotFoundError):
+            find_fleet(DIR / "nowhere")
+
+
+class AsyncClient(unittest.TestCase):
+    def test_concurrent_calls_on_one_client(self):
+        async def main():
+            async with AsyncFleet.latest(RUNS) as fleet:
+                answers = await asyncio.gather(*(fleet.call("mlp", input=[i / 10] * 6) for i in range(16)))
+                run = await fleet.run("RESULT = 6 * 7")
+                return answers, run
+
+        answers, run = asyncio.run(main())
+        self.assertEqual(len(answers), 16)
+        self.assertTrue(all(a["shape"] == [4] for a in answers))
+        self.assertNotEqual(answers[0]["output"], answers[15]["output"])
+        self.assertEqual(run.result, 42)
+
+
+if __name__ == "__main__":
+    unittest.main()
