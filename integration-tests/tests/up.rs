@@ -700,5 +700,34 @@ async fn ctrl_c_stops_the_run_with_130_and_sums_up_what_finished() {
     );
     assert!(stdout.contains("Report: "), "{stdout}");
     assert!(runs.join("interrupted/report.html").is_file());
+    // The rollouts cut short say so in their traces; the finished ones are ok.
+    let spans = from_console(
+        &std::fs::read_to_string(runs.join("interrupted/head.jsonl")).unwrap_or_default(),
+    );
+    let rollouts: Vec<_> = spans.iter().filter(|s| s.name == "nomad.rollout").collect();
+    let status_of = |prefix: &str| -> BTreeSet<(String, String)> {
+        rollouts
+            .iter()
+            .filter(|s| {
+                s.attr("nomad.task.id")
+                    .is_some_and(|id| id.starts_with(prefix))
+            })
+            .map(|s| {
+                (
+                    s.status.clone(),
+                    s.attr("error.type").unwrap_or("").to_owned(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        status_of("quick-"),
+        BTreeSet::from([("ok".to_owned(), String::new())])
+    );
+    assert_eq!(
+        status_of("slow-"),
+        BTreeSet::from([("error".to_owned(), "cancelled".to_owned())]),
+        "the interrupted rollouts: {rollouts:?}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -47,6 +47,32 @@ pub struct RolloutResult {
     pub durations: Durations,
 }
 
+/// Marks a span cancelled when the work it covers is dropped before it ends (Ctrl-C, a run
+/// stopped early), so its trace says so instead of leaving its status unset.
+struct EndsCancelled<'a> {
+    span: &'a GroupSpan,
+    why: &'static str,
+    done: bool,
+}
+
+impl<'a> EndsCancelled<'a> {
+    fn new(span: &'a GroupSpan, why: &'static str) -> Self {
+        Self {
+            span,
+            why,
+            done: false,
+        }
+    }
+}
+
+impl Drop for EndsCancelled<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.span.set_error("cancelled", self.why);
+        }
+    }
+}
+
 /// A recorded tool call as a result line holds it (payloads as JSON, when recorded).
 fn call_json(call: &nomad_proto::v1::ToolCallRecord) -> Value {
     let mut json = serde_json::json!({
@@ -152,6 +178,8 @@ impl Runner {
         let job_link = job
             .is_recording()
             .then(|| job.context().span().span_context().clone());
+        let mut job_open =
+            EndsCancelled::new(&job, "the run stopped before all its rollouts finished");
         let mut results = Vec::with_capacity(tasks.len());
         let mut stream = futures::stream::iter(tasks)
             .map(|task| self.rollout(task, job_link.clone()))
@@ -160,6 +188,7 @@ impl Runner {
             on_result(&result);
             results.push(result);
         }
+        job_open.done = true;
         let failed = results.iter().filter(|r| r.status != "ok").count();
         job.set_attribute(KeyValue::new("nomad.job.failed", failed as i64));
         results
@@ -191,6 +220,7 @@ impl Runner {
                 ..Default::default()
             },
         );
+        let mut open = EndsCancelled::new(&span, "the run stopped before this rollout finished");
         let started = Instant::now();
         let mut tool_calls = None;
         let agent = self
@@ -235,6 +265,7 @@ impl Runner {
             0.0
         };
         let status = if error.is_none() { "ok" } else { "error" };
+        open.done = true;
         match &error {
             Some(e) => span.set_error("rollout_failed", e.lines().next().unwrap_or_default()),
             None => span.set_ok(),
