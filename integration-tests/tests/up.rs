@@ -700,6 +700,11 @@ async fn ctrl_c_stops_the_run_with_130_and_sums_up_what_finished() {
     );
     assert!(stdout.contains("Report: "), "{stdout}");
     assert!(runs.join("interrupted/report.html").is_file());
+    assert_eq!(
+        std::fs::read_to_string(runs.join("interrupted/config.toml")).unwrap(),
+        std::fs::read_to_string(&config).unwrap(),
+        "the run directory keeps the config it ran on"
+    );
     // The rollouts cut short say so in their traces; the finished ones are ok.
     let spans = from_console(
         &std::fs::read_to_string(runs.join("interrupted/head.jsonl")).unwrap_or_default(),

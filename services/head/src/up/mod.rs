@@ -164,7 +164,15 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
             .with_context(|| format!("making {} private", run_dir.display()))?;
     }
     let config = match user_config {
-        Some(path) => path,
+        Some(path) => {
+            // Kept with the run, so the run is found again with what it ran on; the fleet reads
+            // the original, whose relative paths are relative to where it is.
+            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("yaml");
+            let copy = run_dir.join(format!("config.{ext}"));
+            std::fs::copy(&path, &copy)
+                .with_context(|| format!("copying {} to {}", path.display(), copy.display()))?;
+            path
+        }
         None => {
             let models = absolute(&options.models_dir)?;
             if !models::models_present(&models) {
