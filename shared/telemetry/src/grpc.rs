@@ -48,12 +48,15 @@ fn rpc_names(path: &str) -> (String, String) {
     (service, method)
 }
 
-/// Calls that run on a timer rather than on anyone's behalf: a span each would bury real
-/// traces under one-span traces. Their context still propagates.
+/// Calls that run on a timer rather than on anyone's behalf (health checks, heartbeats, and
+/// the views `nomad top` polls every second): a span each would bury real traces under
+/// one-span traces. Their context still propagates.
 const UNTRACED: &[&str] = &[
     "/grpc.health.v1.Health/",
     "/grpc.reflection.",
     "/nomad.v1.Scheduler/Heartbeat",
+    "/nomad.v1.Scheduler/Snapshot",
+    "/nomad.v1.Gateway/Status",
 ];
 
 fn start_rpc_span(group: SpanGroup, kind: SpanKind, path: &str, parent: &Context) -> GroupSpan {

@@ -234,3 +234,23 @@ async fn the_client_side_injects_its_span_and_ends_it_with_the_trailers() {
         "the request carries the client span ({traceparent})"
     );
 }
+
+#[test]
+fn what_nomad_top_polls_records_no_span() {
+    collected();
+    let span = |path| {
+        super::start_rpc_span(
+            crate::groups::SpanGroup::Server,
+            opentelemetry::trace::SpanKind::Server,
+            path,
+            &opentelemetry::Context::new(),
+        )
+    };
+    assert!(
+        span("/nomad.v1.Scheduler/CallTool").is_recording(),
+        "the control"
+    );
+    for path in ["/nomad.v1.Scheduler/Snapshot", "/nomad.v1.Gateway/Status"] {
+        assert!(!span(path).is_recording(), "{path}");
+    }
+}
