@@ -66,8 +66,11 @@ class SyncClient(unittest.TestCase):
             self.assertIn("mlp", tools)
             self.assertIn("get_model_card", tools)
             self.assertIn("input", json.dumps(tools["mlp"]["input_schema"]))
+            # A built-in kind says what it answers with, and answers with that.
+            self.assertEqual(tools["mlp"]["output_schema"]["required"], ["output", "shape"])
             answer = fleet.call("mlp", input=[0.5] * 6)
             self.assertEqual(answer["shape"], [4])
+            self.assertEqual(set(answer), set(tools["mlp"]["output_schema"]["properties"]))
             self.assertEqual(len(answer["output"]), 4)
             # The same session serves the next call.
             self.assertEqual(fleet.call("mlp", input=[0.5] * 6), answer)

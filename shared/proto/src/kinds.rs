@@ -51,10 +51,26 @@ pub enum InputType {
     Json,
 }
 
+/// What a kind answers with, as the gateway's JSON shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputType {
+    /// `{"output": [numbers], "shape": [dimensions]}`.
+    Tensor,
+    /// `{"text", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "finish_reason"}`.
+    Text,
+    /// `[{"index", "score"}]`: the documents, best first.
+    Ranking,
+    /// `{"label", "scores": [{"label", "score"}]}`: the labels, best first.
+    Labels,
+    /// The model's own (its `output_schema`, reported when the model is described).
+    Json,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KindSpec {
     pub name: &'static str,
     pub input: InputType,
+    pub output: OutputType,
     /// The model pads a batch to its longest input (so batching inputs of similar length wastes
     /// less).
     pub pads: bool,
@@ -141,6 +157,7 @@ const fn number(
 pub const EMBED: KindSpec = KindSpec {
     name: "embed",
     input: InputType::Text,
+    output: OutputType::Tensor,
     pads: true,
     continuous: false,
     input_description: "Text to embed.",
@@ -163,6 +180,7 @@ pub const EMBED: KindSpec = KindSpec {
 pub const GENERATE: KindSpec = KindSpec {
     name: "generate",
     input: InputType::Text,
+    output: OutputType::Text,
     pads: true,
     continuous: true,
     input_description: "The prompt (a user message unless chat is false); empty when `messages` \
@@ -233,6 +251,7 @@ pub const GENERATE: KindSpec = KindSpec {
 pub const MLP: KindSpec = KindSpec {
     name: "mlp",
     input: InputType::Tensor,
+    output: OutputType::Tensor,
     pads: false,
     continuous: false,
     input_description: "Tensor values, row-major.",
@@ -242,6 +261,7 @@ pub const MLP: KindSpec = KindSpec {
 pub const RERANK: KindSpec = KindSpec {
     name: "rerank",
     input: InputType::Text,
+    output: OutputType::Ranking,
     pads: true,
     continuous: false,
     input_description: "The query the documents are scored against.",
@@ -271,6 +291,7 @@ pub const RERANK: KindSpec = KindSpec {
 pub const CLASSIFY: KindSpec = KindSpec {
     name: "classify",
     input: InputType::Text,
+    output: OutputType::Labels,
     pads: true,
     continuous: false,
     input_description: "Text to classify.",
@@ -295,6 +316,7 @@ pub const CLASSIFY: KindSpec = KindSpec {
 pub const PYTHON: KindSpec = KindSpec {
     name: "python",
     input: InputType::Json,
+    output: OutputType::Json,
     pads: false,
     continuous: false,
     input_description: "The arguments, as the model's `args_schema` describes them.",

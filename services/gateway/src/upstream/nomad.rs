@@ -22,6 +22,53 @@ pub const MODEL_CARD_TOOL: &str = "get_model_card";
 const LIST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The JSON Schema of a tool's arguments, from its kind's table.
+/// What a built-in kind answers with, as a JSON schema (a Python model's is its own, reported
+/// when it is described).
+pub fn output_schema(kind: &str) -> Option<Value> {
+    use nomad_proto::kinds::OutputType;
+    let scored = |key: &str, ty: &str| {
+        json!({"type": "object", "required": [key, "score"],
+            "properties": {key: {"type": ty}, "score": {"type": "number"}}})
+    };
+    Some(match nomad_proto::kinds::kind(kind)?.output {
+        OutputType::Tensor => json!({
+            "type": "object",
+            "required": ["output", "shape"],
+            "properties": {
+                "output": {"type": "array", "items": {"type": "number"},
+                           "description": "The values, row-major."},
+                "shape": {"type": "array", "items": {"type": "integer"}},
+            },
+        }),
+        OutputType::Text => json!({
+            "type": "object",
+            "required": ["text"],
+            "properties": {
+                "text": {"type": "string"},
+                "prompt_tokens": {"type": "integer"},
+                "cached_prompt_tokens": {"type": "integer"},
+                "completion_tokens": {"type": "integer"},
+                "finish_reason": {"type": "string", "description": "stop or length."},
+            },
+        }),
+        OutputType::Ranking => json!({
+            "type": "array",
+            "description": "The documents by score, best first (`index` into `documents`).",
+            "items": scored("index", "integer"),
+        }),
+        OutputType::Labels => json!({
+            "type": "object",
+            "required": ["label", "scores"],
+            "properties": {
+                "label": {"type": "string", "description": "The best label."},
+                "scores": {"type": "array", "items": scored("label", "string"),
+                           "description": "Every label by score, best first."},
+            },
+        }),
+        OutputType::Json => return None,
+    })
+}
+
 pub fn input_schema(kind: &str) -> Value {
     use nomad_proto::kinds::{InputType, OptionType};
     let Some(spec) = nomad_proto::kinds::kind(kind) else {
@@ -123,7 +170,7 @@ fn tool_spec(t: ToolInfo) -> ToolSpec {
         },
         input_schema: parse(&t.input_schema_json).unwrap_or_else(|| input_schema(&t.kind)),
         title: String::new(),
-        output_schema: parse(&t.output_schema_json),
+        output_schema: parse(&t.output_schema_json).or_else(|| output_schema(&t.kind)),
         name: t.name,
     }
 }
@@ -385,5 +432,36 @@ fn unreachable_scheduler(tool: &str, status: tonic::Status) -> ToolError {
         ))
     } else {
         status.into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use nomad_proto::v1::{Tensor, ToolOutput, tool_output};
+
+    #[test]
+    fn every_built_in_kind_says_what_it_answers_with() {
+        for kind in nomad_proto::kinds::names() {
+            let schema = super::output_schema(kind);
+            assert_eq!(schema.is_none(), kind == "python", "{kind}: {schema:?}");
+        }
+        // What the gateway makes of a tensor and of a text answers as the schemas say.
+        let tensor = ToolOutput {
+            value: Some(tool_output::Value::Tensor(Tensor::from_f32(
+                &[1.0, 2.0],
+                vec![2],
+            ))),
+        };
+        let text = ToolOutput {
+            value: Some(tool_output::Value::Text("hi".into())),
+        };
+        for (kind, output) in [("embed", tensor), ("generate", text)] {
+            let value = super::nomad_json::output_to_json(&output, None).unwrap();
+            let schema = super::output_schema(kind).unwrap();
+            for key in schema["required"].as_array().unwrap() {
+                let key = key.as_str().unwrap();
+                assert!(value.get(key).is_some(), "{kind}: {value} lacks {key}");
+            }
+        }
     }
 }
