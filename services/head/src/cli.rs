@@ -43,7 +43,10 @@ pub enum Command {
     /// A live view of a fleet: tools, workers, the sandbox and the run's progress.
     Top(top::TopArgs),
     /// Check a Nomad server's gRPC health at ADDRESS (exit 0 when serving).
-    Health { address: String },
+    Health {
+        /// The server's gRPC address, host:port (e.g. 127.0.0.1:7002).
+        address: String,
+    },
 }
 
 impl Command {
@@ -97,5 +100,42 @@ impl From<Exit> for std::process::ExitCode {
             Exit::Failed => Self::from(1),
             Exit::Interrupted => Self::from(130),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    /// Every visible argument of every command says what it is, and a client command does not
+    /// offer a server's flags.
+    #[test]
+    fn every_argument_has_help_and_clients_offer_no_server_flags() {
+        let cli = super::Cli::command();
+        let mut missing = Vec::new();
+        for command in cli.get_subcommands().filter(|c| !c.is_hide_set()) {
+            for arg in command.get_arguments().filter(|a| !a.is_hide_set()) {
+                let id = arg.get_id().as_str();
+                if id == "help" || id == "version" {
+                    continue;
+                }
+                if arg
+                    .get_help()
+                    .is_none_or(|h| h.to_string().trim().is_empty())
+                {
+                    missing.push(format!("{} {id}", command.get_name()));
+                }
+            }
+        }
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
+        let run = cli.find_subcommand("run").unwrap();
+        for server_flag in ["addr_file", "server_name"] {
+            assert!(
+                run.get_arguments().all(|a| a.get_id() != server_flag),
+                "nomad run offers --{server_flag}"
+            );
+        }
+        assert_eq!(crate::up::count(1, "task"), "1 task");
+        assert_eq!(crate::up::count(3, "task"), "3 tasks");
     }
 }

@@ -472,8 +472,15 @@ impl Progress {
         } else {
             String::new()
         };
+        // A rate over less than a second is noise (the first result alone reads as thousands a
+        // second): none is shown until there is one to show.
+        let pace = if elapsed >= 1.0 {
+            format!("{rate:.1} rollouts/s, eta {eta:.0}s")
+        } else {
+            "rate after 1 s".to_owned()
+        };
         let stats = format!(
-            "{}/{} failed {} {rate:.1}/s eta {eta:.0}s{reward}",
+            "{}/{} failed {} {pace}{reward}",
             self.done, self.total, self.failed
         );
         if self.tty {

@@ -30,8 +30,9 @@ pub struct RunArgs {
     /// Rollouts in flight at once.
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
-    #[command(flatten)]
-    pub service: ServiceArgs,
+    /// Config file (YAML or TOML): its `telemetry:` and `tls:` sections.
+    #[arg(long, env = "NOMAD_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Python script for tasks that give `inputs`: it reads them as `TASK` and sets `RESULT`.
     #[arg(long)]
     pub template: Option<PathBuf>,
@@ -85,7 +86,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
             );
         }
     }
-    let service = Service::start_with(ServerType::Head, &args.service, options, |settings| {
+    // A client: no server name or address file of its own.
+    let service_args = ServiceArgs {
+        config: args.config.clone(),
+        server_name: None,
+        addr_file: None,
+    };
+    let service = Service::start_with(ServerType::Head, &service_args, options, |settings| {
         // The fleet's run id, unless the environment or the config names one.
         if settings.run_id.is_none() {
             settings.run_id = fleet.as_ref().map(|f| f.run_id.clone());

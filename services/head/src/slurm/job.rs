@@ -263,8 +263,8 @@ pub async fn job(args: JobArgs) -> anyhow::Result<bool> {
         args.embed_tool.clone(),
     );
     eprintln!(
-        "nomad: run {run_id}: {} tasks on {} node{} (concurrency {})",
-        tasks.len(),
+        "nomad: run {run_id}: {} on {} node{} (concurrency {})",
+        crate::up::count(tasks.len(), "task"),
         nodes.len(),
         if nodes.len() == 1 { "" } else { "s" },
         args.concurrency

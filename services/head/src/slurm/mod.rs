@@ -22,11 +22,13 @@ pub struct SubmitArgs {
     /// GPUs per node: one device worker per GPU. 0 runs one CPU worker per node.
     #[arg(long, default_value_t = 0)]
     pub gpus_per_node: u32,
+    /// Slurm partition to submit to (sbatch --partition; default: the cluster's).
     #[arg(long)]
     pub partition: Option<String>,
     /// Time limit, in sbatch's format (e.g. 2:00:00).
     #[arg(long)]
     pub time: Option<String>,
+    /// Slurm account to charge (sbatch --account; default: yours).
     #[arg(long)]
     pub account: Option<String>,
     /// Another sbatch option for the script, e.g. --sbatch-arg=--qos=high (repeatable).

@@ -11,7 +11,7 @@ use super::cli;
 pub struct StatusArgs {
     /// The job id `nomad submit` printed.
     pub job: String,
-    /// Where the run directories are, if Slurm no longer knows the job (default: runs).
+    /// Where the run directories are, if Slurm no longer knows the job.
     #[arg(long, default_value = "runs")]
     pub runs_dir: PathBuf,
 }

@@ -382,8 +382,8 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
                 options.embed_tool.clone(),
             );
             eprintln!(
-                "nomad up: running {} tasks from {} (concurrency {})",
-                tasks.len(),
+                "nomad up: running {} from {} (concurrency {})",
+                count(tasks.len(), "task"),
                 set.source,
                 options.concurrency
             );
@@ -487,6 +487,15 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
     } else {
         Exit::from(ok)
     })
+}
+
+/// `n` of `thing`, in the plural when it is not one ("1 task", "3 tasks").
+pub(crate) fn count(n: usize, thing: &str) -> String {
+    if n == 1 {
+        format!("1 {thing}")
+    } else {
+        format!("{n} {thing}s")
+    }
 }
 
 /// Writes `bytes` to a new file only its owner may read (mode 0600). The file must not exist
