@@ -106,7 +106,7 @@ impl ExecLimits {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("model source {path}: not found")]
+    #[error("model source {path}: not found (the default models come from scripts/fetch-models)")]
     NotFound { path: PathBuf },
     #[error("model source {path}: {reason}")]
     Invalid { path: PathBuf, reason: String },

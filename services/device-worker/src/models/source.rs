@@ -10,7 +10,7 @@ const CLONE_TIMEOUT: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SourceError {
-    #[error("model source {0}: not found")]
+    #[error("model source {0}: not found (the default models come from scripts/fetch-models)")]
     NotFound(String),
     #[error(
         "model source {spec:?}: unsupported scheme `{scheme}`; use a local path, file:, \
