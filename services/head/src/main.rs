@@ -3,6 +3,7 @@
 
 mod cli;
 mod collect;
+mod exit;
 mod fleets;
 mod head_api;
 mod health;
@@ -27,7 +28,7 @@ use std::process::ExitCode;
 use clap::Parser as _;
 
 /// Exit 0 when everything succeeded, 1 when a rollout or check failed, 2 on an error, 130 when
-/// interrupted (see [`cli::Exit`]).
+/// interrupted (see [`exit::Exit`]).
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     nomad_rpc::bootstrap::main("nomad", 2, || async {

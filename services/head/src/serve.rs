@@ -53,7 +53,7 @@ pub struct ServeArgs {
     pub ready_timeout: f64,
 }
 
-pub async fn serve(args: ServeArgs) -> anyhow::Result<crate::cli::Exit> {
+pub async fn serve(args: ServeArgs) -> anyhow::Result<crate::exit::Exit> {
     let ready_timeout =
         nomad_config::seconds("--ready-timeout", args.ready_timeout).map_err(anyhow::Error::msg)?;
     let host = if args.host == "localhost" {

@@ -19,7 +19,7 @@ use serde_json::json;
 
 use self::env::Layered;
 use self::fleet::FleetPlan;
-use crate::cli::Exit;
+use crate::exit::Exit;
 use crate::rollouts::{self, Runner};
 use crate::supervisor::Supervisor;
 use crate::{memory, run_id, tasks, traces};
