@@ -27,6 +27,26 @@ fn records(dir: &Path, file: &str, signal: &str) -> Vec<Value> {
         .collect()
 }
 
+/// A small `mlp` model in `dir` and a TOML config serving it as the one tool.
+fn mlp_config(dir: &Path) -> PathBuf {
+    let made = std::process::Command::new(binary("nomad-device-worker"))
+        .args(["make-mlp", "--layers", "6,4", "--out"])
+        .arg(dir.join("mlp"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let config = dir.join("nomad.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[tools]]\nname = \"mlp\"\nkind = \"mlp\"\nsource = \"{}\"\n",
+            dir.join("mlp").display()
+        ),
+    )
+    .unwrap();
+    config
+}
+
 fn alive(pid: u64) -> bool {
     // Reaped or never ours: gone. A zombie awaiting its reaper has no threads left to run.
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -513,21 +533,7 @@ async fn nomad_up_demo_runs_the_bundled_tasks_on_the_default_models() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_server_is_reported_and_the_fleet_stops() {
     let dir = Fleet::new_dir();
-    let made = std::process::Command::new(binary("nomad-device-worker"))
-        .args(["make-mlp", "--layers", "6,4", "--out"])
-        .arg(dir.join("mlp"))
-        .status()
-        .unwrap();
-    assert!(made.success());
-    let config = dir.join("nomad.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[tools]]\nname = \"mlp\"\nkind = \"mlp\"\nsource = \"{}\"\n",
-            dir.join("mlp").display()
-        ),
-    )
-    .unwrap();
+    let config = mlp_config(&dir);
     let runs = dir.join("runs");
     let up = clean("nomad")
         .arg("up")
@@ -623,21 +629,7 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctrl_c_stops_the_run_with_130_and_sums_up_what_finished() {
     let dir = Fleet::new_dir();
-    let made = std::process::Command::new(binary("nomad-device-worker"))
-        .args(["make-mlp", "--layers", "6,4", "--out"])
-        .arg(dir.join("mlp"))
-        .status()
-        .unwrap();
-    assert!(made.success());
-    let config = dir.join("nomad.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[tools]]\nname = \"mlp\"\nkind = \"mlp\"\nsource = \"{}\"\n",
-            dir.join("mlp").display()
-        ),
-    )
-    .unwrap();
+    let config = mlp_config(&dir);
     // Three quick rollouts first, then ones that outlast the test.
     let mut tasks: Vec<Value> = (0..3)
         .map(|i| serde_json::json!({"id": format!("quick-{i}"), "code": "RESULT = 1", "expected": 1}))
