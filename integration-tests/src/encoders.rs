@@ -1,6 +1,6 @@
-//! The encoder test models (`python/make_encoders.py`) and the reference libraries that make
-//! them and compute what they should answer (sentence-transformers, transformers, torch, pinned),
-//! built once into the test cache.
+//! The encoder and decoder test models (`python/make_encoders.py`, `python/make_decoders.py`)
+//! and the reference libraries that make them and compute what they should answer
+//! (sentence-transformers, transformers, torch, gguf, pinned), built once into the test cache.
 
 use std::path::{Path, PathBuf};
 
@@ -13,6 +13,9 @@ const REFERENCE: &[&str] = &[
     "sentence-transformers==6.3.0",
     "transformers==5.25.0",
     "torch==2.15.0",
+    // transformers reads GGUF files with these (the decoder tests' reference).
+    "gguf==0.19.0",
+    "accelerate==1.16.0",
 ];
 
 fn run(command: &mut std::process::Command, what: &str) {
@@ -72,23 +75,43 @@ pub fn reference_python() -> PathBuf {
     python
 }
 
-/// The test models and their references, made once per version of the script.
+/// The encoder test models and their references, made once per version of the script.
 pub fn cases() -> (PathBuf, Vec<Value>) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/make_encoders.py");
-    let text = std::fs::read(&script).unwrap();
+    made_by(
+        "make_encoders.py",
+        &crate::fleet::models_dir().join("all-minilm-l6-v2"),
+    )
+}
+
+/// The decoder test models (GGUF files) and their references, made once per version of the
+/// script.
+pub fn decoder_cases() -> (PathBuf, Vec<Value>) {
+    made_by(
+        "make_decoders.py",
+        &crate::fleet::models_dir().join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    )
+}
+
+/// What `script` makes into a directory of the test cache, and the `cases.json` it writes.
+fn made_by(script: &str, input: &Path) -> (PathBuf, Vec<Value>) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(script);
+    let text = std::fs::read(&path).unwrap();
     let hash = text.iter().fold(0xcbf29ce484222325u64, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
     });
-    let out = cache_dir().join(format!("encoders-{hash:016x}"));
+    let stem = script.trim_start_matches("make_").trim_end_matches(".py");
+    let out = cache_dir().join(format!("{stem}-{hash:016x}"));
     if !out.join("cases.json").is_file() {
         let _ = std::fs::remove_dir_all(&out);
         run(
             std::process::Command::new(reference_python())
-                .arg(&script)
+                .arg(&path)
                 .arg(&out)
-                .arg(crate::fleet::models_dir().join("all-minilm-l6-v2"))
+                .arg(input)
                 .env("HF_HUB_OFFLINE", "1"),
-            "make_encoders.py",
+            script,
         );
     }
     let cases =

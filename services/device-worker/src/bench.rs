@@ -115,10 +115,14 @@ fn generate(args: &BenchArgs) -> anyhow::Result<()> {
             Generator::load_with(&args.models.join("smollm2-135m-instruct"), &Device::Cpu, q8)?;
         let load = loading.elapsed();
         let prompt = model
-            .encode(&Generator::prompt(
-                "Write a short story about a robot who learns to paint.",
-                true,
-            ))
+            .encode(
+                &model
+                    .prompt(
+                        "Write a short story about a robot who learns to paint.",
+                        true,
+                    )
+                    .map_err(anyhow::Error::msg)?,
+            )
             .map_err(anyhow::Error::msg)?;
         model.time_decode(&prompt, 1, 4)?; // warm-up
         for &rows in &args.rows {

@@ -1,6 +1,7 @@
-//! Text generation (`generate`): a quantized llama from a GGUF file (SmolLM2-135M-Instruct by
-//! default), its tokenizer built from the GGUF's own metadata (`gguf.rs`), served by a decode
-//! loop that batches every running request's steps (`decoder.rs`, continuous batching).
+//! Text generation (`generate`): a quantized llama-family decoder from a GGUF file
+//! (SmolLM2-135M-Instruct by default; the families in `architecture.rs`), its tokenizer and
+//! chat template from the GGUF's own metadata (`gguf.rs`, `chat_template.rs`), served by a
+//! decode loop that batches every running request's steps (`decoder.rs`, continuous batching).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -12,15 +13,14 @@ use nomad_proto::v1::{
 };
 use tokenizers::Tokenizer;
 
+use super::chat_template::ChatTemplate;
 use super::decoder::{Bounds, Decoder, Engine, Event, Finished, Params};
-use super::gguf::{gguf_path, load_error, metadata, requantized, tokenizer_from_gguf};
+use super::gguf::{gguf_path, load_error, requantized};
+use super::gguf_metadata::Metadata;
 use super::llama::Llama;
 use super::options::{Message, Options};
 use super::{ExecError, ExecLimits, LoadError, Model, StartError, Streaming, invalid};
 use nomad_proto::kinds;
-
-/// The chat template of SmolLM2 (ChatML with its default system line).
-const SYSTEM: &str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
 
 /// Sequences a decode loop runs together unless the tool says otherwise.
 pub const DEFAULT_MAX_RUNNING: usize = 8;
@@ -50,6 +50,10 @@ pub struct Generator {
     path: PathBuf,
     model: Arc<Llama>,
     tokenizer: Tokenizer,
+    /// The model's own chat template, when its GGUF has one.
+    template: Option<ChatTemplate>,
+    /// The token a prompt begins with, when the GGUF asks for one (`add_bos_token`).
+    bos: Option<(u32, String)>,
     context_length: usize,
     /// Token ids that end a generation.
     stop: Vec<u32>,
@@ -99,6 +103,16 @@ impl Generator {
         Self::from_content(path, ct, &mut file, bytes, loading)
     }
 
+    /// What loading the GGUF at `path` would refuse, from its metadata alone (the tool is
+    /// described as failed at start-up, not at its first call).
+    pub fn check(path: &Path) -> Result<(), LoadError> {
+        let path = gguf_path(path)?;
+        let mut file = std::fs::File::open(&path).map_err(|e| load_error(&path, e))?;
+        let ct = gguf_file::Content::read(&mut file)
+            .map_err(|e| load_error(&path, format!("not a readable GGUF: {e}")))?;
+        Metadata::read(&path, &ct).map(drop)
+    }
+
     fn from_content<R: std::io::Read + std::io::Seek>(
         path: PathBuf,
         ct: gguf_file::Content,
@@ -106,32 +120,18 @@ impl Generator {
         bytes: u64,
         loading: Loading<'_>,
     ) -> Result<Self, LoadError> {
-        let tokenizer = tokenizer_from_gguf(&ct).map_err(|e| load_error(&path, e))?;
-        let number = |key: &str| {
-            metadata(&ct, key)
-                .and_then(|v| v.to_u32().map_err(|e| format!("{key}: {e}")))
-                .map(|v| v as usize)
-                .map_err(|e| load_error(&path, e))
-        };
-        let context_length = number("llama.context_length")?;
-        let layers = number("llama.block_count")?;
-        let heads = number("llama.attention.head_count")?;
-        let kv_heads = number("llama.attention.head_count_kv")?;
-        let embedding = number("llama.embedding_length")?;
-        let head_dim = embedding / heads.max(1);
-        let mut stop = vec![number("tokenizer.ggml.eos_token_id")? as u32];
-        for token in ["<|im_end|>", "<|endoftext|>"] {
-            if let Some(id) = tokenizer.token_to_id(token)
-                && !stop.contains(&id)
-            {
-                stop.push(id);
-            }
-        }
+        let Metadata {
+            arch,
+            tokenizer,
+            template,
+            bos,
+            stop,
+        } = Metadata::read(&path, &ct)?;
         let model = Llama::from_gguf(
             &ct,
+            &arch,
             file,
             loading.device,
-            context_length,
             loading.config.dense_prefill,
         )
         .map_err(|e| load_error(&path, format!("loading the weights: {e}")))?;
@@ -142,49 +142,52 @@ impl Generator {
             path,
             model: Arc::new(model),
             tokenizer,
-            context_length,
+            template,
+            bos,
+            context_length: arch.context_length,
             stop,
-            kv_bytes_per_token: (layers * 2 * kv_heads * head_dim * 4) as u64,
+            kv_bytes_per_token: arch.kv_bytes_per_token(),
             bytes,
             config: loading.config,
             decoder: OnceLock::new(),
         })
     }
 
-    /// The prompt as the model sees it: the chat template around a user message, or raw text.
-    pub fn prompt(text: &str, chat: bool) -> String {
+    /// The prompt as the model sees it: its chat template around a user message, or raw text.
+    pub fn prompt(&self, text: &str, chat: bool) -> Result<String, String> {
         if chat {
-            Self::chat(&[Message {
+            self.chat(&[Message {
                 role: "user",
                 content: text.to_owned(),
             }])
         } else {
-            text.to_owned()
+            Ok(text.to_owned())
         }
     }
 
-    /// A conversation in SmolLM2's chat template (ChatML; its default system line unless the
-    /// conversation has one), ready for the assistant's turn.
-    pub fn chat(messages: &[Message]) -> String {
-        let mut prompt = String::new();
-        if messages.first().is_none_or(|m| m.role != "system") {
-            prompt.push_str(&format!("<|im_start|>system\n{SYSTEM}<|im_end|>\n"));
-        }
-        for m in messages {
-            prompt.push_str(&format!(
-                "<|im_start|>{}\n{}<|im_end|>\n",
-                m.role, m.content
-            ));
-        }
-        prompt.push_str("<|im_start|>assistant\n");
-        prompt
+    /// A conversation in the model's own chat template, ready for the assistant's turn.
+    pub fn chat(&self, messages: &[Message]) -> Result<String, String> {
+        let template = self.template.as_ref().ok_or(
+            "this model's GGUF has no chat template (tokenizer.chat_template); send the prompt \
+             as the model expects it with `chat: false`",
+        )?;
+        template.render(messages).map_err(|e| e.to_string())
     }
 
+    /// The prompt's tokens, beginning with the model's BOS token when its GGUF asks for one
+    /// (once: a template that writes it already is not given a second).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
-        self.tokenizer
+        let ids = self
+            .tokenizer
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| format!("tokenizing: {e}"))
+            .map_err(|e| format!("tokenizing: {e}"))?;
+        Ok(match &self.bos {
+            Some((bos, _)) if ids.first() != Some(bos) => {
+                std::iter::once(*bos).chain(ids).collect()
+            }
+            _ => ids,
+        })
     }
 
     /// Times the prompt passes of `rows` sequences (each alone) and then `tokens` greedy decode
@@ -245,8 +248,8 @@ impl Generator {
         };
         let messages = opts.messages("messages");
         let prompt = match (text.trim().is_empty(), messages.is_empty()) {
-            (false, true) => Self::prompt(text, opts.flag("chat")),
-            (true, false) => Self::chat(messages),
+            (false, true) => self.prompt(text, opts.flag("chat")),
+            (true, false) => self.chat(messages),
             (false, false) => {
                 return Err(invalid(
                     index,
@@ -259,7 +262,8 @@ impl Generator {
                     "empty prompt; generate takes a non-empty text (or messages)",
                 ));
             }
-        };
+        }
+        .map_err(|e| invalid(index, e))?;
         let prompt = self.encode(&prompt).map_err(|e| invalid(index, e))?;
         let params = Params {
             max_tokens: opts.integer("max_tokens") as usize,
@@ -451,7 +455,7 @@ mod tests {
             assert_eq!(m.encode(text).unwrap(), ids(&case["ids"]), "{text:?}");
         }
         for case in fixture()["greedy"].as_array().unwrap() {
-            let prompt = Generator::prompt(case["prompt"].as_str().unwrap(), true);
+            let prompt = m.prompt(case["prompt"].as_str().unwrap(), true).unwrap();
             assert_eq!(
                 m.encode(&prompt).unwrap(),
                 ids(&case["prompt_ids"]),

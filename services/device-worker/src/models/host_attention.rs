@@ -13,6 +13,7 @@ use std::sync::Mutex;
 
 use candle_core::{Device, Result, Storage, Tensor};
 
+use super::architecture::RopeStyle;
 use super::attention::{Heads, attend};
 
 /// One layer's keys and values of one sequence: per kv head, rows of `d` from position 0.
@@ -91,21 +92,23 @@ impl HostKv {
     }
 }
 
-/// Rotary embedding tables, `[position][d / 2]`, as candle's `rope_i` reads them.
+/// Rotary embedding tables, `[position][d / 2]`, as candle's `rope_i` and `rope` read them.
 pub struct Rotary {
     cos: Vec<f32>,
     sin: Vec<f32>,
     half: usize,
+    style: RopeStyle,
 }
 
 impl Rotary {
     /// From `[positions, d / 2]` tables.
-    pub fn new(cos: &Tensor, sin: &Tensor) -> Result<Self> {
+    pub fn new(cos: &Tensor, sin: &Tensor, style: RopeStyle) -> Result<Self> {
         let half = cos.dim(1)?;
         Ok(Self {
             cos: cos.flatten_all()?.to_vec1()?,
             sin: sin.flatten_all()?.to_vec1()?,
             half,
+            style,
         })
     }
 
@@ -113,19 +116,31 @@ impl Rotary {
         self.cos.len() / self.half.max(1)
     }
 
-    /// `x` (`d` values, pairs side by side) rotated for `position`, into `out`: candle's
-    /// `rope_i`, element for element.
+    /// `x` (`d` values) rotated for `position`, into `out`: candle's `rope_i` (pairs side by
+    /// side) or `rope` (pairs half a head apart), element for element.
     fn rotate(&self, x: &[f32], position: usize, out: &mut [f32]) {
         let cos = &self.cos[position * self.half..][..self.half];
         let sin = &self.sin[position * self.half..][..self.half];
-        for (((pair, out), &c), &s) in x
-            .chunks_exact(2)
-            .zip(out.chunks_exact_mut(2))
-            .zip(cos)
-            .zip(sin)
-        {
-            out[0] = pair[0] * c - pair[1] * s;
-            out[1] = pair[0] * s + pair[1] * c;
+        match self.style {
+            RopeStyle::Interleaved => {
+                for (((pair, out), &c), &s) in x
+                    .chunks_exact(2)
+                    .zip(out.chunks_exact_mut(2))
+                    .zip(cos)
+                    .zip(sin)
+                {
+                    out[0] = pair[0] * c - pair[1] * s;
+                    out[1] = pair[0] * s + pair[1] * c;
+                }
+            }
+            RopeStyle::Halves => {
+                let (x1, x2) = x.split_at(self.half);
+                let (out1, out2) = out.split_at_mut(self.half);
+                for i in 0..self.half {
+                    out1[i] = x1[i] * cos[i] - x2[i] * sin[i];
+                    out2[i] = x1[i] * sin[i] + x2[i] * cos[i];
+                }
+            }
         }
     }
 }

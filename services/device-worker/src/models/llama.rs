@@ -14,190 +14,26 @@
 //! than the quantized kernel; decode rows (one token) stay quantized. Which path a row takes
 //! depends on its own sequence only, never on what else is in the step.
 
-use candle_core::quantized::{QMatMul, QTensor, gguf_file};
+use candle_core::quantized::gguf_file;
 use candle_core::{D, DType, Device, Module, Result, Tensor};
 use candle_nn::Embedding;
 use candle_nn::kv_cache::KvCache;
 use candle_transformers::quantized_nn::RmsNorm;
 
-use nomad_q8::QuantMatrix;
-
+use super::architecture::{Architecture, RopeStyle};
 use super::attention::Heads;
 use super::host_attention::{self, HostKv, Rotary};
+use super::linear::{Linear, Quantized, Rows, Stacked};
 use super::swiglu::swiglu;
-
-/// A quantized weight: Q8_0 or Q4_1 on an x86 CPU with AVX2 (or AVX-512 VNNI) through
-/// `nomad_q8`, anything else through candle.
-enum Quantized {
-    Ours(QuantMatrix),
-    Candle(QMatMul),
-}
-
-impl Quantized {
-    fn new(q: QTensor) -> Result<Self> {
-        Ok(match QuantMatrix::from_qtensor(&q)? {
-            Some(m) => Self::Ours(m),
-            None => Self::Candle(QMatMul::from_qtensor(q)?),
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Self::Ours(m) => m.forward(x),
-            Self::Candle(m) => m.forward(x),
-        }
-    }
-
-    /// Whether a row's result is independent of the rows beside it: a quantized dot product
-    /// per row (not a dequantized weight through a shape-dependent matmul).
-    fn row_exact(&self) -> bool {
-        matches!(self, Self::Ours(_) | Self::Candle(QMatMul::QTensor(_)))
-    }
-}
-
-/// A linear weight: quantized, and with dense prefill also f32 (`[in, out]`).
-struct Linear {
-    quantized: Quantized,
-    dense: Option<Tensor>,
-}
-
-/// Which rows of a step take the dense path.
-enum Rows {
-    Quantized,
-    Dense,
-    /// Decode rows, prompt rows, and the order that puts `[decode; prompt]` back.
-    Mixed {
-        decode: Tensor,
-        prompt: Tensor,
-        back: Tensor,
-    },
-}
-
-impl Linear {
-    fn new(weight: QTensor, dense: bool) -> Result<Self> {
-        let dense = if dense {
-            let w = weight.dequantize(&weight.device())?;
-            Some(w.t()?.contiguous()?)
-        } else {
-            None
-        };
-        Ok(Self {
-            quantized: Quantized::new(weight)?,
-            dense,
-        })
-    }
-
-    fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Tensor> {
-        match (&self.dense, rows) {
-            (Some(w), Rows::Dense) => x.matmul(w),
-            (
-                Some(w),
-                Rows::Mixed {
-                    decode,
-                    prompt,
-                    back,
-                },
-            ) => {
-                let a = self.quantized.forward(&x.index_select(decode, 0)?)?;
-                let b = x.index_select(prompt, 0)?.matmul(w)?;
-                Tensor::cat(&[a, b], 0)?.index_select(back, 0)
-            }
-            _ => self.quantized.forward(x),
-        }
-    }
-
-    fn dense_bytes(&self) -> u64 {
-        self.dense
-            .as_ref()
-            .map_or(0, |t| (t.elem_count() * 4) as u64)
-    }
-}
-
-/// Linear weights over one input, stacked into one matrix where their types agree: the input
-/// is quantized once and the thread pool runs once for all of them. A quantized matrix's
-/// output rows never depend on the rows beside them, so stacking changes no result.
-struct Stacked {
-    /// Each linear and the output widths of the weights it holds, in order.
-    groups: Vec<(Linear, Vec<usize>)>,
-}
-
-impl Stacked {
-    fn new(weights: Vec<QTensor>, dense: bool) -> Result<Self> {
-        let mut runs: Vec<Vec<QTensor>> = Vec::new();
-        for w in weights {
-            match runs.last_mut() {
-                Some(run)
-                    if run[0].dtype() == w.dtype()
-                        && run[0].shape().dims2()?.1 == w.shape().dims2()?.1 =>
-                {
-                    run.push(w)
-                }
-                _ => runs.push(vec![w]),
-            }
-        }
-        let groups = runs
-            .into_iter()
-            .map(|run| {
-                let widths = run
-                    .iter()
-                    .map(|w| w.shape().dims2().map(|(rows, _)| rows))
-                    .collect::<Result<Vec<_>>>()?;
-                Ok((Linear::new(stack(run)?, dense)?, widths))
-            })
-            .collect::<Result<_>>()?;
-        Ok(Self { groups })
-    }
-
-    /// Every weight's output side by side, in order.
-    fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Tensor> {
-        let outputs = self
-            .groups
-            .iter()
-            .map(|(linear, _)| linear.forward(x, rows))
-            .collect::<Result<Vec<_>>>()?;
-        match <[Tensor; 1]>::try_from(outputs) {
-            Ok([y]) => Ok(y),
-            Err(outputs) => Tensor::cat(&outputs, 1),
-        }
-    }
-
-    /// The outputs of `forward` one weight at a time: `N` of them.
-    fn split<const N: usize>(&self, y: &Tensor) -> Result<[Tensor; N]> {
-        let mut outputs = Vec::with_capacity(N);
-        let mut at = 0;
-        for &width in self.groups.iter().flat_map(|(_, widths)| widths) {
-            outputs.push(y.narrow(1, at, width)?);
-            at += width;
-        }
-        <[Tensor; N]>::try_from(outputs)
-            .map_err(|o| candle_core::Error::Msg(format!("{} stacked outputs, not {N}", o.len())))
-    }
-
-    fn linears(&self) -> impl Iterator<Item = &Linear> {
-        self.groups.iter().map(|(linear, _)| linear)
-    }
-}
-
-/// Weights of one type over the same inputs as one: their rows one after another (each row is
-/// whole blocks, so the bytes simply follow each other).
-fn stack(mut run: Vec<QTensor>) -> Result<QTensor> {
-    if run.len() == 1 {
-        return Ok(run.remove(0));
-    }
-    let (dtype, device, inputs) = (run[0].dtype(), run[0].device(), run[0].shape().dims2()?.1);
-    let mut rows = 0;
-    let mut bytes = Vec::new();
-    for w in &run {
-        rows += w.shape().dims2()?.0;
-        bytes.extend_from_slice(&w.data()?);
-    }
-    candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &bytes, vec![rows, inputs], &device)
-}
 
 struct Layer {
     attention_norm: RmsNorm,
     /// q, k and v.
     qkv: Stacked,
+    /// q, k and v's biases side by side (Qwen2).
+    qkv_bias: Option<Tensor>,
+    /// Norms over each head of q and of k, before rotation (Qwen3).
+    qk_norm: Option<[RmsNorm; 2]>,
     o: Linear,
     ffn_norm: RmsNorm,
     /// gate and up.
@@ -206,6 +42,29 @@ struct Layer {
 }
 
 impl Layer {
+    /// q, k and v of the rows of `h` side by side, with the family's biases and norms.
+    fn qkv(&self, h: &Tensor, rows: &Rows, shape: Heads) -> Result<Tensor> {
+        let mut qkv = self.qkv.forward(h, rows)?;
+        if let Some(bias) = &self.qkv_bias {
+            qkv = qkv.broadcast_add(bias)?;
+        }
+        if let Some([q_norm, k_norm]) = &self.qk_norm {
+            let n = qkv.dim(0)?;
+            let d = shape.head_dim;
+            let (q_width, kv_width) = (shape.heads * d, shape.kv_heads * d);
+            let per_head = |norm: &RmsNorm, at: usize, heads: usize| -> Result<Tensor> {
+                let part = qkv.narrow(1, at, heads * d)?.contiguous()?;
+                norm.forward(&part.reshape((n * heads, d))?)?
+                    .reshape((n, heads * d))
+            };
+            let q = per_head(q_norm, 0, shape.heads)?;
+            let k = per_head(k_norm, q_width, shape.kv_heads)?;
+            let v = qkv.narrow(1, q_width + kv_width, kv_width)?;
+            qkv = Tensor::cat(&[q, k, v], 1)?;
+        }
+        Ok(qkv)
+    }
+
     fn linears(&self) -> impl Iterator<Item = &Linear> {
         self.qkv
             .linears()
@@ -227,6 +86,7 @@ pub struct Llama {
     norm: RmsNorm,
     output: Quantized,
     rotation: Rotation,
+    rope_style: RopeStyle,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -333,72 +193,84 @@ pub struct Step<'a> {
     pub cache: &'a mut Cache,
 }
 
-fn md<'a>(ct: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value> {
-    ct.metadata
-        .get(key)
-        .ok_or_else(|| candle_core::Error::Msg(format!("the GGUF lacks {key}")))
-}
-
 impl Llama {
-    /// The weights of a `general.architecture = llama` GGUF; with `dense_prefill`, the linear
-    /// weights also as f32 for prompt rows.
+    /// The weights of a GGUF of a served family (`architecture.rs`); with `dense_prefill`, the
+    /// linear weights also as f32 for prompt rows.
     pub fn from_gguf<R: std::io::Read + std::io::Seek>(
         ct: &gguf_file::Content,
+        arch: &Architecture,
         reader: &mut R,
         device: &Device,
-        context_length: usize,
         dense_prefill: bool,
     ) -> Result<Self> {
-        let arch = md(ct, "general.architecture")?.to_string()?;
-        if arch != "llama" {
-            candle_core::bail!("architecture {arch:?}: only llama GGUFs are served");
-        }
-        let number = |key: &str| md(ct, key).and_then(|v| v.to_u32()).map(|v| v as usize);
-        let heads = number("llama.attention.head_count")?;
-        let kv_heads = number("llama.attention.head_count_kv")?;
-        let layers = number("llama.block_count")?;
-        let hidden = number("llama.embedding_length")?;
-        let rope_dim = number("llama.rope.dimension_count")?;
-        let eps = md(ct, "llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64;
-        let freq_base = md(ct, "llama.rope.freq_base")
-            .and_then(|v| v.to_f32())
-            .unwrap_or(10_000.0);
-        let head_dim = hidden / heads;
-        if rope_dim != head_dim || heads % kv_heads != 0 {
-            candle_core::bail!(
-                "rope over {rope_dim} of {head_dim} dims or {heads} heads over {kv_heads} kv heads"
-            );
-        }
         let tensor = |name: &str, reader: &mut R| ct.tensor(reader, name, device);
         let embeddings_q = tensor("token_embd.weight", reader)?;
-        let embeddings = Embedding::new(embeddings_q.dequantize(device)?, hidden);
-        let norm = RmsNorm::from_qtensor(tensor("output_norm.weight", reader)?, eps)?;
-        let output = match tensor("output.weight", reader) {
-            Ok(t) => t,
-            Err(_) => embeddings_q, // tied embeddings
+        let embeddings = Embedding::new(embeddings_q.dequantize(device)?, arch.hidden);
+        let norm = RmsNorm::from_qtensor(tensor("output_norm.weight", reader)?, arch.eps)?;
+        let output = match ct.tensor_infos.contains_key("output.weight") {
+            true => tensor("output.weight", reader)?,
+            false => embeddings_q, // tied embeddings
         };
-        let mut blocks = Vec::with_capacity(layers);
-        for i in 0..layers {
-            let mut weight = |name: &str| tensor(&format!("blk.{i}.{name}.weight"), reader);
-            let qkv = vec![weight("attn_q")?, weight("attn_k")?, weight("attn_v")?];
-            let gate_up = vec![weight("ffn_gate")?, weight("ffn_up")?];
-            let (o, down) = (weight("attn_output")?, weight("ffn_down")?);
-            let attention_norm =
-                RmsNorm::from_qtensor(tensor(&format!("blk.{i}.attn_norm.weight"), reader)?, eps)?;
-            let ffn_norm =
-                RmsNorm::from_qtensor(tensor(&format!("blk.{i}.ffn_norm.weight"), reader)?, eps)?;
+        let family = arch.family;
+        let mut blocks = Vec::with_capacity(arch.layers);
+        for i in 0..arch.layers {
+            let mut weight = |name: &str| tensor(&format!("blk.{i}.{name}"), reader);
+            let qkv = vec![
+                weight("attn_q.weight")?,
+                weight("attn_k.weight")?,
+                weight("attn_v.weight")?,
+            ];
+            let gate_up = vec![weight("ffn_gate.weight")?, weight("ffn_up.weight")?];
+            let (o, down) = (weight("attn_output.weight")?, weight("ffn_down.weight")?);
+            let attention_norm = RmsNorm::from_qtensor(weight("attn_norm.weight")?, arch.eps)?;
+            let ffn_norm = RmsNorm::from_qtensor(weight("ffn_norm.weight")?, arch.eps)?;
+            let qkv_bias = if family.qkv_bias() {
+                let biases = ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+                    .iter()
+                    .map(|name| weight(name)?.dequantize(device))
+                    .collect::<Result<Vec<_>>>()?;
+                Some(Tensor::cat(&biases, 0)?.unsqueeze(0)?)
+            } else {
+                None
+            };
+            let qk_norm = if family.qk_norm() {
+                Some([
+                    RmsNorm::from_qtensor(weight("attn_q_norm.weight")?, arch.eps)?,
+                    RmsNorm::from_qtensor(weight("attn_k_norm.weight")?, arch.eps)?,
+                ])
+            } else {
+                None
+            };
             blocks.push(Layer {
                 attention_norm,
                 qkv: Stacked::new(qkv, dense_prefill)?,
+                qkv_bias,
+                qk_norm,
                 o: Linear::new(o, dense_prefill)?,
                 ffn_norm,
                 gate_up: Stacked::new(gate_up, dense_prefill)?,
                 down: Linear::new(down, dense_prefill)?,
             });
         }
-        let (cos, sin) = rope_tables(head_dim, freq_base, context_length, device)?;
+        // Llama 3.1's long-context rope stores a divisor per frequency.
+        let factors = match ct.tensor_infos.contains_key("rope_freqs.weight") {
+            true => Some(
+                tensor("rope_freqs.weight", reader)?
+                    .dequantize(&Device::Cpu)?
+                    .to_vec1::<f32>()?,
+            ),
+            false => None,
+        };
+        let (cos, sin) = rope_tables(
+            arch.head_dim,
+            arch.freq_base,
+            factors.as_deref(),
+            arch.context_length,
+            device,
+        )?;
+        let rope_style = family.rope_style();
         let rotation = if device.is_cpu() {
-            Rotation::Host(Rotary::new(&cos, &sin)?)
+            Rotation::Host(Rotary::new(&cos, &sin, rope_style)?)
         } else {
             Rotation::Device { cos, sin }
         };
@@ -408,9 +280,10 @@ impl Llama {
             norm,
             output: Quantized::new(output)?,
             rotation,
-            heads,
-            kv_heads,
-            head_dim,
+            rope_style,
+            heads: arch.heads,
+            kv_heads: arch.kv_heads,
+            head_dim: arch.head_dim,
             device: device.clone(),
         })
     }
@@ -512,7 +385,7 @@ impl Llama {
             .forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let h = layer.attention_norm.forward(&x)?;
-            let qkv = layer.qkv.forward(&h, &rows)?;
+            let qkv = layer.qkv(&h, &rows, self.shape())?;
             let y = match &self.rotation {
                 Rotation::Host(rotary) => self.host_attention(&qkv, steps, l, rotary)?,
                 Rotation::Device { cos, sin } => {
@@ -592,7 +465,11 @@ impl Llama {
             };
             let rope = |x: &Tensor| -> Result<Tensor> {
                 let n = x.dim(2)?;
-                candle_nn::rotary_emb::rope_i(x, &cos.narrow(0, at, n)?, &sin.narrow(0, at, n)?)
+                let (cos, sin) = (cos.narrow(0, at, n)?, sin.narrow(0, at, n)?);
+                match self.rope_style {
+                    RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(x, &cos, &sin),
+                    RopeStyle::Halves => candle_nn::rotary_emb::rope(x, &cos, &sin),
+                }
             };
             let q = rope(&part(&q, self.heads)?)?;
             let k = rope(&part(&k, self.kv_heads)?)?;
@@ -632,15 +509,29 @@ impl Llama {
     }
 }
 
+/// Each position's angle per frequency; `factors` (one per frequency) divide the frequencies.
 fn rope_tables(
     head_dim: usize,
     freq_base: f32,
+    factors: Option<&[f32]>,
     positions: usize,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
+    if let Some(f) = factors
+        && f.len() != head_dim / 2
+    {
+        candle_core::bail!(
+            "rope_freqs has {} factors for {} frequencies",
+            f.len(),
+            head_dim / 2
+        );
+    }
     let theta: Vec<f32> = (0..head_dim)
         .step_by(2)
-        .map(|i| 1.0 / freq_base.powf(i as f32 / head_dim as f32))
+        .enumerate()
+        .map(|(k, i)| {
+            1.0 / freq_base.powf(i as f32 / head_dim as f32) / factors.map_or(1.0, |f| f[k])
+        })
         .collect();
     let theta = Tensor::new(theta.as_slice(), device)?;
     let angles = Tensor::arange(0, positions.max(1) as u32, device)?
@@ -653,4 +544,39 @@ fn rope_tables(
 /// The greedy token of each row of `logits` (`[sequences, vocab]`).
 pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
     logits.argmax(D::Minus1)?.to_vec1::<u32>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A factor divides its frequency: with factor 2 the angle at position 2p is the plain
+    /// angle at p; factor 1 leaves the table as it is.
+    #[test]
+    fn rope_factors_divide_their_frequencies() {
+        let (d, base) = (8, 10_000.0);
+        let plain = rope_tables(d, base, None, 16, &Device::Cpu).unwrap().0;
+        let factors = [1.0, 2.0, 1.0, 2.0];
+        let scaled = rope_tables(d, base, Some(&factors), 16, &Device::Cpu)
+            .unwrap()
+            .0;
+        let (plain, scaled) = (
+            plain.to_vec2::<f32>().unwrap(),
+            scaled.to_vec2::<f32>().unwrap(),
+        );
+        for p in 0..8 {
+            for (k, f) in factors.iter().enumerate() {
+                let want = if *f == 1.0 {
+                    plain[2 * p][k]
+                } else {
+                    plain[p][k]
+                };
+                assert!(
+                    (scaled[2 * p][k] - want).abs() < 1e-5,
+                    "position {p} pair {k}"
+                );
+            }
+        }
+        assert!(rope_tables(d, base, Some(&[1.0; 3]), 16, &Device::Cpu).is_err());
+    }
 }

@@ -1,7 +1,9 @@
 //! Models a worker can run, behind one small trait, and the errors loading and running them
 //! can give.
 
+mod architecture;
 mod attention;
+mod chat_template;
 mod cross;
 pub mod decoder;
 pub mod embed;
@@ -9,8 +11,10 @@ mod encoder;
 mod exp;
 pub mod generate;
 mod gguf;
+mod gguf_metadata;
 mod host_attention;
 mod length_groups;
+mod linear;
 mod llama;
 pub mod mlp;
 pub mod open;
@@ -206,6 +210,7 @@ pub fn check(kind: &str, path: &Path) -> Result<(), LoadError> {
         "embed" => embed::Embedder::check(path).map_err(refused),
         "rerank" => cross::Scorer::check(path, cross::Task::Rerank).map_err(refused),
         "classify" => cross::Scorer::check(path, cross::Task::Classify).map_err(refused),
+        "generate" => generate::Generator::check(path),
         _ => Ok(()),
     }
 }

@@ -13,9 +13,13 @@ fn random(shape: (usize, usize)) -> Tensor {
 }
 
 fn rotary(positions: usize) -> (Tensor, Tensor, Rotary) {
+    rotary_styled(positions, RopeStyle::Interleaved)
+}
+
+fn rotary_styled(positions: usize, style: RopeStyle) -> (Tensor, Tensor, Rotary) {
     let cos = random((positions, SHAPE.head_dim / 2));
     let sin = random((positions, SHAPE.head_dim / 2));
-    let tables = Rotary::new(&cos, &sin).unwrap();
+    let tables = Rotary::new(&cos, &sin, style).unwrap();
     (cos, sin, tables)
 }
 
@@ -32,15 +36,18 @@ fn heads_of(qkv: &Tensor, first: usize, heads: usize) -> Tensor {
         .unwrap()
 }
 
-/// candle's way: `rope_i` on q and k, repeated kv heads, a masked softmax, matmuls. Returns the
-/// attention (`[len, heads * d]`) and the rotated keys (`[1, kv_heads, len, d]`).
-fn reference(qkv: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor) {
+/// candle's way: `rope_i` (or `rope`) on q and k, repeated kv heads, a masked softmax, matmuls.
+/// Returns the attention (`[len, heads * d]`) and the rotated keys (`[1, kv_heads, len, d]`).
+fn reference(qkv: &Tensor, cos: &Tensor, sin: &Tensor, style: RopeStyle) -> (Tensor, Tensor) {
     let len = qkv.dim(0).unwrap();
     let (cos, sin) = (
         cos.narrow(0, 0, len).unwrap(),
         sin.narrow(0, 0, len).unwrap(),
     );
-    let rope = |x: Tensor| candle_nn::rotary_emb::rope_i(&x, &cos, &sin).unwrap();
+    let rope = |x: Tensor| match style {
+        RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin).unwrap(),
+        RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, &cos, &sin).unwrap(),
+    };
     let q = rope(heads_of(qkv, 0, SHAPE.heads));
     let k = rope(heads_of(qkv, SHAPE.heads, SHAPE.kv_heads));
     let v = heads_of(qkv, SHAPE.heads + SHAPE.kv_heads, SHAPE.kv_heads);
@@ -83,21 +90,31 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// Against candle's rotation and masked-softmax attention, a prompt chunk after a cached
-/// prefix; the cached keys are candle's rotated keys bit for bit.
+/// Against candle's rotation (both pairings) and masked-softmax attention, a prompt chunk after
+/// a cached prefix; the cached keys are candle's rotated keys bit for bit.
 #[test]
 fn matches_candles_rotation_and_attention() {
+    for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
+        matches_candle(style);
+    }
+}
+
+fn matches_candle(style: RopeStyle) {
     let (at, n) = (7, 5);
     let qkv = random((at + n, WIDTH));
-    let (cos, sin, tables) = rotary(40);
+    let (cos, sin, tables) = rotary_styled(40, style);
     let mut kv = HostKv::new(SHAPE, 40);
     pass(&qkv, 0, at, &mut kv, &tables);
     let ours = pass(&qkv, at, n, &mut kv, &tables);
-    let (theirs, keys) = reference(&qkv, &cos, &sin);
+    let (theirs, keys) = reference(&qkv, &cos, &sin, style);
     let theirs = theirs.narrow(0, at, n).unwrap().to_vec2::<f32>().unwrap();
     for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
         for (x, y) in a.iter().zip(b) {
-            assert!((x - y).abs() < 1e-5, "position {}: {x} vs {y}", at + i);
+            assert!(
+                (x - y).abs() < 1e-5,
+                "{style:?} position {}: {x} vs {y}",
+                at + i
+            );
         }
     }
     let keys = keys.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -107,7 +124,7 @@ fn matches_candles_rotation_and_attention() {
         assert_eq!(
             bits(cached),
             bits(&keys[h * (at + n) * d..][..(at + n) * d]),
-            "kv head {h}"
+            "{style:?} kv head {h}"
         );
     }
 }

@@ -1,0 +1,246 @@
+//! What a GGUF says about its decoder: the family (`general.architecture`), the family's
+//! hyperparameters under its own key prefix, and how the family differs from llama. Read once
+//! here, so the loader, the KV budget and the refusals agree.
+
+use candle_core::quantized::gguf_file;
+
+/// The decoder families served, and what each adds to llama's block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// Llama 1/2/3 and Mistral (llama.cpp writes Mistral 7B as `llama`).
+    Llama,
+    /// `mistral` as its own architecture name: llama's block.
+    Mistral,
+    /// Biases on q, k and v.
+    Qwen2,
+    /// An RMS norm on each head of q and k before rotation; head width from `key_length`.
+    Qwen3,
+}
+
+/// The architectures this worker serves, as `general.architecture` names them.
+pub const SERVED: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+
+/// How pairs of a head's dimensions are rotated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Dimensions `2i` and `2i + 1` (llama.cpp's "normal" rope: its llama conversion permutes
+    /// q and k into this order).
+    Interleaved,
+    /// Dimensions `i` and `i + d/2` ("neox" rope: Qwen).
+    Halves,
+}
+
+impl Family {
+    fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "llama" => Self::Llama,
+            "mistral" => Self::Mistral,
+            "qwen2" => Self::Qwen2,
+            "qwen3" => Self::Qwen3,
+            _ => return None,
+        })
+    }
+
+    pub fn rope_style(self) -> RopeStyle {
+        match self {
+            Self::Llama | Self::Mistral => RopeStyle::Interleaved,
+            Self::Qwen2 | Self::Qwen3 => RopeStyle::Halves,
+        }
+    }
+
+    pub fn qkv_bias(self) -> bool {
+        self == Self::Qwen2
+    }
+
+    pub fn qk_norm(self) -> bool {
+        self == Self::Qwen3
+    }
+}
+
+/// A decoder's shape as its GGUF states it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Architecture {
+    pub family: Family,
+    /// Tokens a sequence may hold: the trained context, or the sliding window when the model
+    /// has one (attention beyond it is never computed, so answers stay the model's).
+    pub context_length: usize,
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f64,
+    pub freq_base: f32,
+}
+
+impl Architecture {
+    pub fn read(ct: &gguf_file::Content) -> Result<Self, String> {
+        let name = text(ct, "general.architecture")?;
+        let family = Family::from_name(&name).ok_or_else(|| {
+            format!(
+                "architecture {name:?} is not served (served: {})",
+                SERVED.join(", ")
+            )
+        })?;
+        let key = |k: &str| format!("{name}.{k}");
+        let number = |k: &str| -> Result<usize, String> {
+            let key = key(k);
+            value(ct, &key)?
+                .to_u32()
+                .map(|v| v as usize)
+                .map_err(|e| format!("{key}: {e}"))
+        };
+        let optional = |k: &str| -> Result<Option<usize>, String> {
+            match ct.metadata.get(&key(k)) {
+                Some(_) => number(k).map(Some),
+                None => Ok(None),
+            }
+        };
+        let heads = number("attention.head_count")?;
+        let kv_heads = number("attention.head_count_kv").unwrap_or(heads);
+        let hidden = number("embedding_length")?;
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(format!("{heads} attention heads over {kv_heads} kv heads"));
+        }
+        let head_dim = optional("attention.key_length")?.unwrap_or(hidden / heads);
+        if let Some(v) = optional("attention.value_length")?
+            && v != head_dim
+        {
+            return Err(format!(
+                "keys of {head_dim} and values of {v} dimensions per head are not served"
+            ));
+        }
+        let rope_dim = optional("rope.dimension_count")?.unwrap_or(head_dim);
+        if rope_dim != head_dim {
+            return Err(format!(
+                "rope over {rope_dim} of {head_dim} dimensions per head is not served"
+            ));
+        }
+        if let Some(scaling) = ct.metadata.get(&key("rope.scaling.type")) {
+            let scaling = scaling.to_string().map_err(|e| e.to_string())?;
+            if scaling != "none" {
+                return Err(format!(
+                    "{} = {scaling:?}: rope scaling is not served",
+                    key("rope.scaling.type")
+                ));
+            }
+        }
+        let mut context_length = number("context_length")?;
+        if let Some(window) = optional("attention.sliding_window")?
+            && window > 0
+        {
+            context_length = context_length.min(window);
+        }
+        let eps = value(ct, &key("attention.layer_norm_rms_epsilon"))?
+            .to_f32()
+            .map_err(|e| e.to_string())? as f64;
+        let freq_base = match ct.metadata.get(&key("rope.freq_base")) {
+            Some(v) => v.to_f32().map_err(|e| e.to_string())?,
+            None => 10_000.0,
+        };
+        Ok(Self {
+            family,
+            context_length,
+            layers: number("block_count")?,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            eps,
+            freq_base,
+        })
+    }
+
+    /// Bytes of KV cache one token occupies (all layers, keys and values, f32).
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        (self.layers * 2 * self.kv_heads * self.head_dim * 4) as u64
+    }
+}
+
+fn value<'a>(ct: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value, String> {
+    ct.metadata
+        .get(key)
+        .ok_or_else(|| format!("the GGUF lacks {key}"))
+}
+
+fn text(ct: &gguf_file::Content, key: &str) -> Result<String, String> {
+    value(ct, key)?
+        .to_string()
+        .cloned()
+        .map_err(|e| format!("{key}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gguf_file::Value;
+
+    fn content(entries: &[(&str, Value)]) -> gguf_file::Content {
+        gguf_file::Content {
+            magic: gguf_file::VersionedMagic::GgufV3,
+            metadata: entries
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+            tensor_infos: Default::default(),
+            tensor_data_offset: 0,
+        }
+    }
+
+    fn qwen3() -> Vec<(&'static str, Value)> {
+        vec![
+            ("general.architecture", Value::String("qwen3".into())),
+            ("qwen3.context_length", Value::U32(40960)),
+            ("qwen3.block_count", Value::U32(2)),
+            ("qwen3.embedding_length", Value::U32(64)),
+            ("qwen3.attention.head_count", Value::U32(4)),
+            ("qwen3.attention.head_count_kv", Value::U32(2)),
+            ("qwen3.attention.key_length", Value::U32(32)),
+            ("qwen3.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+            ("qwen3.rope.freq_base", Value::F32(1e6)),
+        ]
+    }
+
+    #[test]
+    fn each_family_reads_its_own_keys() {
+        let arch = Architecture::read(&content(&qwen3())).unwrap();
+        assert_eq!(arch.family, Family::Qwen3);
+        assert_eq!((arch.heads, arch.kv_heads, arch.head_dim), (4, 2, 32));
+        assert_eq!(arch.context_length, 40960);
+        assert_eq!(arch.freq_base, 1e6);
+        assert_eq!(arch.kv_bytes_per_token(), 2 * 2 * 2 * 32 * 4);
+        assert_eq!(arch.family.rope_style(), RopeStyle::Halves);
+        assert!(arch.family.qk_norm() && !arch.family.qkv_bias());
+    }
+
+    #[test]
+    fn what_is_not_served_is_named() {
+        let mut gpt = qwen3();
+        gpt[0].1 = Value::String("gpt2".into());
+        let err = Architecture::read(&content(&gpt)).unwrap_err();
+        assert!(err.contains("architecture \"gpt2\" is not served"), "{err}");
+        assert!(err.contains("llama, mistral, qwen2, qwen3"), "{err}");
+
+        let mut scaled = qwen3();
+        scaled.push(("qwen3.rope.scaling.type", Value::String("yarn".into())));
+        let err = Architecture::read(&content(&scaled)).unwrap_err();
+        assert!(err.contains("qwen3.rope.scaling.type = \"yarn\""), "{err}");
+
+        let mut missing = qwen3();
+        missing.retain(|(k, _)| *k != "qwen3.block_count");
+        let err = Architecture::read(&content(&missing)).unwrap_err();
+        assert_eq!(err, "the GGUF lacks qwen3.block_count");
+    }
+
+    #[test]
+    fn a_sliding_window_bounds_the_context() {
+        let mut windowed = qwen3();
+        windowed.push(("qwen3.attention.sliding_window", Value::U32(4096)));
+        assert_eq!(
+            Architecture::read(&content(&windowed))
+                .unwrap()
+                .context_length,
+            4096
+        );
+    }
+}
