@@ -350,13 +350,88 @@ def greedy(model, ids, special):
     return out
 
 
+# Transformers directories (`save_pretrained`: config.json, safetensors, tokenizer.json and the
+# template), as users bring them: each with the tokenizer of a GGUF case above, as transformers
+# converted it.
+DIRECTORIES = [
+    {"name": "llama3-dir", "tokenizer_of": "llama3", "model_type": "llama", "seed": 10,
+     "head_dim": 16, "tied": False, "dtype": torch.float32},
+    # Heads wider than hidden / heads, tied embeddings, weights in bfloat16.
+    {"name": "qwen3-dir", "tokenizer_of": "qwen3", "model_type": "qwen3", "seed": 11,
+     "head_dim": 32, "tied": True, "dtype": torch.bfloat16},
+]
+
+
+def write_directory(entry, tokenizer, case):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        entry["model_type"], vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=entry["head_dim"], max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=entry["tied"],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.convert_tokens_to_ids(case["eos"]))
+    model = AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(entry["seed"])
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        elif "embed" in name or "lm_head" in name:
+            p.copy_(torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    directory = os.path.join(OUT, entry["name"])
+    model.to(entry["dtype"]).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def references(case, tokenizer, model, specials, bos):
+    """Every request of the test for one model, with what transformers answers."""
+    special = set(tokenizer.all_special_ids) | {tokenizer.convert_tokens_to_ids(t) for t in specials}
+    requests = []
+
+    def add(request, ids):
+        out = greedy(model, ids, special)
+        # A text cut inside a character is not compared (a decoder may hold its bytes back).
+        while out and "\ufffd" in tokenizer.decode(out):
+            out.pop()
+        # No clear step: only the prompt's token count is compared.
+        requests.append({
+            **request,
+            "prompt_tokens": len(ids),
+            "max_tokens": max(len(out), 1),
+            "expected": tokenizer.decode(out) if out else None,
+        })
+
+    for text in TEXTS:
+        add({"text": text, "chat": False}, bos(text))
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(rendered, add_special_tokens=False)
+        add({"text": prompt, "chat": True, "rendered": rendered}, ids)
+    try:
+        rendered = tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    except Exception as refused:  # the template's own raise_exception
+        requests.append({"messages": CONVERSATION, "refused": str(refused)})
+    else:
+        add({"messages": CONVERSATION, "rendered": rendered},
+            tokenizer.encode(rendered, add_special_tokens=False))
+    steps = sum(r["max_tokens"] for r in requests if r.get("expected"))
+    assert steps >= 3 * len(requests), f"{case}: only {steps} clear greedy steps"
+    print(f"{case}: {len(requests)} requests", file=sys.stderr)
+    return requests
+
+
 def main():
     vocab = smollm2_vocab()
-    cases = []
+    cases, tokenizers = [], {}
     for case in CASES:
         path = write(case, vocab, case["seed"])
         name = os.path.basename(path)
         tokenizer = AutoTokenizer.from_pretrained(OUT, gguf_file=name)
+        tokenizers[case["name"]] = tokenizer
         if case.get("sentencepiece"):
             # transformers' GGUF conversion puts the `▁` space prefix at the text's start only
             # (prepend_scheme "first"); SentencePiece models as their makers and llama.cpp
@@ -367,42 +442,20 @@ def main():
                 replacement="\u2581", prepend_scheme="always", split=False)
         model = AutoModelForCausalLM.from_pretrained(OUT, gguf_file=name, dtype=torch.float32)
         model.eval()
-        special = set(tokenizer.all_special_ids) | {
-            tokenizer.convert_tokens_to_ids(t) for t in case["specials"]}
         bos = [tokenizer.convert_tokens_to_ids(case["bos"])] if case["add_bos"] else []
-        requests = []
-
-        def add(request, ids):
-            out = greedy(model, ids, special)
-            # A text cut inside a character is not compared (a decoder may hold its bytes back).
-            while out and "\ufffd" in tokenizer.decode(out):
-                out.pop()
-            # No clear step: only the prompt's token count is compared.
-            requests.append({
-                **request,
-                "prompt_tokens": len(ids),
-                "max_tokens": max(len(out), 1),
-                "expected": tokenizer.decode(out) if out else None,
-            })
-
-        for text in TEXTS:
-            add({"text": text, "chat": False}, bos + tokenizer.encode(text, add_special_tokens=False))
-        for prompt in PROMPTS:
-            messages = [{"role": "user", "content": prompt}]
-            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer.encode(rendered, add_special_tokens=False)
-            add({"text": prompt, "chat": True, "rendered": rendered}, ids)
-        try:
-            rendered = tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
-        except Exception as refused:  # the template's own raise_exception
-            requests.append({"messages": CONVERSATION, "refused": str(refused)})
-        else:
-            add({"messages": CONVERSATION, "rendered": rendered},
-                tokenizer.encode(rendered, add_special_tokens=False))
-        steps = sum(r["max_tokens"] for r in requests if r.get("expected"))
-        assert steps >= 3 * len(requests), f"{case['name']}: only {steps} clear greedy steps"
+        raw = lambda text: bos + tokenizer.encode(text, add_special_tokens=False)
+        requests = references(case["name"], tokenizer, model, case["specials"], raw)
         cases.append({"name": case["name"], "file": name, "requests": requests})
-        print(f"{case['name']}: {len(requests)} requests", file=sys.stderr)
+    for entry in DIRECTORIES:
+        case = next(c for c in CASES if c["name"] == entry["tokenizer_of"])
+        directory = write_directory(entry, tokenizers[case["name"]], case)
+        # Read back as a user's code would: the directory alone, weights as f32.
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        model.eval()
+        raw = lambda text: tokenizer.encode(text)  # with the tokenizer's own special tokens
+        requests = references(entry["name"], tokenizer, model, case["specials"], raw)
+        cases.append({"name": entry["name"], "file": entry["name"], "requests": requests})
     for name, base, change in REFUSED:
         case = {**next(c for c in CASES if c["name"] == base), **change, "name": name, "layers": 1}
         write(case, vocab, 0)

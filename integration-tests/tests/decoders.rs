@@ -1,12 +1,14 @@
 //! `generate` from GGUF files of each served family — llama with Llama 3's tokenizer and
-//! template, llama with a SentencePiece vocabulary and Mistral's template, qwen2 (q/k/v biases), qwen3 (q/k norms, heads wider than hidden / heads, tied
-//! embeddings) — made by the test itself (`python/make_decoders.py`: random weights in each
-//! family's layout, a real byte-level BPE vocabulary under the family's pre-tokenizer, its
-//! special tokens and chat template), served by a real fleet, and checked against what
-//! transformers computes from the same files: the prompt's token count (tokenizer, chat template,
-//! BOS) and the greedy continuation; a conversation the model's template refuses is refused with
-//! the template's own words. Files of a family, pre-tokenizer or rope scaling Nomad does not
-//! serve are refused at load, naming it.
+//! template, llama with a SentencePiece vocabulary and Mistral's template, qwen2 (q/k/v biases),
+//! qwen3 (q/k norms, heads wider than hidden / heads, tied embeddings) — and from transformers
+//! directories (safetensors in f32 and bfloat16, `tokenizer.json`, `chat_template.jinja`), made
+//! by the test itself (`python/make_decoders.py`: random weights in each family's layout, a real
+//! vocabulary under the family's pre-tokenizer, its special tokens and chat template), served by
+//! a real fleet, and checked against what transformers computes from the same files: the
+//! prompt's token count (tokenizer, chat template, BOS) and the greedy continuation; a
+//! conversation the model's template refuses is refused with the template's own words. Files of
+//! a family, pre-tokenizer or rope scaling Nomad does not serve are refused at start-up, naming
+//! it.
 
 use std::time::Duration;
 

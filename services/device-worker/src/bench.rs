@@ -122,6 +122,7 @@ fn generate(args: &BenchArgs) -> anyhow::Result<()> {
                         true,
                     )
                     .map_err(anyhow::Error::msg)?,
+                true,
             )
             .map_err(anyhow::Error::msg)?;
         model.time_decode(&prompt, 1, 4)?; // warm-up

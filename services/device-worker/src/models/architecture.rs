@@ -1,6 +1,7 @@
-//! What a GGUF says about its decoder: the family (`general.architecture`), the family's
-//! hyperparameters under its own key prefix, and how the family differs from llama. Read once
-//! here, so the loader, the KV budget and the refusals agree.
+//! What a decoder's files say about it: the family (a GGUF's `general.architecture`, or
+//! `model_type` in a transformers directory's `config.json`), its hyperparameters (under the
+//! family's own key prefix in a GGUF), and how the family differs from llama. Read once here, so
+//! the loader, the KV budget and the refusals agree.
 
 use candle_core::quantized::gguf_file;
 
@@ -41,15 +42,13 @@ impl Family {
         })
     }
 
-    pub fn rope_style(self) -> RopeStyle {
+    /// How a GGUF of this family pairs rotated dimensions (transformers' weights always pair
+    /// halves: llama.cpp permutes llama's q and k when it converts them).
+    pub fn gguf_rope_style(self) -> RopeStyle {
         match self {
             Self::Llama | Self::Mistral => RopeStyle::Interleaved,
             Self::Qwen2 | Self::Qwen3 => RopeStyle::Halves,
         }
-    }
-
-    pub fn qkv_bias(self) -> bool {
-        self == Self::Qwen2
     }
 
     pub fn qk_norm(self) -> bool {
@@ -61,6 +60,7 @@ impl Family {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Architecture {
     pub family: Family,
+    pub rope: RopeStyle,
     /// Tokens a sequence may hold: the trained context, or the sliding window when the model
     /// has one (attention beyond it is never computed, so answers stay the model's).
     pub context_length: usize,
@@ -140,6 +140,7 @@ impl Architecture {
         };
         Ok(Self {
             family,
+            rope: family.gguf_rope_style(),
             context_length,
             layers: number("block_count")?,
             hidden,
@@ -148,6 +149,71 @@ impl Architecture {
             head_dim,
             eps,
             freq_base,
+        })
+    }
+
+    /// From a transformers directory's `config.json`.
+    pub fn from_config(config: &serde_json::Value) -> Result<Self, String> {
+        let name = config["model_type"].as_str().unwrap_or("(none)");
+        let family = Family::from_name(name).ok_or_else(|| {
+            format!(
+                "config.json: model_type {name:?} is not a decoder family served (served: {})",
+                SERVED.join(", ")
+            )
+        })?;
+        let number = |key: &str| -> Result<Option<usize>, String> {
+            match config.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .map(|v| Some(v as usize))
+                    .ok_or_else(|| format!("config.json: {key} = {v} is not a whole number")),
+            }
+        };
+        let need = |key: &str| number(key)?.ok_or_else(|| format!("config.json lacks {key}"));
+        let flag = |key: &str| config.get(key).and_then(serde_json::Value::as_bool);
+        for key in ["mlp_bias", "attention_bias"] {
+            if flag(key) == Some(true) {
+                return Err(format!("config.json: {key} = true is not served"));
+            }
+        }
+        // transformers 5 keeps rope's settings in `rope_parameters`; earlier versions beside.
+        let rope = config.get("rope_parameters").unwrap_or(config);
+        let rope_type = rope
+            .get("rope_type")
+            .or_else(|| config.get("rope_scaling").and_then(|s| s.get("rope_type")))
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("default");
+        if rope_type != "default" {
+            return Err(format!(
+                "config.json: rope_type {rope_type:?}: rope scaling is not served"
+            ));
+        }
+        let heads = need("num_attention_heads")?;
+        let kv_heads = number("num_key_value_heads")?.unwrap_or(heads);
+        let hidden = need("hidden_size")?;
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(format!("{heads} attention heads over {kv_heads} kv heads"));
+        }
+        let mut context_length = need("max_position_embeddings")?;
+        let windowed = match family {
+            Family::Qwen2 | Family::Qwen3 => flag("use_sliding_window") == Some(true),
+            Family::Llama | Family::Mistral => true,
+        };
+        if let Some(window) = number("sliding_window")?.filter(|w| windowed && *w > 0) {
+            context_length = context_length.min(window);
+        }
+        Ok(Self {
+            family,
+            rope: RopeStyle::Halves,
+            context_length,
+            layers: need("num_hidden_layers")?,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim: number("head_dim")?.unwrap_or(hidden / heads),
+            eps: config["rms_norm_eps"].as_f64().unwrap_or(1e-6),
+            freq_base: rope["rope_theta"].as_f64().unwrap_or(10_000.0) as f32,
         })
     }
 
@@ -209,8 +275,8 @@ mod tests {
         assert_eq!(arch.context_length, 40960);
         assert_eq!(arch.freq_base, 1e6);
         assert_eq!(arch.kv_bytes_per_token(), 2 * 2 * 2 * 32 * 4);
-        assert_eq!(arch.family.rope_style(), RopeStyle::Halves);
-        assert!(arch.family.qk_norm() && !arch.family.qkv_bias());
+        assert_eq!(arch.rope, RopeStyle::Halves);
+        assert!(arch.family.qk_norm());
     }
 
     #[test]
@@ -230,6 +296,34 @@ mod tests {
         missing.retain(|(k, _)| *k != "qwen3.block_count");
         let err = Architecture::read(&content(&missing)).unwrap_err();
         assert_eq!(err, "the GGUF lacks qwen3.block_count");
+    }
+
+    #[test]
+    fn a_transformers_config_reads_as_its_gguf_does() {
+        let config = serde_json::json!({
+            "model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "sliding_window": 4096,
+            "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}
+        });
+        let arch = Architecture::from_config(&config).unwrap();
+        assert_eq!(arch.family, Family::Mistral);
+        assert_eq!(arch.rope, RopeStyle::Halves);
+        assert_eq!((arch.heads, arch.kv_heads, arch.head_dim), (4, 1, 16));
+        assert_eq!((arch.context_length, arch.freq_base), (4096, 1e6));
+        let mut scaled = config.clone();
+        scaled["rope_parameters"]["rope_type"] = "llama3".into();
+        assert_eq!(
+            Architecture::from_config(&scaled).unwrap_err(),
+            "config.json: rope_type \"llama3\": rope scaling is not served"
+        );
+        let mut gpt = config;
+        gpt["model_type"] = "gpt2".into();
+        assert!(
+            Architecture::from_config(&gpt)
+                .unwrap_err()
+                .starts_with("config.json: model_type \"gpt2\" is not a decoder family served")
+        );
     }
 
     #[test]

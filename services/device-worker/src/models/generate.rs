@@ -15,10 +15,11 @@ use tokenizers::Tokenizer;
 
 use super::chat_template::ChatTemplate;
 use super::decoder::{Bounds, Decoder, Engine, Event, Finished, Params};
+use super::decoder_files::Metadata;
 use super::gguf::{gguf_path, load_error, requantized};
-use super::gguf_metadata::Metadata;
 use super::llama::Llama;
 use super::options::{Message, Options};
+use super::weights::{Gguf, Safetensors, Weights, safetensors_files};
 use super::{ExecError, ExecLimits, LoadError, Model, StartError, Streaming, invalid};
 use nomad_proto::kinds;
 
@@ -52,7 +53,7 @@ pub struct Generator {
     tokenizer: Tokenizer,
     /// The model's own chat template, when its GGUF has one.
     template: Option<ChatTemplate>,
-    /// The token a prompt begins with, when the GGUF asks for one (`add_bos_token`).
+    /// The token a prompt begins with where the worker adds it (a GGUF's `add_bos_token`).
     bos: Option<(u32, String)>,
     context_length: usize,
     /// Token ids that end a generation.
@@ -71,21 +72,34 @@ impl Generator {
         Self::load_configured(path, device, q4_1_to_q8_0, DecodeConfig::default())
     }
 
+    /// Loads the decoder at `path`: a GGUF file (or a directory holding one), or a transformers
+    /// directory (`config.json`, safetensors, `tokenizer.json`).
     pub fn load_configured(
         path: &Path,
         device: &Device,
         q4_1_to_q8_0: bool,
         config: DecodeConfig,
     ) -> Result<Self, LoadError> {
-        let path = gguf_path(path)?;
-        let mut file = std::fs::File::open(&path).map_err(|e| load_error(&path, e))?;
-        let ct = gguf_file::Content::read(&mut file)
-            .map_err(|e| load_error(&path, format!("not a readable GGUF: {e}")))?;
         let loading = Loading {
             device,
             q4_1_to_q8_0,
             config,
         };
+        if is_transformers_dir(path) {
+            let metadata = Metadata::from_dir(path)?;
+            let bytes = safetensors_files(path)
+                .map_err(|e| load_error(path, e))?
+                .iter()
+                .map(|f| std::fs::metadata(f).map_or(0, |m| m.len()))
+                .sum();
+            let mut weights = Safetensors::open(path, device).map_err(|e| load_error(path, e))?;
+            return Self::from_parts(path.to_owned(), metadata, &mut weights, bytes, loading);
+        }
+        let path = gguf_path(path)?;
+        let mut file = std::fs::File::open(&path).map_err(|e| load_error(&path, e))?;
+        let ct = gguf_file::Content::read(&mut file)
+            .map_err(|e| load_error(&path, format!("not a readable GGUF: {e}")))?;
+        let metadata = Metadata::from_gguf(&path, &ct)?;
         if q4_1_to_q8_0
             && ct
                 .tensor_infos
@@ -95,28 +109,42 @@ impl Generator {
             let (ct, mut buffer) = requantized(&ct, &mut file, GgmlDType::Q4_1, GgmlDType::Q8_0)
                 .map_err(|e| load_error(&path, format!("re-quantizing to Q8_0: {e}")))?;
             let bytes = buffer.get_ref().len() as u64;
-            return Self::from_content(path, ct, &mut buffer, bytes, loading);
+            let mut weights = Gguf {
+                content: &ct,
+                reader: &mut buffer,
+                device,
+            };
+            return Self::from_parts(path.clone(), metadata, &mut weights, bytes, loading);
         }
         let bytes = std::fs::metadata(&path)
             .map_err(|e| load_error(&path, e))?
             .len();
-        Self::from_content(path, ct, &mut file, bytes, loading)
+        let mut weights = Gguf {
+            content: &ct,
+            reader: &mut file,
+            device,
+        };
+        Self::from_parts(path.clone(), metadata, &mut weights, bytes, loading)
     }
 
-    /// What loading the GGUF at `path` would refuse, from its metadata alone (the tool is
+    /// What loading the decoder at `path` would refuse, from its metadata alone (the tool is
     /// described as failed at start-up, not at its first call).
     pub fn check(path: &Path) -> Result<(), LoadError> {
+        if is_transformers_dir(path) {
+            safetensors_files(path).map_err(|e| load_error(path, e))?;
+            return Metadata::from_dir(path).map(drop);
+        }
         let path = gguf_path(path)?;
         let mut file = std::fs::File::open(&path).map_err(|e| load_error(&path, e))?;
         let ct = gguf_file::Content::read(&mut file)
             .map_err(|e| load_error(&path, format!("not a readable GGUF: {e}")))?;
-        Metadata::read(&path, &ct).map(drop)
+        Metadata::from_gguf(&path, &ct).map(drop)
     }
 
-    fn from_content<R: std::io::Read + std::io::Seek>(
+    fn from_parts(
         path: PathBuf,
-        ct: gguf_file::Content,
-        file: &mut R,
+        metadata: Metadata,
+        weights: &mut dyn Weights,
         bytes: u64,
         loading: Loading<'_>,
     ) -> Result<Self, LoadError> {
@@ -126,15 +154,9 @@ impl Generator {
             template,
             bos,
             stop,
-        } = Metadata::read(&path, &ct)?;
-        let model = Llama::from_gguf(
-            &ct,
-            &arch,
-            file,
-            loading.device,
-            loading.config.dense_prefill,
-        )
-        .map_err(|e| load_error(&path, format!("loading the weights: {e}")))?;
+        } = metadata;
+        let model = Llama::load(&arch, weights, loading.device, loading.config.dense_prefill)
+            .map_err(|e| load_error(&path, format!("loading the weights: {e}")))?;
         // The f32 copies count toward the model's host memory.
         let bytes = bytes + model.dense_bytes();
         Ok(Self {
@@ -168,18 +190,21 @@ impl Generator {
     /// A conversation in the model's own chat template, ready for the assistant's turn.
     pub fn chat(&self, messages: &[Message]) -> Result<String, String> {
         let template = self.template.as_ref().ok_or(
-            "this model's GGUF has no chat template (tokenizer.chat_template); send the prompt \
-             as the model expects it with `chat: false`",
+            "this model has no chat template (a GGUF's tokenizer.chat_template, a directory's \
+             chat_template.jinja or tokenizer_config.json); send the prompt as the model expects \
+             it with `chat: false`",
         )?;
         template.render(messages).map_err(|e| e.to_string())
     }
 
     /// The prompt's tokens, beginning with the model's BOS token when its GGUF asks for one
     /// (once: a template that writes it already is not given a second).
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+    pub fn encode(&self, text: &str, rendered: bool) -> Result<Vec<u32>, String> {
+        // Raw text gets the special tokens a `tokenizer.json` adds (its BOS); a rendered
+        // template has written them, as transformers' `apply_chat_template` assumes.
         let ids = self
             .tokenizer
-            .encode(text, false)
+            .encode(text, !rendered)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| format!("tokenizing: {e}"))?;
         Ok(match &self.bos {
@@ -264,7 +289,10 @@ impl Generator {
             }
         }
         .map_err(|e| invalid(index, e))?;
-        let prompt = self.encode(&prompt).map_err(|e| invalid(index, e))?;
+        let rendered = !messages.is_empty() || opts.flag("chat");
+        let prompt = self
+            .encode(&prompt, rendered)
+            .map_err(|e| invalid(index, e))?;
         let params = Params {
             max_tokens: opts.integer("max_tokens") as usize,
             temperature: opts.number("temperature"),
@@ -310,6 +338,11 @@ impl Generator {
             )
         })
     }
+}
+
+/// A transformers directory: `config.json` beside the weights (else a GGUF is looked for).
+fn is_transformers_dir(path: &Path) -> bool {
+    path.join("config.json").is_file()
 }
 
 /// Whether Q4_1 weights are served re-quantized to Q8_0: only where this CPU has no Q4_1 kernel
@@ -452,12 +485,16 @@ mod tests {
         let m = model();
         for case in fixture()["texts"].as_array().unwrap() {
             let text = case["text"].as_str().unwrap();
-            assert_eq!(m.encode(text).unwrap(), ids(&case["ids"]), "{text:?}");
+            assert_eq!(
+                m.encode(text, false).unwrap(),
+                ids(&case["ids"]),
+                "{text:?}"
+            );
         }
         for case in fixture()["greedy"].as_array().unwrap() {
             let prompt = m.prompt(case["prompt"].as_str().unwrap(), true).unwrap();
             assert_eq!(
-                m.encode(&prompt).unwrap(),
+                m.encode(&prompt, true).unwrap(),
                 ids(&case["prompt_ids"]),
                 "{prompt:?}"
             );

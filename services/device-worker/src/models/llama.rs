@@ -14,7 +14,6 @@
 //! than the quantized kernel; decode rows (one token) stay quantized. Which path a row takes
 //! depends on its own sequence only, never on what else is in the step.
 
-use candle_core::quantized::gguf_file;
 use candle_core::{D, DType, Device, Module, Result, Tensor};
 use candle_nn::Embedding;
 use candle_nn::kv_cache::KvCache;
@@ -25,6 +24,7 @@ use super::attention::Heads;
 use super::host_attention::{self, HostKv, Rotary};
 use super::linear::{Linear, Quantized, Rows, Stacked};
 use super::swiglu::swiglu;
+use super::weights::Weights;
 
 struct Layer {
     attention_norm: RmsNorm,
@@ -194,27 +194,34 @@ pub struct Step<'a> {
 }
 
 impl Llama {
-    /// The weights of a GGUF of a served family (`architecture.rs`); with `dense_prefill`, the
-    /// linear weights also as f32 for prompt rows.
-    pub fn from_gguf<R: std::io::Read + std::io::Seek>(
-        ct: &gguf_file::Content,
+    /// The weights of a decoder of a served family (`architecture.rs`), by llama.cpp's names
+    /// from `weights` (a GGUF or a transformers directory); with `dense_prefill`, the linear
+    /// weights also as f32 for prompt rows.
+    pub fn load(
         arch: &Architecture,
-        reader: &mut R,
+        weights: &mut dyn Weights,
         device: &Device,
         dense_prefill: bool,
     ) -> Result<Self> {
-        let tensor = |name: &str, reader: &mut R| ct.tensor(reader, name, device);
-        let embeddings_q = tensor("token_embd.weight", reader)?;
+        let embeddings_q = weights.need("token_embd.weight")?;
         let embeddings = Embedding::new(embeddings_q.dequantize(device)?, arch.hidden);
-        let norm = RmsNorm::from_qtensor(tensor("output_norm.weight", reader)?, arch.eps)?;
-        let output = match ct.tensor_infos.contains_key("output.weight") {
-            true => tensor("output.weight", reader)?,
-            false => embeddings_q, // tied embeddings
+        let norm = RmsNorm::from_qtensor(weights.need("output_norm.weight")?, arch.eps)?;
+        let output = match weights.get("output.weight")? {
+            Some(t) => t,
+            None => embeddings_q, // tied embeddings
         };
-        let family = arch.family;
+        for unserved in ["attn_output.bias", "ffn_up.bias", "ffn_down.bias"] {
+            let name = format!("blk.0.{unserved}");
+            if weights.get(&name)?.is_some() {
+                candle_core::bail!(
+                    "the model has {}, which is not served",
+                    weights.own_name(&name)
+                );
+            }
+        }
         let mut blocks = Vec::with_capacity(arch.layers);
         for i in 0..arch.layers {
-            let mut weight = |name: &str| tensor(&format!("blk.{i}.{name}"), reader);
+            let mut weight = |name: &str| weights.need(&format!("blk.{i}.{name}"));
             let qkv = vec![
                 weight("attn_q.weight")?,
                 weight("attn_k.weight")?,
@@ -224,22 +231,25 @@ impl Llama {
             let (o, down) = (weight("attn_output.weight")?, weight("ffn_down.weight")?);
             let attention_norm = RmsNorm::from_qtensor(weight("attn_norm.weight")?, arch.eps)?;
             let ffn_norm = RmsNorm::from_qtensor(weight("ffn_norm.weight")?, arch.eps)?;
-            let qkv_bias = if family.qkv_bias() {
-                let biases = ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
-                    .iter()
-                    .map(|name| weight(name)?.dequantize(device))
-                    .collect::<Result<Vec<_>>>()?;
-                Some(Tensor::cat(&biases, 0)?.unsqueeze(0)?)
-            } else {
-                None
-            };
-            let qk_norm = if family.qk_norm() {
+            let qk_norm = if arch.family.qk_norm() {
                 Some([
                     RmsNorm::from_qtensor(weight("attn_q_norm.weight")?, arch.eps)?,
                     RmsNorm::from_qtensor(weight("attn_k_norm.weight")?, arch.eps)?,
                 ])
             } else {
                 None
+            };
+            // Biases on q, k and v where the model has them (Qwen2's always).
+            let qkv_bias = match weights.get(&format!("blk.{i}.attn_q.bias"))? {
+                Some(q) => {
+                    let mut bias = |name: &str| weights.need(&format!("blk.{i}.{name}"));
+                    let biases = [q, bias("attn_k.bias")?, bias("attn_v.bias")?]
+                        .iter()
+                        .map(|b| b.dequantize(device))
+                        .collect::<Result<Vec<_>>>()?;
+                    Some(Tensor::cat(&biases, 0)?.unsqueeze(0)?)
+                }
+                None => None,
             };
             blocks.push(Layer {
                 attention_norm,
@@ -253,13 +263,9 @@ impl Llama {
             });
         }
         // Llama 3.1's long-context rope stores a divisor per frequency.
-        let factors = match ct.tensor_infos.contains_key("rope_freqs.weight") {
-            true => Some(
-                tensor("rope_freqs.weight", reader)?
-                    .dequantize(&Device::Cpu)?
-                    .to_vec1::<f32>()?,
-            ),
-            false => None,
+        let factors = match weights.get("rope_freqs.weight")? {
+            Some(t) => Some(t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?),
+            None => None,
         };
         let (cos, sin) = rope_tables(
             arch.head_dim,
@@ -268,7 +274,7 @@ impl Llama {
             arch.context_length,
             device,
         )?;
-        let rope_style = family.rope_style();
+        let rope_style = arch.rope;
         let rotation = if device.is_cpu() {
             Rotation::Host(Rotary::new(&cos, &sin, rope_style)?)
         } else {
