@@ -131,6 +131,8 @@ impl Auth {
     }
 }
 
+/// The process's credential, installed once at start-up by the bootstrap; the layers are built
+/// with it (and tests build them with their own).
 static AUTH: OnceLock<Auth> = OnceLock::new();
 
 /// The installed credential (none until [`configure_from`] ran).
@@ -159,21 +161,35 @@ fn open_path(path: &str) -> bool {
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
-/// Server side: answers UNAUTHENTICATED to a call without the token.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ServerAuthLayer;
+/// Server side: answers UNAUTHENTICATED to a call without the token it was built with.
+#[derive(Debug, Clone, Default)]
+pub struct ServerAuthLayer {
+    auth: Arc<Auth>,
+}
+
+impl ServerAuthLayer {
+    pub fn new(auth: Auth) -> Self {
+        Self {
+            auth: Arc::new(auth),
+        }
+    }
+}
 
 impl<S> Layer<S> for ServerAuthLayer {
     type Service = ServerAuth<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        ServerAuth { inner }
+        ServerAuth {
+            inner,
+            auth: self.auth.clone(),
+        }
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct ServerAuth<S> {
     inner: S,
+    auth: Arc<Auth>,
 }
 
 impl<S, B, ResB> Service<http::Request<B>> for ServerAuth<S>
@@ -196,7 +212,7 @@ where
             .headers()
             .get(http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok());
-        if installed().accepts(authorization) {
+        if self.auth.accepts(authorization) {
             return Box::pin(self.inner.call(request));
         }
         if open_path(request.uri().path()) {
@@ -218,21 +234,38 @@ where
     }
 }
 
-/// Client side: sends the installed token on every call.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ClientAuthLayer;
+/// Client side: sends the token it was built with on every call (none: nothing).
+#[derive(Debug, Clone, Default)]
+pub struct ClientAuthLayer {
+    authorization: Option<http::HeaderValue>,
+}
+
+impl ClientAuthLayer {
+    pub fn new(auth: &Auth) -> Self {
+        let authorization = auth.token.as_deref().and_then(|token| {
+            let mut value = http::HeaderValue::from_str(&format!("Bearer {token}")).ok()?;
+            value.set_sensitive(true);
+            Some(value)
+        });
+        Self { authorization }
+    }
+}
 
 impl<S> Layer<S> for ClientAuthLayer {
     type Service = ClientAuth<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        ClientAuth { inner }
+        ClientAuth {
+            inner,
+            authorization: self.authorization.clone(),
+        }
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct ClientAuth<S> {
     inner: S,
+    authorization: Option<http::HeaderValue>,
 }
 
 impl<S, B> Service<http::Request<B>> for ClientAuth<S>
@@ -248,14 +281,10 @@ where
     }
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
-        if let Some(token) = installed().token.as_deref()
-            && let Ok(value) = http::HeaderValue::from_str(&format!("Bearer {token}"))
-        {
-            let mut value = value;
-            value.set_sensitive(true);
+        if let Some(value) = &self.authorization {
             request
                 .headers_mut()
-                .insert(http::header::AUTHORIZATION, value);
+                .insert(http::header::AUTHORIZATION, value.clone());
         }
         self.inner.call(request)
     }
@@ -315,6 +344,66 @@ mod tests {
             assert!(!auth.accepts(bad), "{bad:?}");
         }
         assert!(Auth::default().accepts(None), "no token: nothing to check");
+    }
+
+    /// The layers carry their own credential: a server built with one token refuses another,
+    /// and a client built with a token sends it; nothing is read from the process.
+    #[tokio::test]
+    async fn each_layer_checks_and_sends_the_token_it_was_built_with() {
+        let auth = |token: &str| Auth {
+            token: Some(Arc::from(token)),
+            open: false,
+        };
+        let echo = tower::service_fn(|request: http::Request<()>| async move {
+            let seen = request
+                .headers()
+                .get(http::header::AUTHORIZATION)
+                .map(|v| v.to_str().unwrap().to_owned());
+            Ok::<_, std::convert::Infallible>(http::Response::new(seen))
+        });
+        let client = ClientAuthLayer::new(&auth("0123456789abcdef0123")).layer(echo);
+        let sent = tower::ServiceExt::oneshot(client, http::Request::new(()))
+            .await
+            .unwrap()
+            .into_body();
+        assert_eq!(sent.as_deref(), Some("Bearer 0123456789abcdef0123"));
+
+        let grpc_status = |response: &http::Response<Option<String>>| {
+            response
+                .headers()
+                .get("grpc-status")
+                .map(|v| v.to_str().unwrap().to_owned())
+        };
+        let server = |token: &str| ServerAuthLayer::new(auth(token)).layer(echo);
+        let call = |token: &str| {
+            http::Request::builder()
+                .uri("/nomad.v1.Scheduler/CallTool")
+                .header("authorization", format!("Bearer {token}"))
+                .body(())
+                .unwrap()
+        };
+        let refused = tower::ServiceExt::oneshot(
+            server("0123456789abcdef0123"),
+            call("ffffffffffffffffffff"),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            grpc_status(&refused).as_deref(),
+            Some("16"),
+            "UNAUTHENTICATED"
+        );
+        let accepted = tower::ServiceExt::oneshot(
+            server("ffffffffffffffffffff"),
+            call("ffffffffffffffffffff"),
+        )
+        .await
+        .unwrap();
+        assert_eq!(grpc_status(&accepted), None);
+        assert_eq!(
+            accepted.into_body().as_deref(),
+            Some("Bearer ffffffffffffffffffff")
+        );
     }
 
     #[test]

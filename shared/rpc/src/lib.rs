@@ -139,7 +139,7 @@ pub fn channel(address: &str) -> Result<Channel, RpcError> {
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(10))
         .connect_lazy();
-    Ok(TraceLayer::client().layer(auth::ClientAuthLayer.layer(channel)))
+    Ok(TraceLayer::client().layer(auth::ClientAuthLayer::new(auth::installed()).layer(channel)))
 }
 
 /// Binds `address` (`127.0.0.1:0` picks a free port) and reports the address actually bound.
@@ -253,7 +253,7 @@ impl RpcServer {
             .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_RESET_STREAMS))
             // Authentication first: a refused call is answered before any trace context is
             // read or any span recorded, so no one without the token writes into a run's trace.
-            .layer(auth::ServerAuthLayer)
+            .layer(auth::ServerAuthLayer::new(auth::installed().clone()))
             .layer(TraceLayer::server())
             .layer(tower::util::MapResponseLayer::new(name_the_message_limit))
             .add_routes(self.routes.routes())

@@ -40,11 +40,48 @@ fn attributes(kvs: &[KeyValue]) -> Json {
     )
 }
 
+/// The most of a resource repeated on each line: a process's own resource is far smaller, and
+/// a larger one (a peer's, or a forged one) would be written again on every line of a request.
+pub const MAX_RESOURCE_BYTES: usize = 1024;
+
+/// What a resource larger than that keeps: the keys the readers use.
+const KEPT_RESOURCE_KEYS: &[&str] = &[
+    "service.name",
+    "service.instance.id",
+    "host.name",
+    "nomad.run.id",
+];
+
 fn resource_json(resource: &Option<Resource>) -> Json {
-    resource
+    let all = resource
         .as_ref()
         .map(|r| attributes(&r.attributes))
-        .unwrap_or_else(|| Json::Object(Map::new()))
+        .unwrap_or_else(|| Json::Object(Map::new()));
+    let size = all.to_string().len();
+    if size <= MAX_RESOURCE_BYTES {
+        return all;
+    }
+    let mut kept: Map<String, Json> = KEPT_RESOURCE_KEYS
+        .iter()
+        .filter_map(|k| all.get(*k).map(|v| ((*k).to_owned(), clip(v))))
+        .collect();
+    kept.insert("nomad.resource.omitted_bytes".into(), json!(size));
+    Json::Object(kept)
+}
+
+/// A kept resource value, cut to a bounded string.
+fn clip(value: &Json) -> Json {
+    match value.as_str() {
+        Some(s) if s.len() > 128 => {
+            let mut end = 128;
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            json!(&s[..end])
+        }
+        Some(_) => value.clone(),
+        None => json!(value.to_string().chars().take(128).collect::<String>()),
+    }
 }
 
 fn kind_name(kind: i32) -> &'static str {
@@ -272,5 +309,45 @@ mod tests {
         assert_eq!(span.run_id(), Some("42"));
         assert_eq!(span.status, "error");
         assert_eq!(span.duration_ms(), 3.0);
+    }
+
+    /// A resource too large to repeat on every line keeps the keys readers use, cut short,
+    /// and says how much was left out; a small one is written whole.
+    #[test]
+    fn a_large_resource_is_not_repeated_on_every_line() {
+        let span = |n: u8| Span {
+            trace_id: vec![n; 16],
+            span_id: vec![n; 8],
+            name: "s".into(),
+            ..Default::default()
+        };
+        let request = |attributes| ResourceSpans {
+            resource: Some(Resource {
+                attributes,
+                ..Default::default()
+            }),
+            scope_spans: vec![ScopeSpans {
+                spans: (0..100).map(span).collect(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let small = span_lines(&[request(vec![kv("service.name", "nomad/head")])]);
+        assert_eq!(small[0]["resource"], json!({"service.name": "nomad/head"}));
+        let padding = "x".repeat(100_000);
+        let large = span_lines(&[request(vec![
+            kv("service.name", "nomad/head"),
+            kv("nomad.run.id", &"r".repeat(1000)),
+            kv("padding", &padding),
+        ])]);
+        assert_eq!(large.len(), 100);
+        for line in &large {
+            let resource = &line["resource"];
+            assert_eq!(resource["service.name"], "nomad/head");
+            assert_eq!(resource["nomad.run.id"].as_str().unwrap().len(), 128);
+            assert!(resource.get("padding").is_none());
+            assert!(resource["nomad.resource.omitted_bytes"].as_u64().unwrap() > 100_000);
+            assert!(resource.to_string().len() <= MAX_RESOURCE_BYTES);
+        }
     }
 }

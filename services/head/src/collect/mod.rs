@@ -45,8 +45,13 @@ use tokio::sync::mpsc;
 const QUEUE_BATCHES: usize = 1024;
 /// How long a request waits for room in the queue before being refused (exporters retry).
 const ENQUEUE_WAIT: Duration = Duration::from_secs(5);
-/// Largest export request accepted (the SDK's batches are far smaller).
+/// Largest export request accepted, and the most lines one may become (the SDK's batches are
+/// far smaller).
 const MAX_REQUEST_BYTES: usize = 64 << 20;
+
+mod budget;
+
+use budget::{Budget, Refusal};
 
 #[derive(clap::Args)]
 pub struct CollectArgs {
@@ -71,6 +76,13 @@ pub struct CollectArgs {
     /// ... but no longer than this.
     #[arg(long, default_value_t = 10.0)]
     pub drain_seconds: f64,
+    /// Bytes of lines written in all (the run directory's disk budget); later exports are
+    /// refused.
+    #[arg(long, default_value_t = 8 << 30)]
+    pub max_bytes: u64,
+    /// Bytes of lines accepted a second; beyond, exporters are asked to retry.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub max_bytes_per_second: u64,
 }
 
 #[derive(Clone, Copy)]
@@ -91,10 +103,11 @@ struct Intake {
     started: Instant,
     /// How long a request waits for room in the queue before being refused.
     enqueue_wait: Duration,
+    budget: Arc<Budget>,
 }
 
 impl Intake {
-    async fn accept(&self, signal: Signal, lines: Vec<serde_json::Value>) -> Result<(), String> {
+    async fn accept(&self, signal: Signal, lines: Vec<serde_json::Value>) -> Result<(), Refusal> {
         self.last_request_ms
             .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
         if lines.is_empty() {
@@ -104,17 +117,16 @@ impl Intake {
         for line in lines {
             text.push_str(&line.to_string());
             text.push('\n');
+            // Stop building a request's text once it is over the bound.
+            if text.len() > MAX_REQUEST_BYTES {
+                break;
+            }
         }
-        match self
-            .queue
+        self.budget.take(text.len() as u64, Instant::now())?;
+        self.queue
             .send_timeout((signal, text), self.enqueue_wait)
             .await
-        {
-            Ok(()) => Ok(()),
-            Err(_) => Err(format!(
-                "the collector's write queue is full ({QUEUE_BATCHES} requests); retry"
-            )),
-        }
+            .map_err(|_| Refusal::QueueFull(QUEUE_BATCHES))
     }
 }
 
@@ -127,7 +139,7 @@ impl TraceService for Intake {
         let lines = otlp_lines::span_lines(&request.get_ref().resource_spans);
         self.accept(Signal::Traces, lines)
             .await
-            .map_err(tonic::Status::unavailable)?;
+            .map_err(|r| r.grpc())?;
         Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
     }
 }
@@ -141,7 +153,7 @@ impl MetricsService for Intake {
         let lines = otlp_lines::metric_lines(&request.get_ref().resource_metrics);
         self.accept(Signal::Metrics, lines)
             .await
-            .map_err(tonic::Status::unavailable)?;
+            .map_err(|r| r.grpc())?;
         Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
     }
 }
@@ -155,7 +167,7 @@ impl LogsService for Intake {
         let lines = otlp_lines::log_lines(&request.get_ref().resource_logs);
         self.accept(Signal::Logs, lines)
             .await
-            .map_err(tonic::Status::unavailable)?;
+            .map_err(|r| r.grpc())?;
         Ok(tonic::Response::new(ExportLogsServiceResponse::default()))
     }
 }
@@ -193,7 +205,7 @@ async fn http_export<R: prost::Message + Default, P: prost::Message + Default>(
     };
     match intake.accept(signal, lines(&request)).await {
         Ok(()) => (StatusCode::OK, P::default().encode_to_vec()),
-        Err(message) => (StatusCode::SERVICE_UNAVAILABLE, message.into_bytes()),
+        Err(refusal) => (refusal.http(), refusal.to_string().into_bytes()),
     }
 }
 
@@ -315,6 +327,12 @@ pub async fn collect(args: CollectArgs) -> anyhow::Result<bool> {
         last_request_ms: Arc::new(AtomicU64::new(0)),
         started: Instant::now(),
         enqueue_wait: ENQUEUE_WAIT,
+        budget: Arc::new(Budget::new(
+            MAX_REQUEST_BYTES as u64,
+            args.max_bytes_per_second,
+            args.max_bytes,
+            Instant::now(),
+        )),
     };
 
     // The fleet's token from the environment (a Slurm job exports it to every step).
@@ -340,7 +358,7 @@ pub async fn collect(args: CollectArgs) -> anyhow::Result<bool> {
         let _ = rx.wait_for(|stop| *stop).await;
     };
     let grpc = tonic::transport::Server::builder()
-        .layer(nomad_rpc::auth::ServerAuthLayer)
+        .layer(nomad_rpc::auth::ServerAuthLayer::new(auth.clone()))
         .add_service(
             TraceServiceServer::new(intake.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
         )
@@ -413,6 +431,7 @@ mod tests {
             last_request_ms: Arc::new(AtomicU64::new(0)),
             started: Instant::now(),
             enqueue_wait: Duration::from_millis(20),
+            budget: Arc::new(Budget::new(1 << 20, 1 << 20, 1 << 20, Instant::now())),
         };
         (intake, batches)
     }
@@ -488,6 +507,31 @@ mod tests {
         let (status, message) = post(&intake, "application/x-protobuf", request()).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert!(message.contains("retry"), "{message}");
+    }
+
+    /// Past the disk budget a request is refused whole (507, which exporters do not retry),
+    /// naming the flag; nothing of it is queued.
+    #[tokio::test]
+    async fn a_spent_budget_refuses_by_name_and_writes_nothing() {
+        let (mut intake, mut batches) = intake(4);
+        post(&intake, "application/x-protobuf", request()).await;
+        let written = batches.try_recv().unwrap().1.len() as u64;
+        // Room for one request and a half.
+        intake.budget = Arc::new(Budget::new(
+            1 << 20,
+            1 << 20,
+            written * 3 / 2,
+            Instant::now(),
+        ));
+        assert_eq!(
+            post(&intake, "application/x-protobuf", request()).await.0,
+            StatusCode::OK
+        );
+        assert!(batches.try_recv().is_ok());
+        let (status, message) = post(&intake, "application/x-protobuf", request()).await;
+        assert_eq!(status, StatusCode::INSUFFICIENT_STORAGE);
+        assert!(message.contains("nomad collect --max-bytes"), "{message}");
+        assert!(batches.try_recv().is_err());
     }
 
     #[test]
