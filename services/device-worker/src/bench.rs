@@ -1,5 +1,6 @@
 //! `nomad-device-worker bench`: throughput of the real models on this machine, one JSON object
-//! per measurement (scripts/bench-models puts them next to PyTorch's).
+//! per measurement (scripts/bench-models and scripts/bench-cross-encoders put them next to
+//! PyTorch's).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -7,22 +8,26 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use nomad_proto::v1::{ToolInput, tool_input};
 
+use crate::models::cross::{Scorer, Task};
 use crate::models::embed::Embedder;
 use crate::models::generate::Generator;
 use crate::models::{ExecLimits, Model};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// `embed` or `generate`.
+    /// `embed`, `generate`, `rerank` or `classify`.
     #[arg(long)]
     what: String,
+    /// The model directory (rerank, classify).
+    #[arg(long)]
+    source: Option<PathBuf>,
     /// Directory holding the fetched models.
     #[arg(long, env = "NOMAD_MODELS_DIR", default_value = "models")]
     models: PathBuf,
     /// One sentence per line (embed).
     #[arg(long, default_value = "scripts/reference/bench_sentences.txt")]
     sentences: PathBuf,
-    /// Batch sizes (embed).
+    /// Batch sizes (embed, classify; rerank: documents per query).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     batches: Vec<usize>,
     /// Tokens to decode per run (generate).
@@ -57,12 +62,65 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what.as_str() {
         "embed" => embed(&args),
         "generate" => generate(&args),
-        other => anyhow::bail!("unknown --what {other:?}: use embed or generate"),
+        "rerank" => scores(&args, Task::Rerank),
+        "classify" => scores(&args, Task::Classify),
+        other => anyhow::bail!("unknown --what {other:?}: use embed, generate, rerank or classify"),
     }
 }
 
-fn embed(args: &BenchArgs) -> anyhow::Result<()> {
-    let model = Embedder::load(&args.models.join("all-minilm-l6-v2"), &Device::Cpu)?;
+/// A cross-encoder's throughput: `rerank` scores one query against `batch` sentences per call,
+/// `classify` labels `batch` sentences per call; texts scored per second either way.
+fn scores(args: &BenchArgs, task: Task) -> anyhow::Result<()> {
+    let source = args
+        .source
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("--what {} needs --source DIR", task.name()))?;
+    let model = Scorer::load(source, &Device::Cpu, task)?;
+    let sentences = sentences(args)?;
+    let text = |value: &str, options: serde_json::Value| ToolInput {
+        value: Some(tool_input::Value::Text(value.to_owned())),
+        options_json: options.to_string(),
+    };
+    for &batch in &args.batches {
+        let calls: Vec<Vec<ToolInput>> = sentences
+            .chunks(batch)
+            .filter(|c| c.len() == batch)
+            .map(|chunk| match task {
+                Task::Rerank => vec![text(
+                    "Which of these sentences answers the question best?",
+                    serde_json::json!({ "documents": chunk }),
+                )],
+                Task::Classify => chunk
+                    .iter()
+                    .map(|s| text(s, serde_json::json!({})))
+                    .collect(),
+            })
+            .collect();
+        anyhow::ensure!(!calls.is_empty(), "fewer sentences than a batch of {batch}");
+        for call in calls.iter().take(3) {
+            model.execute(call, &ExecLimits::default())?;
+        }
+        let (mut done, mut i, started) = (0, 0, Instant::now());
+        while started.elapsed() < Duration::from_secs_f64(args.seconds) {
+            model.execute(&calls[i % calls.len()], &ExecLimits::default())?;
+            done += batch;
+            i += 1;
+        }
+        println!(
+            "{}",
+            serde_json::json!({
+                "runtime": "candle",
+                "what": task.name(),
+                "batch": batch,
+                "texts_per_second": done as f64 / started.elapsed().as_secs_f64(),
+            })
+        );
+    }
+    Ok(())
+}
+
+/// The benchmark's sentences, one a line.
+fn sentences(args: &BenchArgs) -> anyhow::Result<Vec<String>> {
     let sentences: Vec<String> = std::fs::read_to_string(&args.sentences)?
         .lines()
         .filter(|l| !l.is_empty())
@@ -73,6 +131,12 @@ fn embed(args: &BenchArgs) -> anyhow::Result<()> {
         "{} has no sentences",
         args.sentences.display()
     );
+    Ok(sentences)
+}
+
+fn embed(args: &BenchArgs) -> anyhow::Result<()> {
+    let model = Embedder::load(&args.models.join("all-minilm-l6-v2"), &Device::Cpu)?;
+    let sentences = sentences(args)?;
     let inputs: Vec<ToolInput> = sentences
         .iter()
         .map(|s| ToolInput {

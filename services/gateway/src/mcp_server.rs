@@ -15,7 +15,7 @@ use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::{Map, Value, json};
 
 use crate::execute::Gateway;
-use crate::search::SearchRequest;
+use crate::search::{DetailLevel, SearchRequest};
 
 #[derive(Clone)]
 pub struct McpFrontEnd {
@@ -151,16 +151,8 @@ impl ServerHandler for McpFrontEnd {
             "search_code_tools" => {
                 let query = string(&args, "query")?.unwrap_or_default();
                 let server = string(&args, "server_filter")?.unwrap_or_default();
-                let full = match string(&args, "detail_level")?.as_deref() {
-                    None | Some("brief") => false,
-                    Some("full") => true,
-                    Some(other) => {
-                        return Err(McpError::invalid_params(
-                            format!("detail_level {other:?}: use brief or full"),
-                            None,
-                        ));
-                    }
-                };
+                let detail = DetailLevel::parse(string(&args, "detail_level")?.as_deref())
+                    .map_err(|e| McpError::invalid_params(e.to_string(), None))?;
                 let limit = match args.get("limit") {
                     None | Some(Value::Null) => None,
                     Some(v) => Some(v.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
@@ -173,7 +165,7 @@ impl ServerHandler for McpFrontEnd {
                 let request = SearchRequest {
                     query: &query,
                     server_filter: &server,
-                    full,
+                    detail,
                     limit,
                 };
                 match self.gateway.search.search(&request).await {

@@ -37,11 +37,36 @@ const RETRY_FIRST: Duration = Duration::from_secs(2);
 /// How long a search waits for the first index.
 const FIRST_INDEX_WAIT: Duration = Duration::from_secs(30);
 
+/// How much of each tool a search returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DetailLevel {
+    /// Description's first line, import and signature.
+    #[default]
+    Brief,
+    /// Also the whole description and the input and output schemas.
+    Full,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("detail_level {0:?}: use brief or full")]
+pub struct UnknownDetailLevel(String);
+
+impl DetailLevel {
+    /// The level a caller asked for; nothing (or an empty string, gRPC's unset) is brief.
+    pub fn parse(given: Option<&str>) -> Result<Self, UnknownDetailLevel> {
+        match given.unwrap_or_default() {
+            "" | "brief" => Ok(Self::Brief),
+            "full" => Ok(Self::Full),
+            other => Err(UnknownDetailLevel(other.to_owned())),
+        }
+    }
+}
+
 /// One search's parameters, checked.
 pub struct SearchRequest<'a> {
     pub query: &'a str,
     pub server_filter: &'a str,
-    pub full: bool,
+    pub detail: DetailLevel,
     /// `None`: 20 for a query, every tool for an empty one.
     pub limit: Option<usize>,
 }
@@ -229,7 +254,7 @@ impl ToolSearch {
             .iter()
             .map(|hit| {
                 let (server, tool) = &catalog.tools[hit.doc];
-                entry(server, tool, request.full)
+                entry(server, tool, request.detail == DetailLevel::Full)
             })
             .collect();
         Ok(SearchReply {
@@ -504,5 +529,22 @@ impl Indexer {
         }
         self.tx.send_replace(Some(catalog(index)));
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// MCP's `detail_level` and gRPC's read the same way: unset or empty is brief.
+    #[test]
+    fn detail_level_is_read_one_way() {
+        assert_eq!(DetailLevel::parse(None), Ok(DetailLevel::Brief));
+        assert_eq!(DetailLevel::parse(Some("")), Ok(DetailLevel::Brief));
+        assert_eq!(DetailLevel::parse(Some("full")), Ok(DetailLevel::Full));
+        assert_eq!(
+            DetailLevel::parse(Some("FULL")).unwrap_err().to_string(),
+            "detail_level \"FULL\": use brief or full"
+        );
     }
 }

@@ -12,7 +12,7 @@ use nomad_telemetry::Context;
 use tonic::{Request, Response, Status};
 
 use crate::execute::{ExecuteReply, Gateway};
-use crate::search::SearchRequest;
+use crate::search::{DetailLevel, SearchRequest};
 use crate::upstream::nomad;
 
 pub struct GatewayService {
@@ -58,19 +58,12 @@ impl GatewayApi for GatewayService {
         request: Request<SearchToolsRequest>,
     ) -> Result<Response<SearchToolsResponse>, Status> {
         let r = request.into_inner();
-        let full = match r.detail_level.as_str() {
-            "" | "brief" => false,
-            "full" => true,
-            other => {
-                return Err(Status::invalid_argument(format!(
-                    "detail_level {other:?}: use brief or full"
-                )));
-            }
-        };
+        let detail = DetailLevel::parse(Some(&r.detail_level))
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let request = SearchRequest {
             query: &r.query,
             server_filter: &r.server_filter,
-            full,
+            detail,
             limit: (r.limit > 0).then_some(r.limit as usize),
         };
         let reply = self

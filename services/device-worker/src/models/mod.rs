@@ -4,7 +4,7 @@
 mod architecture;
 mod attention;
 mod chat_template;
-mod cross;
+pub mod cross;
 pub mod decoder;
 mod decoder_files;
 pub mod embed;
