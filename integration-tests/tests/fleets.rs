@@ -47,6 +47,24 @@ async fn ps_lists_a_running_fleet_and_down_stops_it() {
         "{table}"
     );
 
+    // `nomad status` knows a fleet as it knows a Slurm job: by its run id, or `latest`.
+    let (code, stdout, stderr) = nomad(&["status", "latest", "--runs-dir", runs]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout.starts_with(&format!(
+            "run listed: fleet running (head pid {})",
+            up.id().unwrap()
+        )) && stdout.contains(fleet["gateway_mcp"].as_str().unwrap()),
+        "{stdout}"
+    );
+    let (code, _, stderr) = nomad(&["status", "nope", "--runs-dir", runs]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("\"nope\" is neither a fleet's run id under")
+            && stderr.contains("runs there: listed"),
+        "{stderr}"
+    );
+
     // A run id that is not there is refused naming the one that is.
     let (code, _, stderr) = nomad(&["down", "nope", "--runs-dir", runs]).await;
     assert_eq!(code, Some(2), "{stderr}");
@@ -87,5 +105,8 @@ async fn ps_lists_a_running_fleet_and_down_stops_it() {
     let (code, _, stderr) = nomad(&["down", "listed", "--runs-dir", runs]).await;
     assert_eq!(code, Some(2));
     assert!(stderr.contains("fleet listed is not running"), "{stderr}");
+    let (code, stdout, _) = nomad(&["status", "listed", "--runs-dir", runs]).await;
+    assert_eq!(code, Some(0));
+    assert!(stdout.starts_with("run listed: fleet stopped"), "{stdout}");
     let _ = std::fs::remove_dir_all(&dir);
 }

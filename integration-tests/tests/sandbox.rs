@@ -31,6 +31,16 @@ impl Gateway {
 
     /// A gateway whose scheduler is at `scheduler` (by default a closed port: calls fail fast).
     async fn start_with_scheduler(run_as: &RunAs, sandbox_yaml: &str, scheduler: &str) -> Gateway {
+        Self::start_niced(run_as, sandbox_yaml, scheduler, 0).await
+    }
+
+    /// A gateway started at `niceness` (as `nice -n` starts it).
+    async fn start_niced(
+        run_as: &RunAs,
+        sandbox_yaml: &str,
+        scheduler: &str,
+        niceness: i32,
+    ) -> Gateway {
         let dir = Fleet::new_dir();
         run_as.own(&dir);
         let config = dir.join("nomad.yaml");
@@ -55,6 +65,17 @@ impl Gateway {
             .stdout(std::fs::File::create(dir.join("gateway.stdout")).unwrap())
             .stderr(std::fs::File::create(&log).unwrap())
             .kill_on_drop(true);
+        if niceness != 0 {
+            // SAFETY: setpriority is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                command.pre_exec(move || {
+                    match libc::setpriority(libc::PRIO_PROCESS, 0, niceness) {
+                        0 => Ok(()),
+                        _ => Err(std::io::Error::last_os_error()),
+                    }
+                });
+            }
+        }
         let mut child = command.spawn().unwrap();
         let addr = wait_for_file(&addr_file, &mut child, "nomad-gateway", &log).await;
         let client = GatewayClient::connect(format!("http://{addr}"))
@@ -873,7 +894,8 @@ async fn runs_are_admitted_by_the_memory_they_hold() {
 }
 
 /// Runs yield the CPU to the fleet's services: every run starts at niceness 10 and cannot raise
-/// its priority back (as root and as an unprivileged user).
+/// its priority back (as root and as an unprivileged user). A gateway started nicer than that
+/// (`nice -n 19`) still runs code, at its own niceness (the sandbox cannot go back up to 10).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_yields_the_cpu_and_cannot_take_it_back() {
     let code = "\
@@ -899,6 +921,11 @@ RESULT = [before, raised, os.getpriority(os.PRIO_PROCESS, 0)]
         );
         assert_eq!(seen[2], 10, "{}: {seen}", run_as.label);
         gateway.stop().await;
+
+        let niced = Gateway::start_niced(&run_as, "  warm: 0\n", "127.0.0.1:9", 19).await;
+        let seen = niced.result(run_as.label, code).await;
+        assert_eq!(seen[0], 19, "{} under nice 19: {seen}", run_as.label);
+        niced.stop().await;
     }
 }
 

@@ -34,7 +34,7 @@ pub enum Command {
     Report(report::ReportArgs),
     /// Submit a run as a Slurm job: the fleet on every node, with a collector beside it.
     Submit(slurm::SubmitArgs),
-    /// A submitted job's state, steps and progress.
+    /// A fleet's or a submitted job's state and progress (`nomad status latest`).
     Status(slurm::status::StatusArgs),
     /// Receive OTLP (gRPC and HTTP) and write it as JSON lines: a Slurm job's collector.
     Collect(collect::CollectArgs),

@@ -96,6 +96,40 @@ pub fn running(runs: &Path) -> Vec<String> {
         .collect()
 }
 
+/// `nomad status` of a fleet `nomad up` started under `runs` (by run id, or `latest`): whether
+/// it runs, where to connect, its rollouts so far. `None` when there is no such fleet.
+pub fn status(runs: &Path, id: &str) -> Option<()> {
+    let all = fleets(runs);
+    let fleet = match id {
+        "latest" => all.first()?,
+        id => all.iter().find(|f| f.run_id == id)?,
+    };
+    let state = match (fleet.running, fleet.head_pid) {
+        (true, Some(pid)) => format!("running (head pid {pid})"),
+        _ => "stopped".to_owned(),
+    };
+    println!("run {}: fleet {state}", fleet.run_id);
+    if fleet.running && !fleet.mcp.is_empty() {
+        println!(
+            "  mcp: {} (token in {})",
+            fleet.mcp,
+            fleet.dir.join("fleet.json").display()
+        );
+    }
+    println!("  run directory: {}", fleet.dir.display());
+    let results = crate::rollouts::read_jsonl(&fleet.dir.join("results.jsonl"));
+    if !results.is_empty() {
+        let failed = results.iter().filter(|r| r["status"] != "ok").count();
+        println!("rollouts: {} finished, {failed} failed", results.len());
+    }
+    Some(())
+}
+
+/// The run ids of every fleet under `runs`, newest first (for messages).
+pub fn run_ids(runs: &Path) -> Vec<String> {
+    fleets(runs).into_iter().map(|f| f.run_id).collect()
+}
+
 pub fn ps(args: PsArgs) -> anyhow::Result<bool> {
     let shown: Vec<Fleet> = fleets(&args.runs_dir)
         .into_iter()

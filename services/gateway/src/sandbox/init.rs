@@ -443,14 +443,20 @@ fn limit(limits: &Limits) -> Result<(), Failed> {
     // Runs yield the CPU to the fleet's own services (the gateway, the scheduler, the model
     // workers): hundreds of runs at once must not starve what serves them. Lowering one's own
     // priority needs no privilege, and a run cannot raise it back (that needs CAP_SYS_NICE).
-    // SAFETY: setpriority has no memory preconditions.
-    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, RUN_NICENESS) } != 0 {
+    // A gateway already nicer than that (started under `nice -n 19`) keeps its niceness: going
+    // back up to 10 would need the privilege the sandbox has dropped.
+    // SAFETY: getpriority and setpriority have no memory preconditions. (A failed getpriority
+    // reads as -1, and the niceness is then set as usual.)
+    let current = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+    if current < RUN_NICENESS
+        && unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, RUN_NICENESS) } != 0
+    {
         return Err(std::io::Error::last_os_error()).step("setpriority");
     }
     Ok(())
 }
 
-/// The niceness every run has (0 is the default, 19 the lowest priority).
+/// The least niceness every run has (0 is the default, 19 the lowest priority).
 pub const RUN_NICENESS: i32 = 10;
 
 /// Landlock as a second wall: reads only of what the view holds, writes only to the workspace,

@@ -1,5 +1,6 @@
-//! `nomad status <job id>` and `nomad submit --wait`: a job's state from Slurm, its steps, and
-//! the driver's progress from the run directory.
+//! `nomad status <run id | job id>` and `nomad submit --wait`: a `nomad up` fleet's state from
+//! its run directory (`fleets.rs`), or a job's state from Slurm, its steps, and the driver's
+//! progress from the run directory.
 
 use std::io::{Read as _, Seek as _, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -9,9 +10,9 @@ use super::cli;
 
 #[derive(clap::Args)]
 pub struct StatusArgs {
-    /// The job id `nomad submit` printed.
+    /// A run id `nomad up` printed (or `latest`), or the job id `nomad submit` printed.
     pub job: String,
-    /// Where the run directories are, if Slurm no longer knows the job.
+    /// Where the run directories are (`nomad up`'s, or a job's Slurm no longer knows).
     #[arg(long, default_value = "runs")]
     pub runs_dir: PathBuf,
 }
@@ -35,11 +36,22 @@ fn driver_outcome(run_dir: &Path) -> Option<serde_json::Value> {
 }
 
 pub async fn status(args: StatusArgs) -> anyhow::Result<bool> {
-    anyhow::ensure!(
-        !args.job.is_empty() && args.job.chars().all(|c| c.is_ascii_digit()),
-        "{:?} is not a Slurm job id",
-        args.job
-    );
+    if crate::fleets::status(&args.runs_dir, &args.job).is_some() {
+        return Ok(true);
+    }
+    if args.job.is_empty() || !args.job.chars().all(|c| c.is_ascii_digit()) {
+        let runs = crate::fleets::run_ids(&args.runs_dir);
+        let there = match runs.is_empty() {
+            true => "none there".to_owned(),
+            false => format!("runs there: {}", runs.join(", ")),
+        };
+        anyhow::bail!(
+            "{:?} is neither a fleet's run id under {} ({there}; --runs-dir to look elsewhere) \
+             nor a Slurm job id",
+            args.job,
+            args.runs_dir.display()
+        );
+    }
     let state = match cli::queue_state(&args.job)? {
         Some(state) => state,
         None => match cli::run(
