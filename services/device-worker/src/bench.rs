@@ -96,27 +96,40 @@ fn scores(args: &BenchArgs, task: Task) -> anyhow::Result<()> {
                     .collect(),
             })
             .collect();
-        anyhow::ensure!(!calls.is_empty(), "fewer sentences than a batch of {batch}");
-        for call in calls.iter().take(3) {
-            model.execute(call, &ExecLimits::default())?;
-        }
-        let (mut done, mut i, started) = (0, 0, Instant::now());
-        while started.elapsed() < Duration::from_secs_f64(args.seconds) {
-            model.execute(&calls[i % calls.len()], &ExecLimits::default())?;
-            done += batch;
-            i += 1;
-        }
+        let calls: Vec<&[ToolInput]> = calls.iter().map(Vec::as_slice).collect();
+        let rate = per_second(&model, &calls, batch, args.seconds)?;
         println!(
             "{}",
             serde_json::json!({
                 "runtime": "candle",
                 "what": task.name(),
                 "batch": batch,
-                "texts_per_second": done as f64 / started.elapsed().as_secs_f64(),
+                "texts_per_second": rate,
             })
         );
     }
     Ok(())
+}
+
+/// Texts per second of `model` running `calls` (each `texts` texts) in turn for `seconds`,
+/// after three calls of warm-up.
+fn per_second(
+    model: &dyn Model,
+    calls: &[&[ToolInput]],
+    texts: usize,
+    seconds: f64,
+) -> anyhow::Result<f64> {
+    anyhow::ensure!(!calls.is_empty(), "fewer sentences than a batch of {texts}");
+    for call in calls.iter().take(3) {
+        model.execute(call, &ExecLimits::default())?;
+    }
+    let (mut done, mut i, started) = (0, 0, Instant::now());
+    while started.elapsed() < Duration::from_secs_f64(seconds) {
+        model.execute(calls[i % calls.len()], &ExecLimits::default())?;
+        done += texts;
+        i += 1;
+    }
+    Ok(done as f64 / started.elapsed().as_secs_f64())
 }
 
 /// The benchmark's sentences, one a line.
@@ -147,25 +160,13 @@ fn embed(args: &BenchArgs) -> anyhow::Result<()> {
     for &batch in &args.batches {
         let batches: Vec<&[ToolInput]> =
             inputs.chunks(batch).filter(|c| c.len() == batch).collect();
-        anyhow::ensure!(
-            !batches.is_empty(),
-            "fewer sentences than a batch of {batch}"
-        );
-        for b in batches.iter().take(3) {
-            model.execute(b, &ExecLimits::default())?;
-        }
-        let (mut done, mut i, started) = (0, 0, Instant::now());
-        while started.elapsed() < Duration::from_secs_f64(args.seconds) {
-            model.execute(batches[i % batches.len()], &ExecLimits::default())?;
-            done += batch;
-            i += 1;
-        }
+        let rate = per_second(&model, &batches, batch, args.seconds)?;
         println!(
             "{}",
             serde_json::json!({
                 "runtime": "candle",
                 "batch": batch,
-                "sentences_per_second": done as f64 / started.elapsed().as_secs_f64(),
+                "sentences_per_second": rate,
             })
         );
     }

@@ -18,8 +18,22 @@ pub enum Family {
     Qwen3,
 }
 
-/// The architectures this worker serves, as `general.architecture` names them.
-pub const SERVED: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+/// The architectures this worker serves, as `general.architecture` and `model_type` name them.
+const SERVED: &[(&str, Family)] = &[
+    ("llama", Family::Llama),
+    ("mistral", Family::Mistral),
+    ("qwen2", Family::Qwen2),
+    ("qwen3", Family::Qwen3),
+];
+
+/// The names of [`SERVED`], for messages.
+fn served_names() -> String {
+    SERVED
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// How pairs of a head's dimensions are rotated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,13 +47,7 @@ pub enum RopeStyle {
 
 impl Family {
     fn from_name(name: &str) -> Option<Self> {
-        Some(match name {
-            "llama" => Self::Llama,
-            "mistral" => Self::Mistral,
-            "qwen2" => Self::Qwen2,
-            "qwen3" => Self::Qwen3,
-            _ => return None,
-        })
+        SERVED.iter().find(|(n, _)| *n == name).map(|(_, f)| *f)
     }
 
     /// How a GGUF of this family pairs rotated dimensions (transformers' weights always pair
@@ -79,7 +87,7 @@ impl Architecture {
         let family = Family::from_name(&name).ok_or_else(|| {
             format!(
                 "architecture {name:?} is not served (served: {})",
-                SERVED.join(", ")
+                served_names()
             )
         })?;
         let key = |k: &str| format!("{name}.{k}");
@@ -158,7 +166,7 @@ impl Architecture {
         let family = Family::from_name(name).ok_or_else(|| {
             format!(
                 "config.json: model_type {name:?} is not a decoder family served (served: {})",
-                SERVED.join(", ")
+                served_names()
             )
         })?;
         let number = |key: &str| -> Result<Option<usize>, String> {

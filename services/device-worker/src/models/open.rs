@@ -49,7 +49,14 @@ pub async fn describe(
         python::describe(spec, settings).await?
     } else {
         let path = source::resolve(&spec.source, &spec.base_dir, &settings.cache).await?;
-        super::check(&spec.kind, &path)?;
+        // Off the async threads: a decoder's check reads its file and builds its tokenizer.
+        let (kind, checked) = (spec.kind.clone(), path.clone());
+        tokio::task::spawn_blocking(move || super::check(&kind, &checked))
+            .await
+            .map_err(|e| LoadError::Host {
+                tool: String::new(),
+                reason: format!("the checking task failed: {e}"),
+            })??;
         (python::Description::default(), Some(path))
     };
     Ok(ToolDescription {

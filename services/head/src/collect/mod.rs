@@ -209,7 +209,7 @@ async fn http_export<R: prost::Message + Default, P: prost::Message + Default>(
     }
 }
 
-fn http_router(intake: Intake) -> axum::Router {
+fn http_router(intake: Intake, auth: Arc<nomad_rpc::auth::Auth>) -> axum::Router {
     use axum::routing::post;
     let (t, m, l) = (intake.clone(), intake.clone(), intake);
     axum::Router::new()
@@ -254,11 +254,12 @@ fn http_router(intake: Intake) -> axum::Router {
         )
         .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         // Outermost: a request without the token is answered before its body is read.
-        .layer(axum::middleware::from_fn(authenticate))
+        .layer(axum::middleware::from_fn_with_state(auth, authenticate))
 }
 
-/// Refuses an OTLP/HTTP request that lacks the installed token (401), naming what to send.
+/// Refuses an OTLP/HTTP request that lacks the collector's token (401), naming what to send.
 async fn authenticate(
+    axum::extract::State(auth): axum::extract::State<Arc<nomad_rpc::auth::Auth>>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
@@ -267,7 +268,7 @@ async fn authenticate(
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    if nomad_rpc::auth::installed().accepts(given) {
+    if auth.accepts(given) {
         return next.run(request).await;
     }
     (
@@ -372,8 +373,11 @@ pub async fn collect(args: CollectArgs) -> anyhow::Result<bool> {
             tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
             stopped(stop_rx.clone()),
         );
-    let http = axum::serve(http_listener, http_router(intake.clone()))
-        .with_graceful_shutdown(stopped(stop_rx));
+    let http = axum::serve(
+        http_listener,
+        http_router(intake.clone(), Arc::new(auth.clone())),
+    )
+    .with_graceful_shutdown(stopped(stop_rx));
     let grpc = tokio::spawn(grpc);
     let http = tokio::spawn(async move { http.await });
 
