@@ -925,6 +925,14 @@ RESULT = [before, raised, os.getpriority(os.PRIO_PROCESS, 0)]
         let niced = Gateway::start_niced(&run_as, "  warm: 0\n", "127.0.0.1:9", 19).await;
         let seen = niced.result(run_as.label, code).await;
         assert_eq!(seen[0], 19, "{} under nice 19: {seen}", run_as.label);
+        assert!(
+            seen[1]
+                .as_str()
+                .is_some_and(|s| s == "refused: EACCES" || s == "refused: EPERM"),
+            "{} under nice 19: {seen}",
+            run_as.label
+        );
+        assert_eq!(seen[2], 19, "{} under nice 19: {seen}", run_as.label);
         niced.stop().await;
     }
 }
