@@ -184,6 +184,13 @@ async fn the_official_openai_client_gets_what_the_tools_give() {
         reference.generation.as_ref().unwrap().prompt_tokens
     );
     assert_eq!(r[4]["finish_reason"], r[3]["finish_reason"]);
+    // The prefix cache's share of the prompt, in OpenAI's field for it.
+    let cached = r[4]["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert!(
+        cached.is_some_and(|c| c <= r[4]["usage"]["prompt_tokens"].as_u64().unwrap()),
+        "{}",
+        r[4]
+    );
     let completion = tool(
         &fleet,
         "generate",

@@ -296,6 +296,14 @@ async fn a_tool_added_upstream_is_found_without_a_restart_and_calls_are_recorded
         ran.tool_calls[0]
     );
     assert!(!ran.tool_calls[2].error.is_empty());
+    // The failure's code comes with it (gRPC's canonical name); a call that answered has none.
+    let code = &ran.tool_calls[2].code;
+    assert!(
+        !code.is_empty() && code.chars().all(|c| c.is_ascii_uppercase() || c == '_'),
+        "{:?}",
+        ran.tool_calls[2]
+    );
+    assert_eq!(ran.tool_calls[0].code, "");
     let offsets: Vec<f64> = ran
         .tool_calls
         .iter()

@@ -4,9 +4,13 @@
 //! prompt caches as they do by default (llama-server per slot, Nomad across sequences); the
 //! prompt tokens each actually computed are reported beside.
 //!
+//! With `--openai`, both are asked through their OpenAI-compatible
+//! `POST /v1/chat/completions` (Nomad's gateway, llama-server's own with `--jinja`), so each
+//! renders the model's own chat template; `--model` serves another GGUF on both sides.
+//!
 //! Run: `cargo build --release --workspace --bins && target/release/nomad-generate-bench
-//! [--llama-server PATH [--llama-model GGUF]] [--concurrency 1,4,8,16] [--dense-prefill]
-//! [--unique-prefix]`
+//! [--llama-server PATH [--llama-model GGUF]] [--model GGUF] [--openai]
+//! [--concurrency 1,4,8,16] [--dense-prefill] [--unique-prefix]`
 //! (without `--llama-server`, Nomad alone); the worker runs on `NOMAD_TEST_DEVICE` when it is
 //! set.
 
@@ -38,17 +42,22 @@ const TOPICS: [&str; 16] = [
     "a secret tunnel",
 ];
 
-/// The same text both servers get: SmolLM2's chat template around a user turn. With
-/// `--unique-prefix`, the system line starts with a number no other request of the run has, so
-/// no two prompts share more than their first few tokens and no prompt cache helps.
-fn prompt(i: usize) -> String {
+/// The `n`th request's number when prompts must not share a prefix (`--unique-prefix`).
+fn unique_prefix() -> String {
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let unique = if std::env::args().any(|a| a == "--unique-prefix") {
+    if std::env::args().any(|a| a == "--unique-prefix") {
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         format!("Request {n}. ")
     } else {
         String::new()
-    };
+    }
+}
+
+/// The same text both servers get: SmolLM2's chat template around a user turn. With
+/// `--unique-prefix`, the system line starts with a number no other request of the run has, so
+/// no two prompts share more than their first few tokens and no prompt cache helps.
+fn prompt(i: usize) -> String {
+    let unique = unique_prefix();
     format!(
         "<|im_start|>system\n{unique}You are a helpful AI assistant named SmolLM, trained by \
          Hugging Face<|im_end|>\n<|im_start|>user\nTell me a long story about {}.<|im_end|>\n\
@@ -172,6 +181,73 @@ async fn llama_request(http: reqwest::Client, url: String, i: usize) -> Sample {
     }
 }
 
+/// `--openai`: one chat turn through `POST /v1/chat/completions`, streamed, with the final usage
+/// chunk; the server applies the model's own template. `token` is the bearer token, if any.
+async fn chat_request(
+    http: reqwest::Client,
+    url: String,
+    token: Option<String>,
+    i: usize,
+) -> Sample {
+    let body = serde_json::json!({
+        "model": "generate", "max_tokens": TOKENS, "temperature": 0.0, "stream": true,
+        "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": format!(
+            "{}Tell me a long story about {}.", unique_prefix(), TOPICS[i % TOPICS.len()])}],
+    });
+    let started = Instant::now();
+    let mut request = http
+        .post(format!("{url}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    let reply = request.send().await.expect("chat completion request");
+    assert!(
+        reply.status().is_success(),
+        "chat completion: {}",
+        reply.status()
+    );
+    let mut stream = reply.bytes_stream();
+    let (mut first, mut tokens, mut prefilled, mut buffer) = (None, 0, 0, String::new());
+    while let Some(chunk) = stream.next().await {
+        buffer.push_str(&String::from_utf8_lossy(
+            &chunk.expect("chat completion stream"),
+        ));
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+                continue; // `[DONE]`
+            };
+            if v["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|c| !c.is_empty())
+            {
+                first.get_or_insert_with(|| started.elapsed());
+            }
+            if let Some(usage) = v.get("usage").filter(|u| u.is_object()) {
+                tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
+                let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+                // llama-server reports what it computed in its own timings.
+                prefilled = match (v["timings"]["prompt_n"].as_u64(), cached) {
+                    (Some(n), _) => n,
+                    (None, c) => usage["prompt_tokens"].as_u64().unwrap_or(0) - c.unwrap_or(0),
+                };
+            }
+        }
+    }
+    Sample {
+        first_token: first.unwrap_or_else(|| started.elapsed()),
+        total: started.elapsed(),
+        tokens,
+        prefilled,
+    }
+}
+
 /// `2 * concurrency` requests (at least 4), `concurrency` at a time.
 async fn run<F, Fut>(concurrency: usize, one: F) -> Level
 where
@@ -194,7 +270,7 @@ struct LlamaServer {
 }
 
 impl LlamaServer {
-    async fn start(binary: &str, model: &std::path::Path, parallel: usize) -> Self {
+    async fn start(binary: &str, model: &std::path::Path, parallel: usize, jinja: bool) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -210,6 +286,7 @@ impl LlamaServer {
                 &parallel.to_string(),
             ])
             .args(["--ctx-size", &(parallel * 512).to_string()])
+            .args(jinja.then_some("--jinja"))
             .env(
                 "LD_LIBRARY_PATH",
                 std::env::var("LD_LIBRARY_PATH").unwrap_or_else(|_| dir.display().to_string()),
@@ -261,7 +338,9 @@ fn row(system: &str, c: usize, l: &Level) {
 
 async fn bench(llama: Option<String>, levels: Vec<usize>) {
     let models = fleet::models_dir();
-    let gguf = models.join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let shipped = models.join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    // `--model`: another GGUF, served by both (the worker reads its family from the file).
+    let gguf = std::path::PathBuf::from(arg("--model", shipped.to_str().unwrap()));
     // The worker serves the Q4_1 file as shipped on CPUs with AVX2, FMA and F16C (elsewhere it
     // re-quantizes to Q8_0 at load: then give llama-server the same weights with
     // `llama-quantize --allow-requantize <Q4_1> <out> Q8_0` and `--llama-model <out>`).
@@ -269,21 +348,38 @@ async fn bench(llama: Option<String>, levels: Vec<usize>) {
     let most = *levels.iter().max().unwrap();
     // `--dense-prefill`: the tool's f32 prompt path (README, "Generation").
     let dense = std::env::args().any(|a| a == "--dense-prefill");
+    let openai = std::env::args().any(|a| a == "--openai");
     let mut options = FleetOptions {
         tools_yaml: Some(format!(
             "tools:\n  - {{name: generate, kind: generate, source: {}, max_running: {most}, \
              dense_prefill: {dense}}}\n",
-            gguf.parent().unwrap().display()
+            gguf.display()
         )),
+        auth: openai,
         ..Default::default()
-    };
+    }
+    .service_env(Service::Gateway, "RUST_LOG", "warn");
     // The quantized matmuls' thread count (the worker's default is 1; README, "Devices").
     if let Ok(threads) = std::env::var("CANDLE_NUM_THREADS") {
         options = options.service_env(Service::DeviceWorker, "CANDLE_NUM_THREADS", threads);
     }
     let mut fleet = Fleet::start(options).await;
     let client = SchedulerClient::new(fleet::rpc_channel(&fleet.scheduler_addr));
-    nomad_request(client.clone(), 0).await; // loads and places the model
+    let gateway = fleet.gateway_mcp_url().replace("/mcp", "");
+    let http = reqwest::Client::new();
+    let nomad = |i| -> futures::future::BoxFuture<'static, Sample> {
+        if openai {
+            Box::pin(chat_request(
+                http.clone(),
+                gateway.clone(),
+                Some(fleet::TEST_TOKEN.into()),
+                i,
+            ))
+        } else {
+            Box::pin(nomad_request(client.clone(), i))
+        }
+    };
+    nomad(0).await; // loads and places the model
     println!(
         "| callers | server | output tokens/s | TTFT p50 | TTFT p99 | latency p50 | latency p99 \
          | prompt tokens computed (mean) |"
@@ -292,18 +388,25 @@ async fn bench(llama: Option<String>, levels: Vec<usize>) {
     let mut nomad1 = None;
     for &c in &levels {
         if let Some(binary) = &llama {
-            let server = LlamaServer::start(binary, &llama_model, c).await;
+            let server = LlamaServer::start(binary, &llama_model, c, openai).await;
             // A new connection per request: llama-server closes a streamed response's
             // connection, and reusing it from the pool fails the next request at random.
             let http = reqwest::Client::builder()
                 .pool_max_idle_per_host(0)
                 .build()
                 .expect("an HTTP client");
-            llama_request(http.clone(), server.url.clone(), 0).await; // warm-up
-            let l = run(c, |i| llama_request(http.clone(), server.url.clone(), i)).await;
+            let one = |i| -> futures::future::BoxFuture<'static, Sample> {
+                if openai {
+                    Box::pin(chat_request(http.clone(), server.url.clone(), None, i))
+                } else {
+                    Box::pin(llama_request(http.clone(), server.url.clone(), i))
+                }
+            };
+            one(0).await; // warm-up
+            let l = run(c, one).await;
             row("llama-server", c, &l);
         }
-        let l = run(c, |i| nomad_request(client.clone(), i)).await;
+        let l = run(c, &nomad).await;
         row("Nomad", c, &l);
         match nomad1 {
             None => nomad1 = Some(l.tokens_per_second),
@@ -317,18 +420,24 @@ async fn bench(llama: Option<String>, levels: Vec<usize>) {
 }
 
 const USAGE: &str = "\
-Usage: nomad-generate-bench [--llama-server PATH [--llama-model GGUF]] [--concurrency 1,4,8,16]
-                            [--dense-prefill] [--unique-prefix]
+Usage: nomad-generate-bench [--llama-server PATH [--llama-model GGUF]] [--model GGUF] [--openai]
+                            [--concurrency 1,4,8,16] [--dense-prefill] [--unique-prefix]
 `generate` through the scheduler (and llama-server on the same GGUF, interleaved, with
 --llama-server): output tokens/s, time to first token and latency per number of callers, each
-request 64 greedy tokens. CANDLE_NUM_THREADS is passed to the worker; NOMAD_TEST_DEVICE picks its
+request 64 greedy tokens. --openai asks both through POST /v1/chat/completions (the model's own
+chat template on each side); --model serves another GGUF (default: the shipped SmolLM2). CANDLE_NUM_THREADS is passed to the worker; NOMAD_TEST_DEVICE picks its
 device.";
 
 fn main() {
     check_args(
         USAGE,
-        &["--llama-server", "--llama-model", "--concurrency"],
-        &["--dense-prefill", "--unique-prefix"],
+        &[
+            "--llama-server",
+            "--llama-model",
+            "--model",
+            "--concurrency",
+        ],
+        &["--dense-prefill", "--unique-prefix", "--openai"],
     );
     let llama = Some(arg("--llama-server", "")).filter(|s| !s.is_empty());
     let levels: Vec<usize> = arg("--concurrency", "1,4,8,16")

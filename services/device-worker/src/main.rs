@@ -4,10 +4,10 @@
 
 mod bench;
 mod device;
+mod grpc_service;
 mod models;
 mod registration;
 mod serve;
-mod service;
 mod stats;
 mod store;
 mod streaming;

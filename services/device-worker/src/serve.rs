@@ -8,7 +8,7 @@ use nomad_rpc::{Service, ServiceArgs, StartOptions};
 use nomad_telemetry::ServerType;
 
 use crate::device::{self, DeviceSpec};
-use crate::{models, registration, service, store};
+use crate::{grpc_service, models, registration, store};
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -151,7 +151,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let mut server = nomad_rpc::RpcServer::new();
     server.routes().add_service(
-        DeviceWorkerServer::new(service::WorkerService {
+        DeviceWorkerServer::new(grpc_service::WorkerService {
             store,
             backend,
             limits: models::ExecLimits {

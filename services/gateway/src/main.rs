@@ -5,6 +5,7 @@
 mod config;
 mod direct;
 mod execute;
+mod grpc_service;
 mod mcp_call;
 mod mcp_http;
 mod mcp_server;
@@ -13,7 +14,6 @@ mod sandbox;
 mod schema;
 mod search;
 mod serve;
-mod service;
 mod tool_error;
 mod upstream;
 

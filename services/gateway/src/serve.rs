@@ -13,7 +13,7 @@ use rmcp::ServiceExt as _;
 use tokio::sync::watch;
 
 use crate::{
-    Args, config, direct, execute, mcp_http, mcp_server, sandbox, search, service, upstream,
+    Args, config, direct, execute, grpc_service, mcp_http, mcp_server, sandbox, search, upstream,
 };
 
 pub async fn serve(args: Args) -> anyhow::Result<()> {
@@ -100,7 +100,7 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
             let mut server = nomad_rpc::RpcServer::new();
             server
                 .routes()
-                .add_service(GatewayServer::new(service::GatewayService {
+                .add_service(GatewayServer::new(grpc_service::GatewayService {
                     gateway: gateway.clone(),
                 }));
             Some(tokio::spawn(

@@ -5,7 +5,7 @@ use nomad_proto::v1::head_server::HeadServer;
 use nomad_rpc::{Service, ServiceArgs};
 use nomad_telemetry::ServerType;
 
-use crate::{runs, service};
+use crate::{grpc_service, run_registry};
 
 #[derive(clap::Args)]
 pub struct HeadArgs {
@@ -35,9 +35,9 @@ pub async fn serve(args: HeadArgs) -> anyhow::Result<()> {
     let mut server = nomad_rpc::RpcServer::new();
     server
         .routes()
-        .add_service(HeadServer::new(service::HeadService {
+        .add_service(HeadServer::new(grpc_service::HeadService {
             gateway: GatewayClient::new(nomad_rpc::channel(&args.gateway)?),
-            runs: runs::RunRegistry::new(service.config.section("head")?),
+            runs: run_registry::RunRegistry::new(service.config.section("head")?),
             default_concurrency: args.concurrency,
         }));
     server.serve(listener, nomad_rpc::shutdown_signal()).await?;

@@ -3,9 +3,9 @@
 mod catalog;
 mod config;
 mod driver;
+mod grpc_service;
 mod metrics;
 mod recent;
-mod service;
 mod workers;
 
 use std::process::ExitCode;
@@ -62,7 +62,7 @@ async fn serve(args: Args) -> anyhow::Result<ExitCode> {
     let mut server = nomad_rpc::RpcServer::new();
     server
         .routes()
-        .add_service(SchedulerServer::new(service::SchedulerService::new(
+        .add_service(SchedulerServer::new(grpc_service::SchedulerService::new(
             catalog, &driver, registry, &manager,
         )));
     // On SIGINT/SIGTERM: refuse new requests, let accepted ones finish, then stop serving.

@@ -367,6 +367,9 @@ fn usage(answer: &Value) -> Usage {
         prompt_tokens: count("prompt_tokens"),
         completion_tokens: count("completion_tokens"),
         total_tokens: count("prompt_tokens") + count("completion_tokens"),
+        prompt_tokens_details: types::PromptTokensDetails {
+            cached_tokens: count("cached_prompt_tokens"),
+        },
     }
 }
 

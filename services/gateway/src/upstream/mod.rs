@@ -1,26 +1,25 @@
 //! Every tool the gateway can reach: the built-in `nomad` server and the configured MCP
-//! servers, behind one call path that applies the allowlist, records the `upstream` span and
-//! metrics, logs (arguments' keys and size, never their values) and carries the caller's trace
-//! context.
+//! servers, behind one call path that applies the allowlist, records the call (`recorder`: the
+//! `upstream` span, metrics and a log line) and carries the caller's trace context.
 
 pub mod mcp;
 pub mod nomad;
 pub mod nomad_json;
 pub mod policy;
 pub mod record;
+mod recorder;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use nomad_telemetry::metrics as defs;
-use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
-use opentelemetry::metrics::{Counter, Histogram};
+use nomad_telemetry::Context;
 use opentelemetry::trace::FutureExt as _;
 use serde_json::Value;
 use tokio::sync::Notify;
 
 use self::policy::Policy;
+use self::recorder::Instruments;
 use crate::sandbox::{ToolHost, ToolSpec};
 use crate::tool_error::{ToolError, ToolErrorCode};
 
@@ -30,8 +29,7 @@ pub struct Upstreams {
     policy: Policy,
     /// Woken when a server's tools may have changed (a new session, a list_changed notice).
     changed: Arc<Notify>,
-    calls: Counter<u64>,
-    duration: Histogram<f64>,
+    instruments: Instruments,
 }
 
 impl Upstreams {
@@ -46,8 +44,7 @@ impl Upstreams {
             servers,
             policy,
             changed,
-            calls: defs::GATEWAY_UPSTREAM_TOOL_CALLS.u64_counter(),
-            duration: defs::GATEWAY_UPSTREAM_TOOL_DURATION.f64_histogram(),
+            instruments: Instruments::new(),
         }
     }
 
@@ -146,39 +143,12 @@ impl Upstreams {
         progress: Option<&Progress>,
     ) -> Result<Value, ToolError> {
         let (server_label, tool_label) = self.labels(server, tool).await;
-        let span = GroupSpan::start(SpanGroup::Upstream, "nomad.gateway.upstream_tool", cx);
-        span.set_attributes([
-            KeyValue::new("nomad.gateway.server", server_label.clone()),
-            KeyValue::new("nomad.gateway.tool", tool_label.clone()),
-        ]);
-        let started = Instant::now();
+        let recorder = self.instruments.start(server_label, tool_label, cx);
         let result = self
-            .dispatch(span.context(), server, tool, arguments, progress)
-            .with_context(span.context().clone())
+            .dispatch(recorder.context(), server, tool, arguments, progress)
+            .with_context(recorder.context().clone())
             .await;
-        let status = if result.is_ok() { "ok" } else { "error" };
-        span.set_attribute(KeyValue::new("nomad.gateway.status", status));
-        // Logs carry the arguments' keys and size, never their values (a prompt, a document, a
-        // secret under an innocent key), and at most LOGGED_BYTES of a name or an error.
-        let (server_log, tool_log) = (clip(server), clip(tool));
-        let shape = shape_of(arguments);
-        match &result {
-            Ok(_) => tracing::debug!(server = %server_log, tool = %tool_log, arguments = %shape,
-                "upstream call"),
-            Err(e) => {
-                span.set_error(e.code.as_str(), &e.message);
-                tracing::info!(server = %server_log, tool = %tool_log, arguments = %shape,
-                    code = e.code.as_str(), error = %clip(&e.message), "upstream call failed");
-            }
-        }
-        let attributes = [
-            KeyValue::new("server", server_label),
-            KeyValue::new("tool", tool_label),
-            KeyValue::new("status", status),
-        ];
-        self.calls.add(1, &attributes);
-        self.duration
-            .record(started.elapsed().as_secs_f64(), &attributes);
+        recorder.finished(server, tool, arguments, &result);
         result
     }
 
@@ -205,48 +175,6 @@ impl Upstreams {
         let trace = nomad_telemetry::propagation::inject_map(cx);
         upstream.call(tool, arguments, &trace).await
     }
-}
-
-/// What a log line says of a call's arguments: their top-level keys (at most 16, each clipped)
-/// and their size in bytes of JSON.
-fn shape_of(arguments: &Value) -> String {
-    /// Counts what is written, keeping none of it.
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0 += buf.len();
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    let _ = serde_json::to_writer(&mut count, arguments);
-    let bytes = count.0;
-    match arguments {
-        Value::Object(map) => {
-            let keys: Vec<String> = map.keys().take(16).map(|k| clip(k).into_owned()).collect();
-            let more = if map.len() > 16 { ", ..." } else { "" };
-            format!("keys [{}{more}], {bytes} bytes", keys.join(", "))
-        }
-        _ => format!("{bytes} bytes"),
-    }
-}
-
-/// Bytes of any one value a log line carries.
-const LOGGED_BYTES: usize = 1024;
-
-/// `text` cut to [`LOGGED_BYTES`] at a character boundary, saying how much was left out.
-fn clip(text: &str) -> std::borrow::Cow<'_, str> {
-    if text.len() <= LOGGED_BYTES {
-        return text.into();
-    }
-    let mut end = LOGGED_BYTES;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}… ({} bytes in all)", &text[..end], text.len()).into()
 }
 
 /// Where a run's streamed tool text goes as it is made (the MCP caller's progress

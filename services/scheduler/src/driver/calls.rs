@@ -19,7 +19,7 @@ use super::handle::{Answer, Command};
 
 /// Where a call reports (its metrics, and the driver's channel), and its deadlines.
 #[derive(Clone)]
-pub(super) struct Back {
+pub(super) struct Reporting {
     pub metrics: Arc<Metrics>,
     pub tx: mpsc::Sender<Command>,
     pub deadlines: Deadlines,
@@ -59,7 +59,7 @@ pub(super) struct Call {
 }
 
 /// Runs one batch inside its span and reports `BatchDone`.
-pub(super) async fn execute_batch(mut call: Call, back: Back) {
+pub(super) async fn execute_batch(mut call: Call, reporting: Reporting) {
     let started = Instant::now();
     let mut client = call.worker.client.clone();
     let request = std::mem::take(&mut call.request.inputs);
@@ -76,12 +76,16 @@ pub(super) async fn execute_batch(mut call: Call, back: Back) {
     .with_context(call.batch_span.context().clone())
     .await
     .map(tonic::Response::into_inner);
-    report(call, expected, started, reply, back).await;
+    report(call, expected, started, reply, reporting).await;
 }
 
 /// Runs one generation as a stream, sending its text on `text` as it comes, and reports
 /// `BatchDone` with its outcome as `execute_batch` would.
-pub(super) async fn execute_stream(mut call: Call, text: mpsc::Sender<String>, back: Back) {
+pub(super) async fn execute_stream(
+    mut call: Call,
+    text: mpsc::Sender<String>,
+    reporting: Reporting,
+) {
     use nomad_proto::v1::execute_stream_event::Event;
     let started = Instant::now();
     let mut client = call.worker.client.clone();
@@ -117,7 +121,7 @@ pub(super) async fn execute_stream(mut call: Call, text: mpsc::Sender<String>, b
     let reply = within(call.deadline, "a batch (execute_timeout_seconds)", streamed)
         .with_context(call.batch_span.context().clone())
         .await;
-    report(call, 1, started, reply, back).await;
+    report(call, 1, started, reply, reporting).await;
 }
 
 /// Records a batch's outcome (span, metrics) and reports `BatchDone`.
@@ -126,9 +130,9 @@ async fn report(
     expected: usize,
     started: Instant,
     reply: Result<ExecuteBatchResponse, Status>,
-    back: Back,
+    reporting: Reporting,
 ) {
-    let Back { metrics, tx, .. } = back;
+    let Reporting { metrics, tx, .. } = reporting;
     let Call {
         worker,
         batch,
@@ -239,13 +243,13 @@ pub(super) async fn prepare(
     config: ToolConfig,
     offload: Option<String>,
     load: Option<LoadKind>,
-    back: Back,
+    reporting: Reporting,
 ) {
-    let Back {
+    let Reporting {
         metrics,
         tx,
         deadlines,
-    } = back;
+    } = reporting;
     let mut attributes = worker.tool_attributes(&config.name);
     if let Some(o) = &offload {
         attributes.push(KeyValue::new("nomad.tool.offload", o.clone()));
@@ -351,12 +355,17 @@ pub(super) enum Maintenance {
 }
 
 /// Carries out `what` on `worker` and reports `SlotFreed`.
-pub(super) async fn maintain(worker: Worker, slot: SlotId, what: Maintenance, back: Back) {
-    let Back {
+pub(super) async fn maintain(
+    worker: Worker,
+    slot: SlotId,
+    what: Maintenance,
+    reporting: Reporting,
+) {
+    let Reporting {
         metrics,
         tx,
         deadlines,
-    } = back;
+    } = reporting;
     let (name, attributes) = match &what {
         Maintenance::Evict(t) => ("nomad.tool.evict", worker.tool_attributes(t)),
         Maintenance::Unload(t) => ("nomad.tool.unload", worker.tool_attributes(t)),

@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use nomad_proto::v1::{GenerationStats, ToolInput, ToolOutput};
 use nomad_scheduler_core::{BatchId, BatchResult, RequestId, SlotId, ToolId};
-use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
+use nomad_telemetry::Context;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
+use super::recorder::RequestRecorder;
 use super::status::stopped;
 use crate::workers::Worker;
 
@@ -115,8 +116,7 @@ impl Handle {
         input: ToolInput,
         text: Option<mpsc::Sender<String>>,
     ) -> Result<Served, Status> {
-        let span = GroupSpan::start(SpanGroup::Tool, "nomad.tool.request", &Context::current());
-        span.set_attribute(KeyValue::new("tool", tool.to_owned()));
+        let recorder = RequestRecorder::start(tool);
         let request = self.next_request.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
         self.tx
@@ -124,7 +124,7 @@ impl Handle {
                 request,
                 tool: tool.to_owned(),
                 input,
-                cx: span.context().clone(),
+                cx: recorder.context().clone(),
                 reply,
                 text,
             })
@@ -138,34 +138,8 @@ impl Handle {
         let result = answer.await.unwrap_or_else(|_| Err(stopped()));
         guard.armed = false;
         match &result {
-            Ok(served) => {
-                span.set_attribute(KeyValue::new(
-                    "nomad.tool.queue_wait_seconds",
-                    served.queue_wait.as_secs_f64(),
-                ));
-                if let Some(g) = &served.generation {
-                    span.set_attributes([
-                        KeyValue::new(
-                            "nomad.tool.generate.time_to_first_token_seconds",
-                            g.time_to_first_token_seconds,
-                        ),
-                        KeyValue::new(
-                            "nomad.tool.generate.prompt_tokens",
-                            i64::from(g.prompt_tokens),
-                        ),
-                        KeyValue::new(
-                            "nomad.tool.generate.cached_prompt_tokens",
-                            i64::from(g.cached_prompt_tokens),
-                        ),
-                        KeyValue::new(
-                            "nomad.tool.generate.completion_tokens",
-                            i64::from(g.completion_tokens),
-                        ),
-                    ]);
-                }
-                span.set_ok();
-            }
-            Err(status) => span.set_error(format!("{:?}", status.code()), status.message()),
+            Ok(served) => recorder.answered(served.queue_wait, served.generation.as_ref()),
+            Err(status) => recorder.failed(status),
         }
         result
     }

@@ -10,6 +10,7 @@
 
 mod calls;
 mod handle;
+mod recorder;
 mod running;
 mod status;
 
@@ -553,9 +554,9 @@ impl Driver {
         };
         let task = match text {
             Some(text) if self.tools[tool].continuous => {
-                tokio::spawn(calls::execute_stream(call, text, self.back()))
+                tokio::spawn(calls::execute_stream(call, text, self.reporting()))
             }
-            _ => tokio::spawn(calls::execute_batch(call, self.back())),
+            _ => tokio::spawn(calls::execute_batch(call, self.reporting())),
         };
         if self.tools[tool].continuous {
             self.continuous_calls.insert(batch, task.abort_handle());
@@ -589,8 +590,8 @@ impl Driver {
         )
     }
 
-    fn back(&self) -> calls::Back {
-        calls::Back {
+    fn reporting(&self) -> calls::Reporting {
+        calls::Reporting {
             metrics: self.metrics.clone(),
             tx: self.tx.clone(),
             deadlines: self.deadlines,
@@ -614,7 +615,7 @@ impl Driver {
             self.tools[tool].clone(),
             offload.map(|t| self.tools[t].name.clone()),
             load,
-            self.back(),
+            self.reporting(),
         ));
     }
 
@@ -622,7 +623,7 @@ impl Driver {
         let Some(worker) = self.workers.get(&slot).cloned() else {
             return;
         };
-        tokio::spawn(calls::maintain(worker, slot, what, self.back()));
+        tokio::spawn(calls::maintain(worker, slot, what, self.reporting()));
     }
 }
 

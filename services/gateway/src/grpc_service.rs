@@ -20,10 +20,7 @@ pub struct GatewayService {
 }
 
 fn response(reply: ExecuteReply) -> ExecuteResponse {
-    let text = |v: &serde_json::Value, key: &str| v[key].as_str().unwrap_or_default().to_owned();
-    let number = |v: &serde_json::Value, key: &str| v[key].as_f64().unwrap_or_default();
-    let json =
-        |v: &serde_json::Value, key: &str| v.get(key).map(|x| x.to_string()).unwrap_or_default();
+    let json = |v: Option<serde_json::Value>| v.map(|x| x.to_string()).unwrap_or_default();
     ExecuteResponse {
         result_json: reply.result.to_string(),
         stdout: reply.stdout,
@@ -31,20 +28,21 @@ fn response(reply: ExecuteReply) -> ExecuteResponse {
         returncode: reply.returncode,
         error: reply.error,
         duration_seconds: reply.duration_seconds,
-        status: reply.status.to_owned(),
+        status: reply.status.as_str().to_owned(),
         tool_calls: reply
             .tool_calls
             .unwrap_or_default()
-            .iter()
+            .into_iter()
             .map(|c| ToolCallRecord {
-                server: text(c, "server"),
-                tool: text(c, "tool"),
-                status: text(c, "status"),
-                start_offset_seconds: number(c, "start_offset_seconds"),
-                duration_seconds: number(c, "duration_seconds"),
-                arguments_json: json(c, "arguments"),
-                output_json: json(c, "output"),
-                error: text(c, "error"),
+                server: c.server,
+                tool: c.tool,
+                status: c.status.as_str().to_owned(),
+                start_offset_seconds: c.start_offset_seconds,
+                duration_seconds: c.duration_seconds,
+                arguments_json: json(c.arguments),
+                output_json: json(c.output),
+                error: c.error.unwrap_or_default(),
+                code: c.code.map(|c| c.as_str().to_owned()).unwrap_or_default(),
             })
             .collect(),
         tool_calls_dropped: reply.tool_calls_dropped,

@@ -6,7 +6,7 @@ use nomad_proto::v1::{GetRunRequest, Run, StartRunRequest, StartRunResponse};
 use tonic::{Request, Response, Status};
 
 use crate::rollouts::Runner;
-use crate::runs::RunRegistry;
+use crate::run_registry::RunRegistry;
 use crate::tasks;
 
 pub struct HeadService {
@@ -29,7 +29,7 @@ impl Head for HeadService {
         let limit = self.runs.limits().max_tasks_per_run;
         if tasks_json.len() > limit {
             return Err(Status::resource_exhausted(
-                crate::runs::Refusal::TooManyTasks {
+                crate::run_registry::Refusal::TooManyTasks {
                     given: tasks_json.len(),
                     limit,
                 }
@@ -53,7 +53,7 @@ impl Head for HeadService {
         self.runs
             .start(&run_id, tasks.len(), concurrency)
             .map_err(|e| match e {
-                crate::runs::Refusal::Disk(_) => Status::internal(e.to_string()),
+                crate::run_registry::Refusal::Disk(_) => Status::internal(e.to_string()),
                 _ => Status::resource_exhausted(e.to_string()),
             })?;
         let runner = Runner::new(

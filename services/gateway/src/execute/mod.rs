@@ -1,21 +1,23 @@
 //! The gateway's operations, shared by its MCP and gRPC front ends: run code or a script in the
-//! sandbox, call one tool (search is `search::ToolSearch`). Spans and metrics are recorded here,
-//! never the code text or argument values.
+//! sandbox, call one tool (search is `search::ToolSearch`). Their spans and metrics are the
+//! `recorder`'s, which never sees the code text or argument values.
+
+mod recorder;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
-use nomad_telemetry::metrics as defs;
-use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
-use opentelemetry::metrics::{Counter, Histogram};
+use nomad_telemetry::Context;
 use serde_json::{Value, json};
+
+pub use self::recorder::RunStatus;
+use self::recorder::{Instruments, RequestKind};
 
 use crate::config::GatewayConfig;
 use crate::sandbox::{Outcome, Rejected, Sandbox, Source};
 use crate::search::ToolSearch;
-use crate::upstream::record::CallLog;
+use crate::upstream::record::{Recording, ToolCall};
 use crate::upstream::{Progress, RunTools, Upstreams};
 
 /// The largest script `execute_mcp_script` runs (as the largest code a gRPC call carries).
@@ -32,12 +34,12 @@ pub struct ExecuteReply {
     pub returncode: i32,
     /// Empty on success; else why it failed (`timeout`, `result too large`, the exception...).
     pub error: String,
-    /// `ok`, `error` or `timeout`.
-    pub status: &'static str,
+    /// `Ok`, `Error` or `Timeout` (a rejected run has no reply).
+    pub status: RunStatus,
     /// How long the sandboxed run took.
     pub duration_seconds: f64,
     /// With `gateway.record_tool_calls`: the run's tool calls (see `upstream::record`).
-    pub tool_calls: Option<Vec<Value>>,
+    pub tool_calls: Option<Vec<ToolCall>>,
     /// Calls past the log's bound, not in `tool_calls`.
     pub tool_calls_dropped: u64,
 }
@@ -50,7 +52,7 @@ impl ExecuteReply {
             "stderr": self.stderr,
             "returncode": self.returncode,
             "duration_seconds": self.duration_seconds,
-            "status": self.status,
+            "status": self.status.as_str(),
             "error": if self.error.is_empty() { Value::Null } else { Value::String(self.error.clone()) },
         });
         if let Some(calls) = &self.tool_calls {
@@ -100,11 +102,8 @@ pub struct Gateway {
     pub search: ToolSearch,
     pub sandbox: Sandbox,
     workspace_root: Option<PathBuf>,
-    /// `None`: tool calls are not recorded; `Some(payloads)`: recorded, with payloads or not.
-    record_tool_calls: Option<bool>,
-    requests: Counter<u64>,
-    request_duration: Histogram<f64>,
-    sandbox_duration: Histogram<f64>,
+    recording: Recording,
+    instruments: Instruments,
 }
 
 impl Gateway {
@@ -124,12 +123,8 @@ impl Gateway {
             search,
             sandbox,
             workspace_root,
-            record_tool_calls: config
-                .record_tool_calls
-                .then_some(config.record_tool_call_payloads),
-            requests: defs::GATEWAY_REQUESTS.u64_counter(),
-            request_duration: defs::GATEWAY_REQUEST_DURATION.f64_histogram(),
-            sandbox_duration: defs::GATEWAY_SANDBOX_DURATION.f64_histogram(),
+            recording: Recording::new(config.record_tool_calls, config.record_tool_call_payloads),
+            instruments: Instruments::new(),
         })
     }
 
@@ -191,7 +186,7 @@ impl Gateway {
     ) -> Result<ExecuteReply, ExecuteError> {
         let size = code.len();
         self.execute(
-            "execute_mcp_code",
+            RequestKind::ExecuteMcpCode,
             Source::Code(code),
             size,
             env,
@@ -208,58 +203,32 @@ impl Gateway {
         cx: &Context,
         progress: Option<Progress>,
     ) -> Result<ExecuteReply, ExecuteError> {
-        let (path, text) = match self.read_script(script_path) {
-            Ok(read) => read,
-            Err(e) => {
-                let kind = [KeyValue::new("request.kind", "execute_mcp_script")];
-                self.requests.add(1, &kind);
-                self.request_duration
-                    .record(0.0, &[kind[0].clone(), KeyValue::new("status", "error")]);
-                return Err(e);
-            }
-        };
+        let kind = RequestKind::ExecuteMcpScript;
+        let (path, text) = self
+            .read_script(script_path)
+            .inspect_err(|_| self.instruments.refused(kind))?;
         let size = text.len();
-        self.execute(
-            "execute_mcp_script",
-            Source::Script { path, text },
-            size,
-            env,
-            cx,
-            progress,
-        )
-        .await
+        self.execute(kind, Source::Script { path, text }, size, env, cx, progress)
+            .await
     }
 
     async fn execute(
         &self,
-        kind: &'static str,
+        kind: RequestKind,
         source: Source,
         code_size: usize,
         env: BTreeMap<String, String>,
         cx: &Context,
         progress: Option<Progress>,
     ) -> Result<ExecuteReply, ExecuteError> {
-        let started = Instant::now();
-        self.requests.add(1, &[KeyValue::new("request.kind", kind)]);
         let timeout = self.sandbox.config().timeout_seconds;
-        let span = GroupSpan::start(SpanGroup::Gateway, format!("nomad.gateway.{kind}"), cx);
-        span.set_attributes([
-            KeyValue::new("nomad.gateway.request_id", uuid::Uuid::new_v4().to_string()),
-            KeyValue::new("nomad.gateway.code_size", code_size as i64),
-            KeyValue::new("nomad.gateway.timeout_seconds", timeout),
-        ]);
-        let run_span = GroupSpan::start(
-            SpanGroup::Sandbox,
-            "nomad.gateway.sandbox.run",
-            span.context(),
-        );
-        run_span.set_attribute(KeyValue::new("nomad.gateway.timeout_seconds", timeout));
+        let recorder = self.instruments.start_run(kind, code_size, timeout, cx);
         // The sandbox's own calls, and its environment, carry the run's context.
-        let run_cx = run_span.context().clone();
+        let run_cx = recorder.run_context().clone();
         let trace: Vec<(String, String)> = nomad_telemetry::propagation::inject_map(&run_cx)
             .into_iter()
             .collect();
-        let log = self.record_tool_calls.map(CallLog::new);
+        let log = self.recording.log();
         let tools = RunTools {
             upstreams: &self.upstreams,
             cx: run_cx,
@@ -268,23 +237,13 @@ impl Gateway {
         };
         let ran = self
             .sandbox
-            .run(source, &env, run_span.context(), &trace, &tools)
+            .run(source, &env, recorder.run_context(), &trace, &tools)
             .await;
         drop(tools);
         let outcome = match ran {
             Ok(outcome) => outcome,
             Err(rejected) => {
-                for s in [&run_span, &span] {
-                    s.set_attribute(KeyValue::new("nomad.gateway.status", "rejected"));
-                    s.set_error("rejected", rejected.to_string());
-                }
-                self.request_duration.record(
-                    started.elapsed().as_secs_f64(),
-                    &[
-                        KeyValue::new("request.kind", kind),
-                        KeyValue::new("status", "rejected"),
-                    ],
-                );
+                recorder.rejected(&rejected);
                 return Err(rejected.into());
             }
         };
@@ -294,46 +253,7 @@ impl Gateway {
             reply.tool_calls = Some(calls);
             reply.tool_calls_dropped = dropped;
         }
-        let returncode = i64::from(reply.returncode);
-        for s in [&run_span, &span] {
-            s.set_attributes([
-                KeyValue::new("nomad.gateway.returncode", returncode),
-                KeyValue::new(
-                    "nomad.gateway.tool_call_count",
-                    i64::from(outcome.tool_calls),
-                ),
-                KeyValue::new("nomad.gateway.status", reply.status),
-                KeyValue::new(
-                    "nomad.gateway.sandbox.start",
-                    if outcome.warm { "warm" } else { "cold" },
-                ),
-                KeyValue::new(
-                    "nomad.gateway.sandbox.queue_wait_seconds",
-                    outcome.queue_wait.as_secs_f64(),
-                ),
-            ]);
-            match &outcome.failure {
-                Some(f) => s.set_error(f.kind(), first_line(&reply.error)),
-                None => s.set_ok(),
-            }
-        }
-        drop(run_span);
-        self.sandbox_duration.record(
-            outcome.duration.as_secs_f64(),
-            &[
-                KeyValue::new("request.kind", kind),
-                KeyValue::new("status", reply.status),
-                KeyValue::new("returncode", returncode),
-            ],
-        );
-        self.request_duration.record(
-            started.elapsed().as_secs_f64(),
-            &[
-                KeyValue::new("request.kind", kind),
-                KeyValue::new("status", reply.status),
-                KeyValue::new("returncode", returncode),
-            ],
-        );
+        recorder.finished(&outcome, &reply);
         Ok(reply)
     }
 
@@ -345,28 +265,18 @@ impl Gateway {
         tool: &str,
         arguments: &Value,
     ) -> Result<Value, crate::tool_error::ToolError> {
-        let started = Instant::now();
-        let kind = KeyValue::new("request.kind", "call_tool");
-        self.requests.add(1, std::slice::from_ref(&kind));
+        let recorder = self.instruments.start_call();
         let result = self.upstreams.call(cx, server, tool, arguments, None).await;
-        let status = if result.is_ok() { "ok" } else { "error" };
-        self.request_duration.record(
-            started.elapsed().as_secs_f64(),
-            &[kind, KeyValue::new("status", status)],
-        );
+        recorder.finished(result.is_ok());
         result
     }
 }
 
-fn first_line(text: &str) -> &str {
-    text.lines().next().unwrap_or_default()
-}
-
 fn reply_of(outcome: &Outcome) -> ExecuteReply {
     let (status, error) = match &outcome.failure {
-        None => ("ok", String::new()),
-        Some(f @ crate::sandbox::Failure::Timeout { .. }) => ("timeout", f.describe()),
-        Some(f) => ("error", f.describe()),
+        None => (RunStatus::Ok, String::new()),
+        Some(f @ crate::sandbox::Failure::Timeout { .. }) => (RunStatus::Timeout, f.describe()),
+        Some(f) => (RunStatus::Error, f.describe()),
     };
     ExecuteReply {
         result: outcome.result.clone().unwrap_or(Value::Null),
