@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 
 /// One weight row against `R` activation rows over `k` blocks, into `dst[..R]`. One weight
 /// stream and `R` independent accumulators: on the machines measured, reading several
-/// weight rows at once was slower than reading one (BENCHMARKS.md).
+/// weight rows at once was slower than reading one (docs/perf-log.md).
 ///
 /// # Safety
 /// The CPU must have AVX2 and FMA.

@@ -347,7 +347,7 @@ fn is_transformers_dir(path: &Path) -> bool {
 
 /// Whether Q4_1 weights are served re-quantized to Q8_0: only where this CPU has no Q4_1 kernel
 /// of the worker's own (candle's Q4_1 runs on a scalar path, several times slower than Q8_0;
-/// BENCHMARKS.md).
+/// docs/perf-log.md).
 pub fn requantize_q4_1() -> bool {
     nomad_q8::QuantMatrix::kernel_for(GgmlDType::Q4_1).is_none()
 }
