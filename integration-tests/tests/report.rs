@@ -127,6 +127,40 @@ async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
             .sum()
     };
     assert_eq!(figures["rollouts"], 20);
+    // The summary table counts what the results say, and lists each rollout that did not pass.
+    let summary = &figures["summary"];
+    let count = |f: &dyn Fn(&Value) -> bool| results.iter().filter(|r| f(r)).count() as u64;
+    assert_eq!(summary["rollouts"], 20);
+    assert_eq!(summary["ok"], count(&|r| r["status"] == "ok"));
+    assert_eq!(summary["verified"], count(&|r| r["passed"].is_boolean()));
+    assert_eq!(summary["passed"], count(&|r| r["passed"] == true));
+    assert!(
+        summary["rollouts_per_second"].as_f64().unwrap() > 0.0,
+        "{summary}"
+    );
+    let listed: Vec<&str> = summary["not_passed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["task_id"].as_str().unwrap())
+        .collect();
+    let not_passed: Vec<&str> = results
+        .iter()
+        .filter(|r| r["status"] != "ok" || r["passed"] == false)
+        .map(|r| r["task_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, not_passed);
+    let tools: Vec<&str> = summary["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["tool"].as_str().unwrap())
+        .collect();
+    assert!(
+        tools.contains(&"generate") && tools.contains(&"embed"),
+        "{tools:?}"
+    );
+    assert!(dom.contains("<table id=\"summary\">"), "no summary table");
     assert_eq!(figures["rollout_seconds"]["count"], 20);
     assert_eq!(bin_total(&figures["rollout_seconds"]), 20);
     let rewarded = results.iter().filter(|r| r["reward"].is_number()).count() as u64;

@@ -93,6 +93,9 @@ fn call_json(call: &nomad_proto::v1::ToolCallRecord) -> Value {
     if !call.error.is_empty() {
         json["error"] = Value::String(call.error.clone());
     }
+    if !call.code.is_empty() {
+        json["code"] = Value::String(call.code.clone());
+    }
     json
 }
 

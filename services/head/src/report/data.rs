@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::summary::{Summary, summary};
 use crate::traces::Span;
 
 /// One bar of a histogram: values in `[lo, hi)` (the last bar includes `hi`).
@@ -28,6 +29,8 @@ pub type Series = BTreeMap<String, Vec<(f64, f64)>>;
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Figures {
+    /// The table at the top of the report.
+    pub summary: Summary,
     pub rollouts: usize,
     pub failed: usize,
     pub rollout_seconds: Histogram,
@@ -184,6 +187,7 @@ pub fn figures(results: &[Value], spans: &[Span], metrics: &[Value]) -> Figures 
     }
 
     Figures {
+        summary: summary(results, spans),
         rollouts: results.len(),
         failed,
         rollout_seconds: histogram(&durations, 20),

@@ -5,6 +5,7 @@
 use plotters::prelude::*;
 
 use super::data::{Figures, Histogram, Series};
+use super::summary::Summary;
 
 const WIDTH: u32 = 900;
 const HEIGHT: u32 = 320;
@@ -141,9 +142,91 @@ fn figure(out: &mut String, id: &str, title: &str, note: &str, svg: Option<Strin
     out.push_str("</figure>\n");
 }
 
+/// The run at a glance: counts, throughput, each tool's latency and tokens, and the rollouts
+/// that failed or did not pass.
+fn summary_table(out: &mut String, s: &Summary) {
+    let rate = |r: Option<f64>| r.map_or("-".to_owned(), |r| format!("{r:.2}"));
+    out.push_str("<table id=\"summary\">\n");
+    let mut row = |k: &str, v: String| {
+        out.push_str(&format!(
+            "<tr><th>{}</th><td>{}</td></tr>\n",
+            escape(k),
+            escape(&v)
+        ));
+    };
+    row(
+        "rollouts",
+        format!("{} ({} ok, {} failed)", s.rollouts, s.ok, s.rollouts - s.ok),
+    );
+    row(
+        "verified",
+        if s.verified == 0 {
+            "none verified".to_owned()
+        } else {
+            format!(
+                "{} of {} passed ({:.1} %)",
+                s.passed,
+                s.verified,
+                100.0 * s.passed as f64 / s.verified as f64
+            )
+        },
+    );
+    row(
+        "throughput",
+        format!(
+            "{} rollouts/s over {:.1} s",
+            rate(s.rollouts_per_second),
+            s.wall_seconds
+        ),
+    );
+    out.push_str("</table>\n");
+    if !s.tools.is_empty() {
+        out.push_str(
+            "<table id=\"tools\"><tr><th>tool</th><th>requests</th><th>errors</th>\
+             <th>p50</th><th>p99</th><th>tokens/s</th></tr>\n",
+        );
+        for t in &s.tools {
+            out.push_str(&format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1} ms</td><td>{:.1} ms</td>\
+                 <td>{}</td></tr>\n",
+                escape(&t.tool),
+                t.requests,
+                t.errors,
+                t.p50_ms,
+                t.p99_ms,
+                rate(t.tokens_per_second)
+            ));
+        }
+        out.push_str("</table>\n");
+    }
+    if !s.not_passed.is_empty() {
+        out.push_str(
+            "<h2>Rollouts that failed or did not pass</h2>\n<table id=\"not-passed\">\
+             <tr><th>task</th><th>outcome</th><th>reward</th><th>why</th></tr>\n",
+        );
+        for n in &s.not_passed {
+            out.push_str(&format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td></tr>\n",
+                escape(&n.task_id),
+                n.outcome,
+                n.reward.map_or("-".to_owned(), |r| format!("{r}")),
+                escape(&n.why)
+            ));
+        }
+        out.push_str("</table>\n");
+        if s.not_passed_unlisted > 0 {
+            out.push_str(&format!(
+                "<p>... and {} more (results.jsonl has them all).</p>\n",
+                s.not_passed_unlisted
+            ));
+        }
+    }
+}
+
 /// The whole page.
 pub fn render(run_id: &str, figures: &Figures, waterfalls: &[String]) -> anyhow::Result<String> {
     let mut body = String::new();
+    summary_table(&mut body, &figures.summary);
     let hist = |h: &Histogram, x: &str| -> anyhow::Result<Option<String>> {
         (h.count > 0).then(|| histogram_svg(h, x)).transpose()
     };
@@ -210,7 +293,8 @@ pub fn render(run_id: &str, figures: &Figures, waterfalls: &[String]) -> anyhow:
          body{{font-family:sans-serif;margin:24px;max-width:960px}}\
          figure{{margin:24px 0}}figcaption{{margin-bottom:6px}}\
          pre{{font-size:11px;overflow-x:auto;background:#f6f6f6;padding:8px}}\
-         .empty{{color:#777}}</style></head>\n<body>\n<h1>Nomad run {id}</h1>\n{body}\
+         .empty{{color:#777}}table{{border-collapse:collapse;margin:12px 0}}\
+         th,td{{text-align:left;padding:2px 12px 2px 0;vertical-align:top}}</style></head>\n<body>\n<h1>Nomad run {id}</h1>\n{body}\
          <script type=\"application/json\" id=\"figures\">{data}</script>\n</body></html>\n",
         id = escape(run_id),
     ))

@@ -4,6 +4,7 @@
 
 mod data;
 mod html;
+mod summary;
 
 use std::path::{Path, PathBuf};
 
