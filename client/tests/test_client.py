@@ -1,6 +1,8 @@
 """The client against a real fleet: `nomad up` (the built binaries: NOMAD_BIN_DIR, else the
 workspace's target/debug) with an `mlp` tool, found as `nomad ps` finds it, called sync and
-async, its failures raised with the gateway's codes, code run in its sandbox, its tools searched.
+async, its failures raised with the gateway's codes, code run in its sandbox, its tools searched,
+a task set run through it and its traces read back. The package is imported as installed
+(`scripts/test` builds its wheel and installs that), so a file the wheel leaves out fails here.
 
     python -m unittest discover -s client/tests
 """
@@ -11,16 +13,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import unittest
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "client"))
+from nomad_client import AsyncFleet, Fleet, FleetRun, RunFailed, ToolError, find_fleet
 
-from nomad_client import AsyncFleet, Fleet, ToolError, find_fleet  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 BIN = Path(os.environ.get("NOMAD_BIN_DIR", ROOT / "target" / "debug"))
 
@@ -110,6 +110,44 @@ class SyncClient(unittest.TestCase):
         self.assertIn("gateway_mcp", str(refused.exception))
         with self.assertRaises(FileNotFoundError):
             find_fleet(DIR / "nowhere")
+
+
+class Runs(unittest.TestCase):
+    def test_a_task_set_runs_through_the_fleet_and_its_traces_are_read_back(self):
+        run = FleetRun.latest(RUNS)
+        self.assertEqual(run.run_id, "client-test")
+        tasks = [{"id": f"t{i}", "tool": "mlp", "arguments": {"input": [i / 10] * 6}} for i in range(3)]
+        tasks.append({"id": "bad", "tool": "mlp", "arguments": {"input": [0.5] * 5}})
+        results = {r["task_id"]: r for r in run.run_tasks(tasks, concurrency=2, nomad=BIN / "nomad")}
+        self.assertEqual(set(results), {"t0", "t1", "t2", "bad"})
+        for i in range(3):
+            self.assertEqual(results[f"t{i}"]["status"], "ok", results[f"t{i}"])
+            self.assertEqual(results[f"t{i}"]["output"]["shape"], [4])
+            self.assertEqual(results[f"t{i}"]["run_id"], "client-test")
+        # A rollout that failed is a result that says why, not an exception.
+        self.assertEqual(results["bad"]["status"], "error")
+        self.assertIn("6", results["bad"]["error"])
+        # The rollout's trace, from its start to the scheduler's request, is in the run directory.
+        trace = results["t1"]["trace_id"]
+        self.assertTrue(trace)
+        deadline = time.monotonic() + 30
+        while True:
+            spans = run.spans(trace_id=trace)
+            names = {s["name"] for s in spans}
+            if {"nomad.rollout", "nomad.tool.request"} <= names or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        self.assertLessEqual({"nomad.rollout", "nomad.tool.request"}, names)
+        self.assertTrue(all(s["trace_id"] == trace for s in spans))
+        # `nomad up` itself ran no task set here.
+        self.assertEqual(run.results(), [])
+
+    def test_a_task_set_nomad_cannot_run_is_refused_with_its_words(self):
+        with self.assertRaises(RunFailed) as failed:
+            list(FleetRun.latest(RUNS).run_tasks([{"id": "x"}], nomad=BIN / "nomad"))
+        self.assertIn(":1", str(failed.exception))
+        with self.assertRaises(ValueError):
+            FleetRun(DIR / "nomad.yml")
 
 
 class AsyncClient(unittest.TestCase):
