@@ -47,16 +47,6 @@ impl ApiError {
         }
     }
 
-    pub fn unavailable(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "server_error",
-            code: Some("unavailable"),
-            param: None,
-            message: message.into(),
-        }
-    }
-
     pub fn internal(message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::INTERNAL_SERVER_ERROR,

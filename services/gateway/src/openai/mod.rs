@@ -70,7 +70,7 @@ async fn model(gateway: &Gateway, name: &str, kinds: &[&str]) -> Result<String, 
         .upstreams
         .model_kinds()
         .await
-        .map_err(ApiError::unavailable)?;
+        .map_err(ApiError::from_tool_error)?;
     match listed.iter().find(|(n, _)| n == name) {
         Some((_, kind)) if kinds.contains(&kind.as_str()) => Ok(kind.clone()),
         Some((_, kind)) => Err(ApiError::invalid(
@@ -110,7 +110,7 @@ async fn models(State(gateway): Gw) -> Result<Json<Value>, ApiError> {
         .upstreams
         .model_kinds()
         .await
-        .map_err(ApiError::unavailable)?;
+        .map_err(ApiError::from_tool_error)?;
     Ok(Json(json!({
         "object": "list",
         "data": listed

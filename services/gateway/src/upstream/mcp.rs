@@ -88,21 +88,22 @@ impl McpServer {
         }
     }
 
-    async fn connect(&self) -> Result<Session, String> {
+    async fn connect(&self) -> Result<Session, ToolError> {
         let deadline = self.timing.connect;
         match tokio::time::timeout(deadline, self.open()).await {
             Ok(session) => session,
-            Err(_) => Err(format!(
+            Err(_) => Err(ToolError::unavailable(format!(
                 "connecting to MCP server {:?}: no session within {} s",
                 self.name,
                 deadline.as_secs_f64()
-            )),
+            ))),
         }
     }
 
-    async fn open(&self) -> Result<Session, String> {
-        let what =
-            |e: &dyn std::fmt::Display| format!("connecting to MCP server {:?}: {e}", self.name);
+    async fn open(&self) -> Result<Session, ToolError> {
+        let what = |e: &dyn std::fmt::Display| {
+            ToolError::unavailable(format!("connecting to MCP server {:?}: {e}", self.name))
+        };
         let listener = self.listener.clone();
         if let Some(command) = &self.config.command {
             let mut cmd = tokio::process::Command::new(command);
@@ -144,7 +145,7 @@ impl McpServer {
     }
 
     /// A handle on a live session, opening one if there is none (or the last one closed).
-    async fn peer(&self) -> Result<Peer<RoleClient>, String> {
+    async fn peer(&self) -> Result<Peer<RoleClient>, ToolError> {
         if let Some(peer) = self.live_peer().await {
             return Ok(peer);
         }
@@ -199,7 +200,7 @@ impl McpServer {
         Fut: Future<Output = Result<T, CallError>>,
     {
         for attempt in 0..2 {
-            match f(self.peer().await.map_err(ToolError::unavailable)?).await {
+            match f(self.peer().await?).await {
                 Ok(v) => return Ok(v),
                 Err(CallError::Tool(error)) => return Err(error),
                 Err(CallError::Session(message)) => {
@@ -220,7 +221,7 @@ impl McpServer {
     }
 
     /// The server's tools: the kept listing while it is fresh and unchanged, else a new one.
-    pub async fn tools(&self) -> Result<Vec<ToolSpec>, String> {
+    pub async fn tools(&self) -> Result<Vec<ToolSpec>, ToolError> {
         let generation = self.listener.tools_changed.load(Ordering::Relaxed);
         if let Some(listing) = self.listing.lock().await.as_ref()
             && listing.generation == generation
@@ -242,8 +243,7 @@ impl McpServer {
                     ))),
                 }
             })
-            .await
-            .map_err(|e| e.message)?
+            .await?
             .into_iter()
             .map(|t| ToolSpec {
                 title: t

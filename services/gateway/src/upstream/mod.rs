@@ -63,8 +63,7 @@ impl Upstreams {
                 Some(s) => s.tools().await,
                 None => return Err(ToolError::not_found(self.unknown_server(server))),
             }
-        }
-        .map_err(ToolError::unavailable)?;
+        }?;
         Ok(tools
             .into_iter()
             .filter(|t| self.policy.allows(server, &t.name))
@@ -72,7 +71,7 @@ impl Upstreams {
     }
 
     /// The scheduler's tools and their kinds (the allowlist applied), for the OpenAI routes.
-    pub async fn model_kinds(&self) -> Result<Vec<(String, String)>, String> {
+    pub async fn model_kinds(&self) -> Result<Vec<(String, String)>, ToolError> {
         Ok(self
             .nomad
             .kinds()

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 use super::nomad_json;
 use crate::sandbox::ToolSpec;
-use crate::tool_error::ToolError;
+use crate::tool_error::{ToolError, ToolErrorCode};
 
 pub const NAME: &str = "nomad";
 
@@ -247,12 +247,12 @@ impl Nomad {
     }
 
     /// The scheduler's tools: the kept listing while it is fresh, else a new one.
-    pub async fn tools(&self) -> Result<Vec<ToolSpec>, String> {
+    pub async fn tools(&self) -> Result<Vec<ToolSpec>, ToolError> {
         Ok(self.listing().await?.0)
     }
 
     /// The kept listing while it is fresh, else a new one: the tools, and each one's kind.
-    async fn listing(&self) -> Result<(Vec<ToolSpec>, HashMap<String, String>), String> {
+    async fn listing(&self) -> Result<(Vec<ToolSpec>, HashMap<String, String>), ToolError> {
         let mut listing = self.listing.lock().await;
         if let Some(l) = listing.as_ref() {
             let ttl = if l.pending { PENDING_POLL } else { self.ttl };
@@ -263,9 +263,12 @@ impl Nomad {
         let tools = tokio::time::timeout(LIST_DEADLINE, self.list())
             .await
             .map_err(|_| {
-                format!(
-                    "listing the scheduler's tools: no answer within {} s",
-                    LIST_DEADLINE.as_secs()
+                ToolError::new(
+                    ToolErrorCode::DeadlineExceeded,
+                    format!(
+                        "listing the scheduler's tools: no answer within {} s",
+                        LIST_DEADLINE.as_secs()
+                    ),
                 )
             })??;
         let (tools, kinds, pending) = tools;
@@ -282,7 +285,7 @@ impl Nomad {
     }
 
     /// Each tool's name and kind (a listing kept while fresh); `get_model_card` is not a model.
-    pub async fn kinds(&self) -> Result<Vec<(String, String)>, String> {
+    pub async fn kinds(&self) -> Result<Vec<(String, String)>, ToolError> {
         let (tools, kinds) = self.listing().await?;
         Ok(tools
             .into_iter()
@@ -300,13 +303,23 @@ impl Nomad {
 
     /// Tools that failed to load are left out (the scheduler's log says why); also whether any
     /// is still being described.
-    async fn list(&self) -> Result<(Vec<ToolSpec>, HashMap<String, String>, bool), String> {
+    async fn list(&self) -> Result<(Vec<ToolSpec>, HashMap<String, String>, bool), ToolError> {
         let listed = self
             .scheduler
             .clone()
             .list_tools(ListToolsRequest {})
             .await
-            .map_err(|s| format!("listing the scheduler's tools: {}", s.message()))?;
+            .map_err(|s| {
+                let code = if nomad_rpc::peer_lost(&s) {
+                    ToolErrorCode::Unavailable
+                } else {
+                    s.code().into()
+                };
+                ToolError::new(
+                    code,
+                    format!("listing the scheduler's tools: {}", s.message()),
+                )
+            })?;
         let tools: Vec<ToolInfo> = listed
             .into_inner()
             .tools
@@ -334,7 +347,7 @@ impl Nomad {
         arguments: &Value,
         progress: Option<&tokio::sync::mpsc::Sender<String>>,
     ) -> Result<Value, ToolError> {
-        let (_, kinds) = self.listing().await.map_err(ToolError::unavailable)?;
+        let (_, kinds) = self.listing().await?;
         let kind = kinds.get(tool).map(String::as_str);
         if tool == MODEL_CARD_TOOL && kind.is_none() {
             return self.model_card(arguments).await;
