@@ -161,6 +161,20 @@ async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
         "{tools:?}"
     );
     assert!(dom.contains("<table id=\"summary\">"), "no summary table");
+    // Each slowest rollout's waterfall says where it waited for a sandbox slot, under the run.
+    let waterfalls: Vec<&str> = html
+        .split("<pre class=\"waterfall\">")
+        .skip(1)
+        .map(|w| &w[..w.find("</pre>").unwrap()])
+        .collect();
+    assert_eq!(waterfalls.len(), 3, "the default --waterfalls");
+    for w in &waterfalls {
+        assert!(
+            w.contains("nomad.gateway.sandbox.queue_wait")
+                && w.contains("nomad.gateway.sandbox.run"),
+            "{w}"
+        );
+    }
     assert_eq!(figures["rollout_seconds"]["count"], 20);
     assert_eq!(bin_total(&figures["rollout_seconds"]), 20);
     let rewarded = results.iter().filter(|r| r["reward"].is_number()).count() as u64;
