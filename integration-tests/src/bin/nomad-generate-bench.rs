@@ -137,6 +137,26 @@ async fn nomad_request(client: SchedulerClient<Channel>, i: usize) -> Sample {
     }
 }
 
+/// Each `data:` event of a server-sent-events reply, as JSON, to `on` (others, `[DONE]` among
+/// them, are skipped).
+async fn each_event(reply: reqwest::Response, mut on: impl FnMut(&serde_json::Value)) {
+    let mut stream = reply.bytes_stream();
+    let mut buffer = String::new();
+    while let Some(chunk) = stream.next().await {
+        buffer.push_str(&String::from_utf8_lossy(&chunk.expect("event stream")));
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            if let Some(v) = event
+                .trim()
+                .strip_prefix("data: ")
+                .and_then(|data| serde_json::from_str(data).ok())
+            {
+                on(&v);
+            }
+        }
+    }
+}
+
 async fn llama_request(http: reqwest::Client, url: String, i: usize) -> Sample {
     let body = serde_json::json!({
         "prompt": prompt(i), "n_predict": TOKENS, "temperature": 0.0, "stream": true,
@@ -150,29 +170,17 @@ async fn llama_request(http: reqwest::Client, url: String, i: usize) -> Sample {
         .send()
         .await
         .expect("llama-server request");
-    let mut stream = reply.bytes_stream();
-    let (mut first, mut tokens, mut prefilled, mut buffer) = (None, 0, 0, String::new());
-    while let Some(chunk) = stream.next().await {
-        buffer.push_str(&String::from_utf8_lossy(
-            &chunk.expect("llama-server stream"),
-        ));
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
-                continue;
-            };
-            if v["content"].as_str().is_some_and(|c| !c.is_empty()) {
-                first.get_or_insert_with(|| started.elapsed());
-            }
-            if v["stop"].as_bool() == Some(true) {
-                tokens = v["tokens_predicted"].as_u64().unwrap_or(0);
-                prefilled = v["timings"]["prompt_n"].as_u64().unwrap_or(0);
-            }
+    let (mut first, mut tokens, mut prefilled) = (None, 0, 0);
+    each_event(reply, |v| {
+        if v["content"].as_str().is_some_and(|c| !c.is_empty()) {
+            first.get_or_insert_with(|| started.elapsed());
         }
-    }
+        if v["stop"].as_bool() == Some(true) {
+            tokens = v["tokens_predicted"].as_u64().unwrap_or(0);
+            prefilled = v["timings"]["prompt_n"].as_u64().unwrap_or(0);
+        }
+    })
+    .await;
     Sample {
         first_token: first.unwrap_or_else(|| started.elapsed()),
         total: started.elapsed(),
@@ -209,37 +217,25 @@ async fn chat_request(
         "chat completion: {}",
         reply.status()
     );
-    let mut stream = reply.bytes_stream();
-    let (mut first, mut tokens, mut prefilled, mut buffer) = (None, 0, 0, String::new());
-    while let Some(chunk) = stream.next().await {
-        buffer.push_str(&String::from_utf8_lossy(
-            &chunk.expect("chat completion stream"),
-        ));
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
-                continue; // `[DONE]`
-            };
-            if v["choices"][0]["delta"]["content"]
-                .as_str()
-                .is_some_and(|c| !c.is_empty())
-            {
-                first.get_or_insert_with(|| started.elapsed());
-            }
-            if let Some(usage) = v.get("usage").filter(|u| u.is_object()) {
-                tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
-                let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
-                // llama-server reports what it computed in its own timings.
-                prefilled = match (v["timings"]["prompt_n"].as_u64(), cached) {
-                    (Some(n), _) => n,
-                    (None, c) => usage["prompt_tokens"].as_u64().unwrap_or(0) - c.unwrap_or(0),
-                };
-            }
+    let (mut first, mut tokens, mut prefilled) = (None, 0, 0);
+    each_event(reply, |v| {
+        if v["choices"][0]["delta"]["content"]
+            .as_str()
+            .is_some_and(|c| !c.is_empty())
+        {
+            first.get_or_insert_with(|| started.elapsed());
         }
-    }
+        if let Some(usage) = v.get("usage").filter(|u| u.is_object()) {
+            tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
+            let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+            // llama-server reports what it computed in its own timings.
+            prefilled = match (v["timings"]["prompt_n"].as_u64(), cached) {
+                (Some(n), _) => n,
+                (None, c) => usage["prompt_tokens"].as_u64().unwrap_or(0) - c.unwrap_or(0),
+            };
+        }
+    })
+    .await;
     Sample {
         first_token: first.unwrap_or_else(|| started.elapsed()),
         total: started.elapsed(),
