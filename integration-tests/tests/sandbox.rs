@@ -151,7 +151,7 @@ impl Gateway {
     }
 }
 
-/// What only a sandboxed Python's command line holds (its init's holds the same words as JSON).
+/// What only a sandboxed Python's command line holds.
 const RUNNER: &str = "-B\0/nomad/runner.py";
 
 /// Python that calls `syscall(nr, *args)` through ctypes and names the errno (`OK` on success).
@@ -896,6 +896,40 @@ async fn runs_are_admitted_by_the_memory_they_hold() {
 /// Runs yield the CPU to the fleet's services: every run starts at niceness 10 and cannot raise
 /// its priority back (as root and as an unprivileged user). A gateway started nicer than that
 /// (`nice -n 19`) still runs code, at its own niceness (the sandbox cannot go back up to 10).
+/// A sandbox's spec (its paths, limits and user) travels on the bridge, not on a command line
+/// that `ps` shows every user: a waiting warm runner's init reads `sandbox-init` alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sandbox_spec_is_not_on_a_command_line() {
+    for run_as in gateway_users() {
+        let gateway = Gateway::start(&run_as, "  warm: 1\n").await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while descendants_running(gateway.pid, RUNNER) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{}: no warm runner within 20 s",
+                run_as.label
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            descendants_running(gateway.pid, "sandbox-init") >= 1,
+            "{}: the warm runner's init is not there to look at",
+            run_as.label
+        );
+        for spec_field in ["mount_point", "disk_bytes", "drop_to"] {
+            assert_eq!(
+                descendants_running(gateway.pid, spec_field),
+                0,
+                "{}: `{spec_field}` is on a sandbox process's command line",
+                run_as.label
+            );
+        }
+        let reply = gateway.run("RESULT = 40 + 2").await;
+        assert_eq!(reply.result_json, "42", "{}: {}", run_as.label, reply.error);
+        gateway.stop().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_yields_the_cpu_and_cannot_take_it_back() {
     let code = "\

@@ -54,10 +54,8 @@ pub struct Args {
 fn main() -> ExitCode {
     // The first process of every sandboxed run is this binary in its own mode (see
     // `sandbox::init`): checked before anything else is set up.
-    let mut raw = std::env::args_os();
-    if raw.nth(1).as_deref() == Some(std::ffi::OsStr::new(sandbox::init::ARG)) {
-        let spec = raw.next().unwrap_or_default();
-        sandbox::init::main(&spec);
+    if std::env::args_os().nth(1).as_deref() == Some(std::ffi::OsStr::new(sandbox::init::ARG)) {
+        sandbox::init::main();
     }
     let args = Args::parse();
     nomad_rpc::bootstrap::main("nomad-gateway", 1, || async {

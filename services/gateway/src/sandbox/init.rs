@@ -1,9 +1,11 @@
-//! `nomad-gateway sandbox-init SPEC`: the first process of every sandboxed run. The gateway
-//! starts its own binary in this mode (a fresh single-threaded process, so it may allocate and
-//! report errors freely), with the bridge socket as standard input and a [`Spec`] as JSON.
+//! `nomad-gateway sandbox-init`: the first process of every sandboxed run. The gateway starts
+//! its own binary in this mode (a fresh single-threaded process, so it may allocate and report
+//! errors freely), with the bridge socket as standard input; the bridge's first frame is a
+//! [`Spec`] as JSON (never on the command line, which `ps` shows to every user).
 //!
 //! In order:
-//! 1. the bridge moves to descriptor 3, standard input becomes `/dev/null`, a new session;
+//! 1. the spec is read; the bridge moves to descriptor 3, standard input becomes `/dev/null`, a
+//!    new session;
 //! 2. the run's cgroup, when the gateway has a delegated one;
 //! 3. a gateway running as root becomes `nobody` (supplementary groups cleared);
 //! 4. new user, mount, network, PID, IPC, UTS and cgroup namespaces; this process stays outside
@@ -17,7 +19,7 @@
 //!
 //! A failure prints `nomad sandbox-init: <step>: <error>` on stderr and exits with 125.
 
-use std::ffi::{CString, OsStr};
+use std::ffi::CString;
 use std::io::Write as _;
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
@@ -146,14 +148,39 @@ impl<T, E: std::fmt::Display> Step<T> for Result<T, E> {
 }
 
 /// Runs the init; never returns.
-pub fn main(spec_json: &OsStr) -> ! {
-    let Err(Failed(message)) = run(spec_json);
+pub fn main() -> ! {
+    let Err(Failed(message)) = run();
     let _ = writeln!(std::io::stderr(), "nomad sandbox-init: {message}");
     std::process::exit(SETUP_FAILED);
 }
 
-fn run(spec_json: &OsStr) -> Result<std::convert::Infallible, Failed> {
-    let spec: Spec = serde_json::from_slice(spec_json.as_bytes()).step("reading the spec")?;
+/// The largest spec the init reads (a spec is a few KiB: paths and limits).
+const MAX_SPEC: usize = 1 << 20;
+
+/// Reads the spec frame from standard input (the bridge), exactly: what follows is the runner's.
+fn read_spec() -> Result<Spec, Failed> {
+    use std::io::Read as _;
+    // Unbuffered (std's stdin reads ahead) and never closed: the bridge moves to descriptor 3
+    // next, and what follows the spec is the runner's.
+    // SAFETY: descriptor 0 is open (the bridge) and is not closed through this handle.
+    let mut stdin = std::mem::ManuallyDrop::new(unsafe {
+        <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(0)
+    });
+    let mut length = [0u8; 4];
+    stdin.read_exact(&mut length).step("reading the spec")?;
+    let length = u32::from_be_bytes(length) as usize;
+    if length > MAX_SPEC {
+        return Err(Failed(format!(
+            "reading the spec: {length} bytes, more than {MAX_SPEC}"
+        )));
+    }
+    let mut body = vec![0u8; length];
+    stdin.read_exact(&mut body).step("reading the spec")?;
+    serde_json::from_slice(&body).step("reading the spec")
+}
+
+fn run() -> Result<std::convert::Infallible, Failed> {
+    let spec = read_spec()?;
     // SAFETY: plain descriptor calls on this process's own descriptors.
     unsafe {
         if libc::dup2(0, 3) < 0 {

@@ -131,18 +131,20 @@ pub struct Resources {
 
 impl Started {
     /// Starts the init with `spec` (the gateway's own binary in `sandbox-init` mode; the bridge
-    /// is its standard input, so the spawn needs no code between fork and exec).
+    /// is its standard input, so the spawn needs no code between fork and exec). The spec is the
+    /// bridge's first frame, not an argument: a command line is anyone's to read in `ps`.
     fn spawn(
         spec: &Spec,
         resources: Resources,
         warm: bool,
         launch: &Launch,
     ) -> std::io::Result<Self> {
-        let (ours, theirs) = StdUnixStream::pair()?;
-        let spec_json = serde_json::to_string(spec)?;
+        let (mut ours, theirs) = StdUnixStream::pair()?;
+        // A few KiB into an empty socket buffer: the write completes before the init reads.
+        let frame = bridge::encode(spec).map_err(std::io::Error::other)?;
+        std::io::Write::write_all(&mut ours, &frame)?;
         let mut child = tokio::process::Command::new("/proc/self/exe")
             .arg(init::ARG)
-            .arg(spec_json)
             .env_clear()
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::piped())
