@@ -22,7 +22,7 @@ pub struct ChildSpec {
     /// Set for the child; the caller has already left out what the user's env sets.
     pub env: Vec<(String, String)>,
     /// The child talks on the head's own stdin and stdout (an MCP server over stdio) instead of
-    /// writing its stdout to `<name>.jsonl`.
+    /// writing its stdout to `<name>.log`.
     pub stdio: bool,
 }
 
@@ -75,23 +75,27 @@ impl Supervisor {
         counter
     }
 
-    /// Starts `spec` with stdout in `<name>.jsonl` and stderr in `<name>.log`; returns its index.
+    /// Starts `spec` with its console telemetry in `<name>.jsonl` (which the child writes and
+    /// rotates itself) and its stdout and stderr in `<name>.log`; returns its index.
     pub fn spawn(&mut self, spec: ChildSpec) -> anyhow::Result<usize> {
-        let stdout_path = self.dir.join(format!("{}.jsonl", spec.name));
+        let telemetry = self.dir.join(format!("{}.jsonl", spec.name));
         let log = self.dir.join(format!("{}.log", spec.name));
-        let stdout = std::fs::File::create(&stdout_path)
-            .with_context(|| format!("creating {}", stdout_path.display()))?;
         let stderr =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let mut command = tokio::process::Command::new(&spec.program);
         let (stdin, stdout) = if spec.stdio {
             (Stdio::inherit(), Stdio::inherit())
         } else {
+            let stdout = stderr
+                .try_clone()
+                .with_context(|| format!("sharing {}", log.display()))?;
             (Stdio::null(), Stdio::from(stdout))
         };
         command
             .args(&spec.args)
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            // Each child's own file: one path for all would mix and rotate them together.
+            .env(nomad_telemetry::fields::CONSOLE_FILE.variable, &telemetry)
             .stdin(stdin)
             .stdout(stdout)
             .stderr(stderr)
@@ -293,6 +297,27 @@ mod tests {
             args: vec!["-c".into(), script.into()],
             env: vec![],
         }
+    }
+
+    /// A child's stdout joins its log; its console telemetry goes to its own `<name>.jsonl`,
+    /// which it writes (and rotates) itself.
+    #[tokio::test]
+    async fn a_child_is_told_its_own_telemetry_file_and_its_stdout_joins_its_log() {
+        let dir = std::env::temp_dir().join(format!("nomad-sup-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut sup = Supervisor::new(&dir);
+        sup.spawn(sh(
+            "talker",
+            "echo \"out $NOMAD_OTEL_CONSOLE_FILE\"; echo err >&2; exit 0",
+        ))
+        .unwrap();
+        let exit = sup.next_exit().await;
+        assert_eq!(exit.status.code(), Some(0));
+        let log = std::fs::read_to_string(dir.join("talker.log")).unwrap();
+        let expected = format!("out {}", dir.join("talker.jsonl").display());
+        assert!(log.contains(&expected), "{log}");
+        assert!(log.contains("err"), "{log}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[tokio::test]

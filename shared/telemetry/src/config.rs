@@ -125,6 +125,10 @@ pub struct TelemetrySettings {
     pub metric_export_interval: Option<Duration>,
     /// Serve the metrics for Prometheus to scrape here (besides any export).
     pub prometheus_listen: Option<std::net::SocketAddr>,
+    /// Where the console exporter writes (`None`: the process's own choice, standard output).
+    pub console_file: Option<std::path::PathBuf>,
+    /// What `console_file` and its rotated copies may hold together (0: no rotation).
+    pub console_max_bytes: u64,
 }
 
 impl TelemetrySettings {
@@ -486,8 +490,25 @@ pub fn resolve(
         .unwrap_or(false),
         metric_export_interval,
         prometheus_listen: prometheus_listen(env, block)?,
+        console_file: env
+            .non_empty(field::CONSOLE_FILE.variable)
+            .or_else(|| block.console_file.clone())
+            .map(std::path::PathBuf::from),
+        console_max_bytes: match env.non_empty(field::CONSOLE_MAX_BYTES.variable) {
+            Some(raw) => raw.parse().map_err(|_| {
+                invalid(
+                    field::CONSOLE_MAX_BYTES.variable,
+                    &raw,
+                    "must be a whole number of bytes (0: never rotate)",
+                )
+            })?,
+            None => block.console_max_bytes.unwrap_or(DEFAULT_CONSOLE_MAX_BYTES),
+        },
     })
 }
+
+/// What a process's console files hold at most by default.
+pub const DEFAULT_CONSOLE_MAX_BYTES: u64 = 1 << 30;
 
 fn prometheus_listen(
     env: &(impl Env + ?Sized),

@@ -230,6 +230,28 @@ fn rows() -> Vec<Row> {
             from_standard: "",
             from_nomad: "Some(0.0.0.0:9000)",
         },
+        Row {
+            field: "console_file",
+            file: "console_file: /tmp/file.jsonl",
+            standard: None,
+            nomad: ("NOMAD_OTEL_CONSOLE_FILE", "/tmp/env.jsonl"),
+            read: |s| format!("{:?}", s.console_file),
+            default: "None",
+            from_file: r#"Some("/tmp/file.jsonl")"#,
+            from_standard: "",
+            from_nomad: r#"Some("/tmp/env.jsonl")"#,
+        },
+        Row {
+            field: "console_max_bytes",
+            file: "console_max_bytes: 1000000",
+            standard: None,
+            nomad: ("NOMAD_OTEL_CONSOLE_MAX_BYTES", "0"),
+            read: |s| s.console_max_bytes.to_string(),
+            default: "1073741824",
+            from_file: "1000000",
+            from_standard: "",
+            from_nomad: "0",
+        },
     ]
 }
 

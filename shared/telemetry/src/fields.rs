@@ -29,6 +29,8 @@ pub struct TelemetryBlock {
     pub runtime_task_count: Option<bool>,
     pub metric_export_interval_seconds: Option<f64>,
     pub prometheus_listen: Option<String>,
+    pub console_file: Option<String>,
+    pub console_max_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
@@ -244,6 +246,26 @@ pub const PROMETHEUS_LISTEN: Field = Field {
     value: |b| b.prometheus_listen.clone(),
 };
 
+pub const CONSOLE_FILE: Field = Field {
+    key: "console_file",
+    note: " (the console exporter writes here, rotated by size, instead of standard output)",
+    variable: "NOMAD_OTEL_CONSOLE_FILE",
+    standard: &[],
+    standard_doc: "",
+    default: "standard output (`nomad up`: `<run dir>/<service>.jsonl`)",
+    value: |b| b.console_file.clone(),
+};
+
+pub const CONSOLE_MAX_BYTES: Field = Field {
+    key: "console_max_bytes",
+    note: " (`console_file` and its rotated copies together; 0: never rotate)",
+    variable: "NOMAD_OTEL_CONSOLE_MAX_BYTES",
+    standard: &[],
+    standard_doc: "",
+    default: "`1073741824` (1 GiB)",
+    value: |b| b.console_max_bytes.map(|n| n.to_string()),
+};
+
 /// Every field, in docs/telemetry.md's order.
 pub const FIELDS: &[Field] = &[
     ENABLED,
@@ -264,6 +286,8 @@ pub const FIELDS: &[Field] = &[
     RUNTIME_TASK_COUNT,
     METRIC_EXPORT_INTERVAL_SECONDS,
     PROMETHEUS_LISTEN,
+    CONSOLE_FILE,
+    CONSOLE_MAX_BYTES,
 ];
 
 /// docs/telemetry.md's table of the fields.
@@ -308,6 +332,8 @@ mod tests {
             runtime_task_count: Some(true),
             metric_export_interval_seconds: Some(5.0),
             prometheus_listen: Some("127.0.0.1:9464".into()),
+            console_file: Some("/tmp/x.jsonl".into()),
+            console_max_bytes: Some(1 << 20),
         };
         let json = serde_json::to_value(&block).unwrap();
         let mut keys: Vec<String> = Vec::new();

@@ -131,8 +131,11 @@ fn tracer_provider(
         });
     let builder = match settings.traces.exporter {
         ExporterKind::Console => builder.with_span_processor(
-            BatchSpanProcessor::builder(console::ConsoleSpanExporter::new(&options.console_sink))
-                .build(),
+            BatchSpanProcessor::builder(console::ConsoleSpanExporter::new(
+                &options.console_sink,
+                settings.console_max_bytes,
+            ))
+            .build(),
         ),
         ExporterKind::Otlp => {
             let exporter = otlp_exporter!(
@@ -175,7 +178,7 @@ fn meter_provider(
     let interval = settings.metric_export_interval;
     let builder = match settings.metrics.exporter {
         ExporterKind::Console => builder.with_reader(reader(
-            console::ConsoleMetricExporter::new(&options.console_sink),
+            console::ConsoleMetricExporter::new(&options.console_sink, settings.console_max_bytes),
             interval,
         )),
         ExporterKind::Otlp => {
@@ -199,7 +202,10 @@ fn logger_provider(
     let builder = SdkLoggerProvider::builder().with_resource(resource);
     Ok(match settings.logs.exporter {
         ExporterKind::Console => builder
-            .with_batch_exporter(console::ConsoleLogExporter::new(&options.console_sink))
+            .with_batch_exporter(console::ConsoleLogExporter::new(
+                &options.console_sink,
+                settings.console_max_bytes,
+            ))
             .build(),
         ExporterKind::Otlp => {
             let exporter = otlp_exporter!(
@@ -226,9 +232,15 @@ fn is_exporter_internal(target: &str) -> bool {
 pub fn init(
     settings: TelemetrySettings,
     identity: &ServerIdentity,
-    options: InitOptions,
+    mut options: InitOptions,
 ) -> Result<Telemetry, TelemetryError> {
     propagation::install();
+    // `console_file` takes the place of a standard stream; a file the process chose stays.
+    if let (Some(path), ConsoleSink::Stdout | ConsoleSink::Stderr) =
+        (&settings.console_file, &options.console_sink)
+    {
+        options.console_sink = ConsoleSink::File(path.clone());
+    }
     let resource = resource::build(&settings, identity);
     let service_name = resource::service_name(&settings, identity);
 
