@@ -74,7 +74,7 @@ async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
         );
     }
 
-    // The browser parses it into six figures, each drawn as SVG, and logs no error.
+    // The browser parses it into eight figures, each drawn as SVG, and logs no error.
     let (dom, log) = chromium(&report, &["--dump-dom".into()]).await;
     for id in [
         "rollout-durations",
@@ -83,6 +83,8 @@ async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
         "batch-size",
         "queue-length",
         "memory",
+        "sandbox-wait",
+        "worker-time",
     ] {
         let at = dom
             .find(&format!("<figure id=\"{id}\">"))
@@ -199,6 +201,36 @@ async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
     assert!(requests > 0 && batches > 0);
     assert_eq!(points(&figures["request_latency_ms"]), requests);
     assert_eq!(points(&figures["batch_size"]), batches);
+    // Every batch is on the worker that ran it, and every sandboxed run's wait for a slot is
+    // plotted (the gateway's own spans counted).
+    let held: usize = figures["worker_batches"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|b| b.as_array().unwrap().len())
+        .sum();
+    assert_eq!(held, batches);
+    let gateway = from_console(&std::fs::read_to_string(run_dir.join("gateway.jsonl")).unwrap());
+    let waits = gateway
+        .iter()
+        .filter(|s| s.name == "nomad.gateway.sandbox.queue_wait")
+        .count();
+    assert!(waits >= 20, "{waits} sandbox waits for 20 rollouts");
+    assert_eq!(points(&figures["sandbox_wait_ms"]), waits);
+    // What the run ran on: each service's version, and the config it kept.
+    let version = env!("CARGO_PKG_VERSION");
+    for service in ["nomad/gateway", "nomad/scheduler"] {
+        assert!(
+            dom.contains(&format!("<tr><th>{service}</th><td>{version}</td></tr>")),
+            "no version for {service}"
+        );
+    }
+    let config = std::fs::read_to_string(run_dir.join("nomad.yaml")).unwrap();
+    let first = config.lines().find(|l| !l.trim().is_empty()).unwrap();
+    assert!(
+        dom.contains("<pre id=\"config\">") && dom.contains(first.trim()),
+        "the report does not show the run's config (first line {first:?})"
+    );
     // Every queue empties by the end of the run.
     for (tool, steps) in figures["queue_length"].as_object().unwrap() {
         let last = steps.as_array().unwrap().last().unwrap();

@@ -43,6 +43,18 @@ pub struct Figures {
     pub queue_length: Series,
     /// Resident memory (MiB) of each server, as the head's memory profiler sampled it.
     pub memory_mib: Series,
+    /// Each sandboxed run's wait for a sandbox slot (ms), at the time it began waiting.
+    pub sandbox_wait_ms: Series,
+    /// What held each device worker over time: its batches, by worker id.
+    pub worker_batches: BTreeMap<String, Vec<Held>>,
+}
+
+/// One batch on a worker: which tool, from when to when (seconds since the run began).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Held {
+    pub tool: String,
+    pub start: f64,
+    pub end: f64,
 }
 
 /// `values` in `bins` equal-width bars from their least to their greatest value.
@@ -120,8 +132,17 @@ pub fn figures(results: &[Value], spans: &[Span], metrics: &[Value]) -> Figures 
 
     let mut request_latency_ms = Series::new();
     let mut batch_size = Series::new();
+    let mut sandbox_wait_ms = Series::new();
+    let mut worker_batches: BTreeMap<String, Vec<Held>> = BTreeMap::new();
     let mut queue_changes: BTreeMap<String, Vec<(u128, i64)>> = BTreeMap::new();
     for s in spans {
+        if s.name == "nomad.gateway.sandbox.queue_wait" {
+            sandbox_wait_ms
+                .entry("runs".to_owned())
+                .or_default()
+                .push((seconds(s.start_ns, origin), s.duration_ms()));
+            continue;
+        }
         let Some(tool) = s.attr("tool") else { continue };
         match s.name.as_str() {
             "nomad.tool.request" => {
@@ -149,6 +170,16 @@ pub fn figures(results: &[Value], spans: &[Span], metrics: &[Value]) -> Figures 
                         .or_default()
                         .push((seconds(s.start_ns, origin), size));
                 }
+                if let Some(worker) = s.attr("nomad.worker.id") {
+                    worker_batches
+                        .entry(worker.to_owned())
+                        .or_default()
+                        .push(Held {
+                            tool: tool.to_owned(),
+                            start: seconds(s.start_ns, origin),
+                            end: seconds(s.end_ns, origin),
+                        });
+                }
             }
             _ => {}
         }
@@ -156,8 +187,12 @@ pub fn figures(results: &[Value], spans: &[Span], metrics: &[Value]) -> Figures 
     for points in request_latency_ms
         .values_mut()
         .chain(batch_size.values_mut())
+        .chain(sandbox_wait_ms.values_mut())
     {
         points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    for batches in worker_batches.values_mut() {
+        batches.sort_by(|a, b| a.start.total_cmp(&b.start));
     }
     let queue_length = queue_changes
         .into_iter()
@@ -196,6 +231,8 @@ pub fn figures(results: &[Value], spans: &[Span], metrics: &[Value]) -> Figures 
         batch_size,
         queue_length,
         memory_mib,
+        sandbox_wait_ms,
+        worker_batches,
     }
 }
 
@@ -279,5 +316,55 @@ mod tests {
             ),
             (2, 1, 1, 2)
         );
+    }
+
+    #[test]
+    fn workers_show_which_tool_held_them_and_runs_their_wait_for_a_slot() {
+        let spans = [
+            span("nomad.gateway.sandbox.queue_wait", 0, 40, &[]),
+            span(
+                "nomad.tool.batch",
+                100,
+                300,
+                &[
+                    ("tool", "generate"),
+                    ("nomad.tool.batch.size", "1"),
+                    ("nomad.worker.id", "w0"),
+                ],
+            ),
+            span(
+                "nomad.tool.batch",
+                50,
+                60,
+                &[
+                    ("tool", "embed"),
+                    ("nomad.tool.batch.size", "4"),
+                    ("nomad.worker.id", "w0"),
+                ],
+            ),
+            span(
+                "nomad.tool.batch",
+                70,
+                90,
+                &[
+                    ("tool", "embed"),
+                    ("nomad.tool.batch.size", "2"),
+                    ("nomad.worker.id", "w1"),
+                ],
+            ),
+            span("nomad.gateway.sandbox.queue_wait", 20, 21, &[]),
+        ];
+        let f = figures(&[], &spans, &[]);
+        assert_eq!(f.sandbox_wait_ms["runs"], [(0.0, 40.0), (0.02, 1.0)]);
+        let held = |tool: &str, start: f64, end: f64| Held {
+            tool: tool.into(),
+            start,
+            end,
+        };
+        assert_eq!(
+            f.worker_batches["w0"],
+            [held("embed", 0.05, 0.06), held("generate", 0.1, 0.3)]
+        );
+        assert_eq!(f.worker_batches["w1"], [held("embed", 0.07, 0.09)]);
     }
 }

@@ -4,7 +4,8 @@
 
 use plotters::prelude::*;
 
-use super::data::{Figures, Histogram, Series};
+use super::about::About;
+use super::data::{Figures, Held, Histogram, Series};
 use super::summary::Summary;
 
 const WIDTH: u32 = 900;
@@ -129,6 +130,94 @@ fn series_svg(
     Ok(svg)
 }
 
+/// Each worker as a row of its batches over time, coloured by tool: which tool held it when.
+fn timeline_svg(workers: &std::collections::BTreeMap<String, Vec<Held>>) -> anyhow::Result<String> {
+    let rows: Vec<&String> = workers.keys().collect();
+    let batches = || workers.values().flatten();
+    let x_max = batches().map(|b| b.end).fold(0.0, f64::max).max(1e-3) * 1.02;
+    let tools: std::collections::BTreeSet<&str> = batches().map(|b| b.tool.as_str()).collect();
+    let mut svg = String::new();
+    {
+        let height = HEIGHT.min(120 + 40 * rows.len() as u32);
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(120)
+            .build_cartesian_2d(0.0..x_max, 0.0..rows.len() as f64)
+            .map_err(plot_error)?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds since the run began")
+            .y_labels(rows.len() * 2 + 1)
+            .y_label_formatter(&|y| {
+                // A label at each row's middle only.
+                let row = y.floor();
+                if (y - row - 0.5).abs() < 1e-6 {
+                    rows.get(row as usize)
+                        .map_or(String::new(), |r| r.to_string())
+                } else {
+                    String::new()
+                }
+            })
+            .draw()
+            .map_err(plot_error)?;
+        for (i, tool) in tools.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(rows.iter().enumerate().flat_map(|(row, worker)| {
+                    workers[*worker]
+                        .iter()
+                        .filter(|b| b.tool == *tool)
+                        .map(move |b| {
+                            let y = row as f64;
+                            Rectangle::new([(b.start, y + 0.15), (b.end, y + 0.85)], color.filled())
+                        })
+                }))
+                .map_err(plot_error)?
+                .label(tool.to_string())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(6))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(plot_error)?;
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
+
+/// The services' versions and the run's config file.
+fn about_section(out: &mut String, about: &About) {
+    out.push_str("<h2>What the run ran on</h2>\n<table id=\"versions\">\n");
+    if about.versions.is_empty() {
+        out.push_str("<tr><td class=\"empty\">No service versions in the run's spans.</td></tr>\n");
+    }
+    for (service, version) in &about.versions {
+        out.push_str(&format!(
+            "<tr><th>{}</th><td>{}</td></tr>\n",
+            escape(service),
+            escape(version)
+        ));
+    }
+    out.push_str("</table>\n");
+    match &about.config {
+        Some(config) => out.push_str(&format!(
+            "<p>Config, as kept in the run directory ({}; values of keys that name a token, \
+             secret, password or authorization hidden):</p>\n<pre id=\"config\">{}</pre>\n",
+            escape(&config.name),
+            escape(&config.text)
+        )),
+        None => out.push_str("<p class=\"empty\">No config file in the run directory.</p>\n"),
+    }
+}
+
 fn figure(out: &mut String, id: &str, title: &str, note: &str, svg: Option<String>) {
     out.push_str(&format!(
         "<figure id=\"{id}\"><figcaption><b>{}</b> {}</figcaption>\n",
@@ -224,7 +313,12 @@ fn summary_table(out: &mut String, s: &Summary) {
 }
 
 /// The whole page.
-pub fn render(run_id: &str, figures: &Figures, waterfalls: &[String]) -> anyhow::Result<String> {
+pub fn render(
+    run_id: &str,
+    figures: &Figures,
+    waterfalls: &[String],
+    about: &About,
+) -> anyhow::Result<String> {
     let mut body = String::new();
     summary_table(&mut body, &figures.summary);
     let hist = |h: &Histogram, x: &str| -> anyhow::Result<Option<String>> {
@@ -278,6 +372,22 @@ pub fn render(run_id: &str, figures: &Figures, waterfalls: &[String]) -> anyhow:
         "resident set per server, sampled by the head's memory profiler",
         lines(&figures.memory_mib, "MiB", false, false)?,
     );
+    figure(
+        &mut body,
+        "sandbox-wait",
+        "Wait for a sandbox slot",
+        "each sandboxed run's wait before it started, at the time it began waiting",
+        lines(&figures.sandbox_wait_ms, "milliseconds", true, false)?,
+    );
+    figure(
+        &mut body,
+        "worker-time",
+        "What held each worker",
+        "each batch on its device worker, coloured by tool",
+        (!figures.worker_batches.is_empty())
+            .then(|| timeline_svg(&figures.worker_batches))
+            .transpose()?,
+    );
     body.push_str("<h2>Slowest rollouts</h2>\n");
     if waterfalls.is_empty() {
         body.push_str("<p class=\"empty\">No rollout traces in the run's files.</p>\n");
@@ -285,6 +395,7 @@ pub fn render(run_id: &str, figures: &Figures, waterfalls: &[String]) -> anyhow:
     for w in waterfalls {
         body.push_str(&format!("<pre class=\"waterfall\">{}</pre>\n", escape(w)));
     }
+    about_section(&mut body, about);
     // The plotted figures, for anyone who wants the numbers (and the report's tests).
     let data = serde_json::to_string(figures)?.replace("</", "<\\/");
     Ok(format!(

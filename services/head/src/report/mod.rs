@@ -2,6 +2,7 @@
 //! rewards, tool latency, batch sizes, queue lengths, memory) and its slowest rollouts'
 //! waterfalls, from the run directory's files. `nomad up --demo` writes one.
 
+mod about;
 mod data;
 mod html;
 mod summary;
@@ -56,13 +57,14 @@ pub fn write(dir: &Path, run_id: &str, out: &Path, waterfalls: usize) -> anyhow:
     let results = crate::rollouts::read_jsonl(&dir.join("results.jsonl"));
     let (spans, points) = telemetry(dir)?;
     let figures = data::figures(&results, &spans, &points);
+    let about = about::about(dir, &spans);
     let rollouts = traces::rollouts(spans, run_id);
     let slowest: Vec<String> = rollouts
         .iter()
         .take(waterfalls)
         .map(traces::waterfall)
         .collect();
-    let page = html::render(run_id, &figures, &slowest)?;
+    let page = html::render(run_id, &figures, &slowest, &about)?;
     std::fs::write(out, page).with_context(|| format!("writing {}", out.display()))
 }
 
