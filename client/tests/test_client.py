@@ -96,6 +96,19 @@ class SyncClient(unittest.TestCase):
             self.assertFalse(failed.ok)
             self.assertEqual(failed.status, "error")
             self.assertIn("ValueError: boom", failed.error)
+            # The traceback is the code's own: its lines, none of the runner that ran it, in an
+            # async run and through a tool call that failed too.
+            nested = fleet.run(
+                "from mcp_tools.nomad import mlp\n"
+                "async def g():\n"
+                "    mlp(text='not numbers')\n"
+                "await g()\n"
+            )
+            self.assertFalse(nested.ok)
+            self.assertIn('File "<code>", line 4, in <module>', nested.error)
+            self.assertIn('File "<code>", line 3, in g', nested.error)
+            self.assertNotIn("runner.py", nested.error)
+            self.assertNotIn("asyncio", nested.error)
 
     def test_search_finds_the_tool(self):
         with Fleet.latest(RUNS) as fleet:

@@ -342,9 +342,7 @@ def main():
             code = 1
         _exit(code)
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the caller
-        import traceback
-
-        bridge.done(error={"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()})
+        bridge.done(error={"type": type(e).__name__, "message": str(e), "traceback": _user_traceback(e, filename)})
         _exit(1)
     try:
         encoded = _to_json(namespace.get("RESULT"))
@@ -353,6 +351,27 @@ def main():
         _exit(1)
     bridge.done(result=encoded)
     _exit(0)
+
+
+def _user_traceback(error, filename):
+    """The traceback as the run's own code sees it: from its first frame in `filename` on, and
+    without the runner's frames (which ran the code or carried a tool call), in every chained
+    exception too. Library frames the code called stay."""
+    import traceback
+
+    shown = traceback.TracebackException(type(error), error, error.__traceback__)
+    todo, seen = [shown], set()
+    while todo:
+        part = todo.pop()
+        if part is None or id(part) in seen:
+            continue
+        seen.add(id(part))
+        frames = list(part.stack)
+        start = next((i for i, f in enumerate(frames) if f.filename == filename), 0)
+        kept = [f for f in frames[start:] if f.filename != __file__]
+        part.stack = traceback.StackSummary.from_list(kept)
+        todo += [part.__cause__, part.__context__]
+    return "".join(shown.format())
 
 
 if __name__ == "__main__":
