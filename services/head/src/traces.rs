@@ -329,6 +329,47 @@ mod tests {
         ];
         assert!(waterfall(&rollouts(spans, "run")[0]).contains("lost (parent missing)"));
     }
+
+    #[test]
+    fn a_read_right_after_a_rollout_or_with_orphans_says_spans_may_be_on_their_way() {
+        let root = |end_ms: u128| Span {
+            service_name: "nomad/head".into(),
+            resource: Default::default(),
+            trace_id: "t".into(),
+            span_id: "root".into(),
+            parent_span_id: None,
+            name: "nomad.rollout".into(),
+            start_ns: 0,
+            end_ns: end_ms * 1_000_000,
+            status: "ok".into(),
+            attributes: Default::default(),
+            links: vec![],
+        };
+        let rollout = |end_ms: u128, orphan: bool| {
+            let mut child = root(end_ms);
+            child.span_id = "child".into();
+            child.name = "nomad.v1.Gateway/ExecuteCode".into();
+            child.parent_span_id = Some(if orphan { "gone" } else { "root" }.into());
+            Rollout {
+                trace_id: "t".into(),
+                root: root(end_ms),
+                spans: vec![root(end_ms), child],
+            }
+        };
+        let at = |ms: u64| SystemTime::UNIX_EPOCH + Duration::from_millis(ms);
+        // Long over and whole: nothing to say.
+        assert_eq!(in_flight_note(&[rollout(1_000, false)], at(60_000)), None);
+        let recent = in_flight_note(&[rollout(1_000, false)], at(3_000)).unwrap();
+        assert!(
+            recent.contains("1 rollout(s) ended within the last 7 s"),
+            "{recent}"
+        );
+        let orphaned = in_flight_note(&[rollout(1_000, true)], at(60_000)).unwrap();
+        assert!(
+            orphaned.contains("1 rollout(s) have spans whose parent"),
+            "{orphaned}"
+        );
+    }
 }
 
 #[derive(clap::Args)]
@@ -377,11 +418,65 @@ pub async fn show(args: TracesArgs) -> anyhow::Result<bool> {
             }
         },
     };
+    let local = args.jaeger.is_none();
     let rollouts = rollouts(spans, &run_id);
+    let note = local
+        .then(|| in_flight_note(&rollouts, std::time::SystemTime::now()))
+        .flatten();
     if rollouts.is_empty() {
         eprintln!("no rollouts of run {run_id} found");
+        if let Some(note) = note {
+            eprintln!("{note}");
+        }
         return Ok(false);
     }
     print(&rollouts, args.json, args.limit);
+    if let Some(note) = note {
+        eprintln!("{note}");
+    }
     Ok(true)
+}
+
+/// How long a service may hold a finished span before its batch reaches the run directory (the
+/// batch span processor's default delay, 5 s, with a margin).
+const EXPORT_DELAY: Duration = Duration::from_secs(7);
+
+/// Says so when what was read may not be all there is: spans whose parent is missing, or a
+/// rollout that ended within [`EXPORT_DELAY`] of `now`, whose services' spans may still be on
+/// their way in their next export batch.
+pub fn in_flight_note(rollouts: &[Rollout], now: SystemTime) -> Option<String> {
+    let orphaned = rollouts
+        .iter()
+        .filter(|r| {
+            let ids: std::collections::HashSet<&str> =
+                r.spans.iter().map(|s| s.span_id.as_str()).collect();
+            r.spans.iter().any(|s| {
+                s.parent_span_id
+                    .as_deref()
+                    .is_some_and(|p| !ids.contains(p))
+            })
+        })
+        .count();
+    let now_ns = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let recent = rollouts
+        .iter()
+        .filter(|r| now_ns.saturating_sub(r.root.end_ns) < EXPORT_DELAY.as_nanos())
+        .count();
+    match (orphaned, recent) {
+        (0, 0) => None,
+        (0, _) => Some(format!(
+            "note: {recent} rollout(s) ended within the last {} s; services export spans in \
+             batches every few seconds, so their traces may still be filling in: run this again \
+             shortly for the whole picture",
+            EXPORT_DELAY.as_secs()
+        )),
+        _ => Some(format!(
+            "note: {orphaned} rollout(s) have spans whose parent has not been written (marked \
+             \"parent missing\"): spans still on their way from a running service, or lost with \
+             a service that was killed; run this again shortly to tell which"
+        )),
+    }
 }
