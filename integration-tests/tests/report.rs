@@ -152,6 +152,37 @@ async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
         .map(|r| r["task_id"].as_str().unwrap())
         .collect();
     assert_eq!(listed, not_passed);
+    // A verified rollout that did not pass carries its task's expected answer (from the demo's
+    // own task file), and the report shows it beside the output.
+    let tasks = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../services/head/demo/tasks.jsonl"),
+    )
+    .unwrap();
+    let expected_of: std::collections::HashMap<String, Value> = tasks
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .map(|t| (t["id"].as_str().unwrap().to_owned(), t["expected"].clone()))
+        .collect();
+    for r in results.iter().filter(|r| r["passed"] == false) {
+        let id = r["task_id"].as_str().unwrap();
+        assert_eq!(r["expected"], expected_of[id], "{id}: {r}");
+        let why = summary["not_passed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["task_id"] == id)
+            .unwrap()["why"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert!(why.starts_with("expected: "), "{id}: {why}");
+    }
+    for r in results.iter().filter(|r| r["passed"] != false) {
+        assert!(
+            r.get("expected").is_none(),
+            "expected kept where nothing failed: {r}"
+        );
+    }
     let tools: Vec<&str> = summary["tools"]
         .as_array()
         .unwrap()

@@ -38,6 +38,9 @@ pub struct RolloutResult {
     pub passed: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub output: Option<Value>,
+    /// The task's expected answer, beside an output that was verified and did not pass.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expected: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// The code's upstream tool calls, in the order they started, when the gateway records
@@ -288,6 +291,9 @@ impl Runner {
             reward,
             passed,
             output: output.map(summarize),
+            expected: (passed == Some(false))
+                .then(|| task.expected.clone().map(summarize))
+                .flatten(),
             error: error.map(|e| clip(&e, 4000)),
             tool_calls,
             durations: Durations {

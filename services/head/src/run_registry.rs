@@ -212,6 +212,7 @@ mod tests {
             reward: None,
             passed: None,
             output: None,
+            expected: None,
             error: None,
             tool_calls: None,
             durations: crate::rollouts::Durations {

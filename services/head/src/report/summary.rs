@@ -112,7 +112,12 @@ pub fn summary(results: &[Value], spans: &[Span]) -> Summary {
                 let error = r["error"].as_str().unwrap_or_default();
                 ("error", error.lines().next().unwrap_or_default().to_owned())
             } else if r["passed"] == false {
-                ("failed", format!("output: {}", r["output"]))
+                // The expected answer first: a long output is what gets clipped.
+                let expected = match &r["expected"] {
+                    Value::Null => String::new(),
+                    expected => format!("expected: {expected}; "),
+                };
+                ("failed", format!("{expected}output: {}", r["output"]))
             } else {
                 return None;
             };
@@ -191,7 +196,8 @@ mod tests {
     fn counts_rates_latencies_and_the_rollouts_that_did_not_pass() {
         let results = [
             json!({"task_id": "a", "status": "ok", "passed": true, "reward": 1.0, "output": 4}),
-            json!({"task_id": "b", "status": "ok", "passed": false, "reward": 0.0, "output": 5}),
+            json!({"task_id": "b", "status": "ok", "passed": false, "reward": 0.0, "output": 5,
+                   "expected": 4}),
             json!({"task_id": "c", "status": "error", "passed": null,
                    "error": "ToolError: no worker\nTraceback ..."}),
             json!({"task_id": "d", "status": "ok", "passed": null, "output": "unverified"}),
@@ -262,7 +268,7 @@ mod tests {
         assert_eq!(
             listed,
             [
-                ("b", "failed", "output: 5"),
+                ("b", "failed", "expected: 4; output: 5"),
                 ("c", "error", "ToolError: no worker")
             ]
         );
