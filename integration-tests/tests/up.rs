@@ -618,6 +618,54 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(stdout.lines().collect::<Vec<_>>(), ["[384]", "[384]"]);
+
+    // The default CPU worker serves both tools at once: an embedding asked for while a long
+    // generation decodes is answered long before the generation ends (one tool at a time, it
+    // waited for the whole generation).
+    let both = format!(
+        "import json, threading, time\n\
+         from nomad_client import Fleet\n\
+         fleet = Fleet.from_file({fleet:?})\n\
+         took = {{}}\n\
+         def generate():\n\
+         \x20   t = time.monotonic()\n\
+         \x20   fleet.call('generate', text='Count from 1 to 500, separated by commas.', max_tokens=160)\n\
+         \x20   took['generate'] = time.monotonic() - t\n\
+         worker = threading.Thread(target=generate)\n\
+         worker.start()\n\
+         time.sleep(1.0)\n\
+         t = time.monotonic()\n\
+         fleet.call('embed', text='hello')\n\
+         took['embed'] = time.monotonic() - t\n\
+         worker.join()\n\
+         print(json.dumps(took))\n",
+        fleet = fleet.to_str().unwrap()
+    );
+    let out = tokio::process::Command::new(nomad_integration_tests::peers::python_sdk())
+        .arg("-c")
+        .arg(&both)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let took: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let (generate, embed) = (
+        took["generate"].as_f64().unwrap(),
+        took["embed"].as_f64().unwrap(),
+    );
+    assert!(
+        generate > 3.0,
+        "the generation was too short to tell: {took}"
+    );
+    assert!(
+        embed < generate / 3.0,
+        "the embedding waited for the generation: {took}"
+    );
     // SAFETY: kill(2) on the child we spawned.
     unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
     assert!(up.wait().await.unwrap().success());

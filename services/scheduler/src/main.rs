@@ -41,9 +41,8 @@ async fn serve(args: Args) -> anyhow::Result<ExitCode> {
     let manager: config::ToolManagerConfig = service.config.section("tool_manager")?;
     let tools = config::load_tools(&service.config, &manager)?;
     let registry = Arc::new(workers::WorkerRegistry::default());
-    let timing = manager.timing().map_err(anyhow::Error::msg)?;
     let deadlines = manager.deadlines().map_err(anyhow::Error::msg)?;
-    let driver = driver::start(tools.clone(), timing, deadlines, registry.clone());
+    let driver = driver::start(tools.clone(), &manager, registry.clone())?;
     let handle = driver.handle.clone();
     let reaper = tokio::spawn(driver::reap(
         registry.clone(),

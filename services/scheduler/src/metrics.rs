@@ -8,9 +8,16 @@ use nomad_telemetry::KeyValue;
 use nomad_telemetry::metrics as defs;
 use opentelemetry::metrics::{Counter, Histogram, ObservableGauge, ObservableUpDownCounter};
 
-use nomad_scheduler_core::{SlotId, Snapshot};
+use nomad_scheduler_core::{SlotId, SlotSnapshot, Snapshot};
 
-use crate::workers::WorkerRegistry;
+use crate::workers::{WorkerRegistry, worker_of};
+
+/// The lanes of worker `generation` (one slot for a GPU worker).
+fn lanes_of(slots: &[SlotSnapshot], generation: SlotId) -> impl Iterator<Item = &SlotSnapshot> {
+    slots
+        .iter()
+        .filter(move |s| worker_of(s.slot) == generation)
+}
 
 pub struct Metrics {
     pub requests: Counter<u64>,
@@ -117,14 +124,21 @@ pub fn gauges(published: Arc<Mutex<Published>>, registry: Arc<WorkerRegistry>) -
     let p = published.clone();
     let loaded = defs::DEVICE_TOOL_LOADED.i64_observable_up_down_counter(move |o| {
         let published = read(&p);
-        for slot in &published.core.slots {
+        // Once per worker: a CPU worker's lanes together say what it holds.
+        for slot in published
+            .core
+            .slots
+            .iter()
+            .filter(|s| worker_of(s.slot) == s.slot)
+        {
             let Some(device) = published.devices.get(&slot.slot) else {
                 continue;
             };
+            let lanes = || lanes_of(&published.core.slots, slot.slot);
             for t in &published.core.tools {
                 let mut attributes = device.clone();
                 attributes.push(KeyValue::new("tool", t.name.clone()));
-                let on = slot.on_device.as_deref() == Some(t.name.as_str());
+                let on = lanes().any(|l| l.on_device.as_deref() == Some(t.name.as_str()));
                 o.observe(i64::from(on), &attributes);
             }
         }
@@ -132,9 +146,15 @@ pub fn gauges(published: Arc<Mutex<Published>>, registry: Arc<WorkerRegistry>) -
     let p = published;
     let busy = defs::DEVICE_SLOT_BUSY.f64_observable_gauge(move |o| {
         let published = read(&p);
-        for slot in &published.core.slots {
+        for slot in published
+            .core
+            .slots
+            .iter()
+            .filter(|s| worker_of(s.slot) == s.slot)
+        {
             if let Some(device) = published.devices.get(&slot.slot) {
-                o.observe(if slot.busy { 1.0 } else { 0.0 }, device);
+                let busy = lanes_of(&published.core.slots, slot.slot).any(|l| l.busy);
+                o.observe(if busy { 1.0 } else { 0.0 }, device);
             }
         }
     });

@@ -8,6 +8,19 @@ use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::{DeviceInfo, WorkerInfo, WorkerStats};
 use nomad_telemetry::KeyValue;
 
+/// A CPU worker serves several tools at once, each on a lane: a core slot of its own, numbered
+/// `generation | lane << LANE_SHIFT` (lane 0 is the generation itself, as for any worker).
+const LANE_SHIFT: u32 = 48;
+
+pub fn lane_slot(generation: u64, lane: u64) -> u64 {
+    generation | (lane << LANE_SHIFT)
+}
+
+/// The worker (its generation) a slot is a lane of.
+pub fn worker_of(slot: u64) -> u64 {
+    slot & ((1 << LANE_SHIFT) - 1)
+}
+
 #[derive(Clone)]
 pub struct Worker {
     pub id: String,
@@ -181,6 +194,18 @@ impl WorkerRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_lane_is_a_slot_of_its_own_that_names_its_worker() {
+        assert_eq!(lane_slot(5, 0), 5, "lane 0 is the worker's own slot");
+        let lanes: Vec<u64> = (0..4).map(|l| lane_slot(5, l)).collect();
+        assert!(lanes.iter().all(|&s| worker_of(s) == 5), "{lanes:?}");
+        let mut distinct = lanes.clone();
+        distinct.extend((0..4).map(|l| lane_slot(6, l)));
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 8);
+    }
 
     #[tokio::test]
     async fn a_live_worker_id_cannot_be_taken_from_another_address() {

@@ -24,7 +24,11 @@ pub fn default_config(models: &Path) -> String {
          \x20   kind: generate\n\
          \x20   source: {}\n\
          \x20   description: A short chat answer from a small language model (SmolLM2-135M-Instruct).\n\
-         \x20   max_running: 8\n",
+         \x20   max_running: 8\n\
+         # The CPU worker serves both tools at once: an embedding is not kept waiting while a\n\
+         # generation decodes.\n\
+         tool_manager:\n\
+         \x20 cpu_tools_at_once: 0\n",
         models.join(DEFAULT_MODELS[0]).display(),
         models.join(DEFAULT_MODELS[1]).display(),
     )

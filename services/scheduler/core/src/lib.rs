@@ -17,7 +17,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 pub use api::*;
-pub use snapshot::Snapshot;
+pub use snapshot::{SlotSnapshot, Snapshot};
 
 pub type RequestId = u64;
 pub type BatchId = u64;
@@ -48,6 +48,9 @@ struct Slot {
     backoff: HashMap<ToolId, Backoff>,
     /// Batches running here.
     batches: BTreeSet<BatchId>,
+    /// The worker this slot is a lane of: a CPU worker serves several tools at once, one lane
+    /// each (all its lanes share this id; a GPU worker is one slot, its own group).
+    group: SlotId,
 }
 
 /// A failed prepare's wait before the (slot, tool) pair is tried again: doubling, capped.
@@ -265,6 +268,13 @@ impl Core {
 
     /// A device worker registered: one more slot.
     pub fn worker_registered(&mut self, slot: SlotId, now: Instant) {
+        self.lane_registered(slot, slot, now);
+    }
+
+    /// One more lane of worker `group` (a CPU worker serving several tools at once): a slot of
+    /// its own, except that a tool is never on two lanes of one worker (they share its memory,
+    /// and the worker holds one copy of each tool).
+    pub fn lane_registered(&mut self, slot: SlotId, group: SlotId, now: Instant) {
         self.slots.insert(
             slot,
             Slot {
@@ -275,6 +285,7 @@ impl Core {
                 dirty: false,
                 backoff: HashMap::new(),
                 batches: BTreeSet::new(),
+                group,
             },
         );
         self.schedule(now);

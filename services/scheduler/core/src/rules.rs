@@ -144,6 +144,12 @@ impl Core {
             .iter()
             .filter(|(_, s)| s.state == SlotState::Idle)
             .filter(|(_, s)| s.backoff.get(&tool).is_none_or(|b| b.until <= now))
+            // Another lane of the same worker already holds the tool: that lane serves it.
+            .filter(|(id, s)| {
+                !self.slots.iter().any(|(o, other)| {
+                    o != *id && other.group == s.group && other.resident.contains(&tool)
+                })
+            })
             .collect();
         if free.is_empty() {
             return None;

@@ -104,6 +104,10 @@ pub struct ToolManagerConfig {
     pub prepare_timeout_seconds: f64,
     /// How long an eviction, unload or cache clear may take.
     pub maintain_timeout_seconds: f64,
+    /// How many tools one CPU worker serves at once, each in a lane of its own sharing the
+    /// worker's cores and its one copy of each model (0: every configured tool). With 1, a tool
+    /// waits while another holds the worker (as on a GPU, whose memory holds one at a time).
+    pub cpu_tools_at_once: u32,
 }
 
 /// Deadlines of the driver's calls to workers.
@@ -128,6 +132,7 @@ impl Default for ToolManagerConfig {
             execute_timeout_seconds: 300.0,
             prepare_timeout_seconds: 600.0,
             maintain_timeout_seconds: 60.0,
+            cpu_tools_at_once: 1,
         }
     }
 }
@@ -154,6 +159,15 @@ impl ToolManagerConfig {
             prepare: deadline("prepare_timeout_seconds", self.prepare_timeout_seconds)?,
             maintain: deadline("maintain_timeout_seconds", self.maintain_timeout_seconds)?,
         })
+    }
+
+    /// Lanes of a CPU worker, for `tools` configured tools (at least one).
+    pub fn cpu_lanes(&self, tools: usize) -> usize {
+        match self.cpu_tools_at_once {
+            0 => tools,
+            n => n as usize,
+        }
+        .max(1)
     }
 
     /// The heartbeat interval workers are given (at least 50 ms).

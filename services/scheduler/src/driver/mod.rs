@@ -35,7 +35,7 @@ pub use self::handle::{Answer, Handle, Served};
 pub use self::running::{Running, start};
 use crate::config::{Deadlines, ToolConfig};
 use crate::metrics::{Metrics, Published};
-use crate::workers::{Worker, WorkerRegistry};
+use crate::workers::{Worker, WorkerRegistry, lane_slot, worker_of};
 
 /// Capacity of the command channel: callers wait (backpressure) when it is full.
 const CHANNEL_CAPACITY: usize = 8192;
@@ -79,6 +79,8 @@ pub struct Driver {
     metrics: Arc<Metrics>,
     published: Arc<Mutex<Published>>,
     deadlines: Deadlines,
+    /// Slots a CPU worker is given (see [`lane_slot`]).
+    cpu_lanes: usize,
     /// The worker calls of continuous tools' requests, to stop one whose caller cancels (its
     /// place in the decode loop is freed at the next step).
     continuous_calls: HashMap<BatchId, tokio::task::AbortHandle>,
@@ -90,6 +92,7 @@ impl Driver {
         tools: Vec<ToolConfig>,
         timing: Timing,
         deadlines: Deadlines,
+        cpu_lanes: usize,
         registry: Arc<WorkerRegistry>,
         metrics: Arc<Metrics>,
         published: Arc<Mutex<Published>>,
@@ -122,6 +125,7 @@ impl Driver {
             metrics,
             published,
             deadlines,
+            cpu_lanes: cpu_lanes.max(1),
             continuous_calls: HashMap::new(),
         };
         let handle = Handle {
@@ -207,9 +211,20 @@ impl Driver {
             },
             Command::Cancel { request } => self.core.cancel(request, now),
             Command::WorkerUp(worker) => {
-                let slot = worker.generation;
-                self.workers.insert(slot, worker);
-                self.core.worker_registered(slot, now);
+                let generation = worker.generation;
+                let lanes = if worker.device.r#type == "cpu" {
+                    self.cpu_lanes
+                } else {
+                    1
+                };
+                if lanes > 1 {
+                    tracing::info!(worker_id = %worker.id, lanes, "a CPU worker: up to {lanes} tools at once");
+                }
+                for lane in 0..lanes as u64 {
+                    let slot = lane_slot(generation, lane);
+                    self.workers.insert(slot, worker.clone());
+                    self.core.lane_registered(slot, generation, now);
+                }
             }
             Command::SetBatchSize { tool, batch_size } => {
                 if let Some(id) = self.core.tool_id(&tool) {
@@ -281,12 +296,26 @@ impl Driver {
         self.core.batch_finished(batch, result, now);
     }
 
+    /// The worker of `slot` is gone, with every lane it had.
     fn worker_lost(&mut self, slot: SlotId, reason: &str, now: Instant) {
-        if let Some(worker) = self.workers.remove(&slot) {
+        let generation = worker_of(slot);
+        if let Some(worker) = self.workers.get(&generation) {
             tracing::warn!(worker_id = %worker.id, %reason, "worker lost");
             self.registry.forget(&worker.id, worker.generation);
         }
-        self.core.worker_lost(slot, reason, now);
+        let mut lanes: Vec<SlotId> = self
+            .workers
+            .keys()
+            .copied()
+            .filter(|s| worker_of(*s) == generation)
+            .collect();
+        if lanes.is_empty() {
+            lanes.push(slot);
+        }
+        for lane in lanes {
+            self.workers.remove(&lane);
+            self.core.worker_lost(lane, reason, now);
+        }
     }
 
     /// Cancels requests whose callers went away without a `Cancel` getting through.

@@ -3,10 +3,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nomad_scheduler_core::Timing;
-
 use super::{Driver, Handle};
-use crate::config::{Deadlines, ToolConfig};
+use crate::config::{ToolConfig, ToolManagerConfig};
 use crate::metrics::{Metrics, Published};
 use crate::workers::WorkerRegistry;
 
@@ -23,10 +21,12 @@ pub struct Running {
 /// Starts the driver for `tools`, with the model-serving instruments.
 pub fn start(
     tools: Vec<ToolConfig>,
-    timing: Timing,
-    deadlines: Deadlines,
+    manager: &ToolManagerConfig,
     registry: Arc<WorkerRegistry>,
-) -> Running {
+) -> anyhow::Result<Running> {
+    let timing = manager.timing().map_err(anyhow::Error::msg)?;
+    let deadlines = manager.deadlines().map_err(anyhow::Error::msg)?;
+    let cpu_lanes = manager.cpu_lanes(tools.len());
     let published = Arc::new(Mutex::new(Published::default()));
     let gauges = crate::metrics::gauges(published.clone(), registry.clone());
     let metrics = Arc::new(Metrics::new());
@@ -35,17 +35,18 @@ pub fn start(
         tools,
         timing,
         deadlines,
+        cpu_lanes,
         registry,
         metrics,
         published.clone(),
     );
-    Running {
+    Ok(Running {
         handle,
         published,
         recent,
         task: tokio::spawn(driver.run()),
         _gauges: gauges,
-    }
+    })
 }
 
 impl Running {

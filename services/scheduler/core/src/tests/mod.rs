@@ -4,6 +4,7 @@ mod budget;
 mod continuous;
 mod failures;
 mod idle;
+mod lanes;
 mod placement;
 mod random;
 
