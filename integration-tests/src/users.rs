@@ -157,3 +157,30 @@ pub fn peak_rss_kib(pid: u32) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap()
 }
+
+/// What only a sandboxed Python's command line holds.
+pub const RUNNER: &str = "-B\0/nomad/runner.py";
+
+/// The sandboxed Pythons of runs under the gateway `pid`: every process with the runner's command
+/// line but the fork server's own two kinds, the zygote (whose parent is the init) and each run's
+/// waiter (whose parent is the zygote); a forked run's PID 1 and whatever it forks count, as a
+/// run's Python started by an init does.
+pub fn sandbox_runs(pid: u32) -> usize {
+    let cmdline = |p: u32| std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+    let is_runner = |p: u32| String::from_utf8_lossy(&cmdline(p)).contains(RUNNER);
+    let parent = |p: u32| -> u32 {
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+        stat.rfind(')')
+            .and_then(|i| stat[i + 2..].split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(0)
+    };
+    descendants(pid)
+        .into_iter()
+        .filter(|&p| is_runner(p))
+        .filter(|&p| {
+            let forked = String::from_utf8_lossy(&cmdline(p)).contains("\0--zygote");
+            let up = parent(p);
+            !(forked && (!is_runner(up) || !is_runner(parent(up))))
+        })
+        .count()
+}

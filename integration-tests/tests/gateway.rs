@@ -401,9 +401,9 @@ async fn the_http_endpoint_needs_the_bearer_token() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// Sandboxed Pythons still running under this gateway.
+/// Sandboxed Pythons of runs still running under this gateway.
 fn runner_processes(gateway_pid: u32) -> usize {
-    nomad_integration_tests::users::descendants_running(gateway_pid, "-B\0/nomad/runner.py")
+    nomad_integration_tests::users::sandbox_runs(gateway_pid)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use nomad_integration_tests::Fleet;
 use nomad_integration_tests::fleet::{binary, wait_for_file};
 use nomad_integration_tests::users::{
-    RunAs, TEST_GROUP, descendants_running, gateway_users, group_id,
+    RUNNER, RunAs, TEST_GROUP, descendants_running, gateway_users, group_id, sandbox_runs,
 };
 use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::{ExecuteCodeRequest, ExecuteResponse, GatewayStatusRequest};
@@ -122,7 +122,7 @@ impl Gateway {
         assert_eq!(alive.result_json, "42", "after {after}: {}", alive.error);
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let left = descendants_running(self.pid, RUNNER);
+            let left = sandbox_runs(self.pid);
             if left == 0 {
                 break;
             }
@@ -150,9 +150,6 @@ impl Gateway {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
-
-/// What only a sandboxed Python's command line holds.
-const RUNNER: &str = "-B\0/nomad/runner.py";
 
 /// Python that calls `syscall(nr, *args)` through ctypes and names the errno (`OK` on success).
 const SYSCALL_HELPER: &str = "\
@@ -569,10 +566,7 @@ async fn two_hundred_concurrent_calls_are_answered_within_the_bounds() {
             let (most, pid) = (most.clone(), gateway.pid);
             tokio::spawn(async move {
                 loop {
-                    most.fetch_max(
-                        descendants_running(pid, RUNNER),
-                        std::sync::atomic::Ordering::Relaxed,
-                    );
+                    most.fetch_max(sandbox_runs(pid), std::sync::atomic::Ordering::Relaxed);
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
             })
@@ -896,6 +890,86 @@ async fn runs_are_admitted_by_the_memory_they_hold() {
 /// Runs yield the CPU to the fleet's services: every run starts at niceness 10 and cannot raise
 /// its priority back (as root and as an unprivileged user). A gateway started nicer than that
 /// (`nice -n 19`) still runs code, at its own niceness (the sandbox cannot go back up to 10).
+/// Runs forked from the fork server: nothing of one run is in the next — not its files (in
+/// `/workspace`, `/tmp` or `/dev/shm`), not its processes (a sleeper it left is gone, and a run
+/// sees only its own), not its memory (a module it changed is as imported) — and two runs at once
+/// do not see each other's processes. As root and as an unprivileged gateway; the gateway says it
+/// forks, so the classic path cannot pass for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_of_one_forked_run_is_in_the_next() {
+    let first = "\
+import json, os, subprocess
+for d in ('/workspace', '/tmp', '/dev/shm'):
+    open(d + '/left-behind', 'w').write('secret')
+json.LEFT_BEHIND = 'secret'
+subprocess.Popen(['sleep', '30'], start_new_session=True)
+RESULT = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+";
+    let next = "\
+import json, os
+RESULT = {
+    'files': [d for d in ('/workspace', '/tmp', '/dev/shm') if os.path.exists(d + '/left-behind')],
+    'memory': hasattr(json, 'LEFT_BEHIND'),
+    'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit()),
+    'cmdlines': [open(f'/proc/{p}/cmdline').read() for p in os.listdir('/proc') if p.isdigit()],
+}
+";
+    for run_as in gateway_users() {
+        let gateway = Gateway::start(&run_as, "  warm: 0\n").await;
+        assert!(
+            gateway.stderr().contains("forked from a fork server"),
+            "{}: the fork server is not in use:\n{}",
+            run_as.label,
+            gateway.stderr()
+        );
+        let seen = gateway.result(run_as.label, first).await;
+        assert_eq!(
+            seen[0], 1,
+            "{}: a run is PID 1 of its own: {seen}",
+            run_as.label
+        );
+        let after = gateway.result(run_as.label, next).await;
+        assert_eq!(
+            after["files"],
+            serde_json::json!([]),
+            "{}: {after}",
+            run_as.label
+        );
+        assert_eq!(after["memory"], false, "{}: {after}", run_as.label);
+        assert_eq!(
+            after["pids"],
+            serde_json::json!([1]),
+            "{}: {after}",
+            run_as.label
+        );
+        assert!(
+            !after["cmdlines"].to_string().contains("sleep"),
+            "{}: {after}",
+            run_as.label
+        );
+        // Two at once: one waits while the other looks.
+        let waiting = gateway.run("import time\ntime.sleep(2)\nRESULT = 1");
+        let looking = async {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            gateway.result(run_as.label, next).await
+        };
+        let (waited, looked) = tokio::join!(waiting, looking);
+        assert_eq!(
+            waited.result_json, "1",
+            "{}: {}",
+            run_as.label, waited.error
+        );
+        assert_eq!(
+            looked["pids"],
+            serde_json::json!([1]),
+            "{}: {looked}",
+            run_as.label
+        );
+        gateway.still_serving("forked runs").await;
+        gateway.stop().await;
+    }
+}
+
 /// A sandbox's spec (its paths, limits and user) travels on the bridge, not on a command line
 /// that `ps` shows every user: a waiting warm runner's init reads `sandbox-init` alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

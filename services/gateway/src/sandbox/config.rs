@@ -39,6 +39,10 @@ pub struct SandboxConfig {
     pub max_queued: usize,
     /// Runners kept started ahead, isolated and with the interpreter up.
     pub warm: usize,
+    /// Start runs by forking them from one isolated interpreter that has the runtime imported
+    /// (each child in namespaces of its own), instead of a new interpreter per run. Used where
+    /// runs have no cgroup of their own and the fork server passes the start-up self-test.
+    pub fork_server: bool,
     /// Modules a warm runner imports while it waits (a cold run imports them on first use).
     pub preload: Vec<String>,
     /// Tool calls one run may have in flight; more wait.
@@ -86,6 +90,7 @@ impl Default for SandboxConfig {
             max_concurrent: None,
             max_queued: 256,
             warm: 2,
+            fork_server: true,
             preload: ["json", "_thread", "inspect", "asyncio"]
                 .map(String::from)
                 .into(),

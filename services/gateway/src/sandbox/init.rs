@@ -97,7 +97,14 @@ pub struct Spec {
     pub cgroup: Option<PathBuf>,
     pub seccomp: bool,
     pub landlock: bool,
+    /// Start the fork server (see `fork_server`): root of its own user namespace, behind the
+    /// view, with none of a run's other restrictions (each child puts them in force itself).
+    #[serde(default)]
+    pub zygote: bool,
 }
+
+/// Where a fork server's child mounts its tmpfs before binding its parts into place.
+pub const SCRATCH: &str = "/nomad-run";
 
 /// What the init put in force, sent as the bridge's first frame.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -216,12 +223,16 @@ fn run() -> Result<std::convert::Infallible, Failed> {
         nix::sys::prctl::set_dumpable(true).step("dumpable")?;
     }
     if spec.namespaces {
-        enter_namespaces()?;
+        enter_namespaces(spec.zygote)?;
         report.namespaces = true;
         report.proc = spec.proc;
         build_view(&spec)?;
     } else if let Some(dir) = &spec.host_workspace {
         nix::unistd::chdir(dir).step("entering the workspace")?;
+    }
+    if spec.zygote {
+        send_report(&report)?;
+        return exec_python(&spec);
     }
     limit(&spec.limits)?;
     if spec.landlock {
@@ -247,8 +258,9 @@ fn run() -> Result<std::convert::Infallible, Failed> {
     exec_python(&spec)
 }
 
-/// New namespaces; returns in the child that is PID 1 of the new PID namespace.
-fn enter_namespaces() -> Result<(), Failed> {
+/// New namespaces; returns in the child that is PID 1 of the new PID namespace. As `root` (the
+/// fork server) its user is root inside, so it keeps its capabilities there across `exec`.
+fn enter_namespaces(root: bool) -> Result<(), Failed> {
     let (uid, gid) = (nix::unistd::geteuid(), nix::unistd::getegid());
     unshare(
         CloneFlags::CLONE_NEWUSER
@@ -261,9 +273,14 @@ fn enter_namespaces() -> Result<(), Failed> {
     )
     .step("creating namespaces")?;
     // The same ids inside as outside: not root in there, so `exec` leaves no capability.
+    let (inside_uid, inside_gid) = if root {
+        (0, 0)
+    } else {
+        (uid.as_raw(), gid.as_raw())
+    };
     std::fs::write("/proc/self/setgroups", "deny").step("setgroups")?;
-    std::fs::write("/proc/self/uid_map", format!("{uid} {uid} 1")).step("uid_map")?;
-    std::fs::write("/proc/self/gid_map", format!("{gid} {gid} 1")).step("gid_map")?;
+    std::fs::write("/proc/self/uid_map", format!("{inside_uid} {uid} 1")).step("uid_map")?;
+    std::fs::write("/proc/self/gid_map", format!("{inside_gid} {gid} 1")).step("gid_map")?;
     // SAFETY: this process has a single thread.
     match unsafe { fork() }.step("fork")? {
         ForkResult::Child => {
@@ -341,7 +358,11 @@ fn build_view(spec: &Spec) -> Result<(), Failed> {
         std::os::unix::fs::symlink(target, dev.join(name)).step("/dev links")?;
     }
     use std::os::unix::fs::PermissionsExt as _;
-    for (dir, mode) in [("/dev/shm", 0o1777), ("/tmp", 0o1777), (WORKSPACE, 0o700)] {
+    let scratch = spec.zygote.then_some((SCRATCH, 0o755));
+    for (dir, mode) in [("/dev/shm", 0o1777), ("/tmp", 0o1777), (WORKSPACE, 0o700)]
+        .into_iter()
+        .chain(scratch)
+    {
         let path = inside(Path::new(dir));
         std::fs::create_dir_all(&path).step(dir)?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).step(dir)?;
@@ -486,12 +507,9 @@ fn limit(limits: &Limits) -> Result<(), Failed> {
 /// The least niceness every run has (0 is the default, 19 the lowest priority).
 pub const RUN_NICENESS: i32 = 10;
 
-/// Landlock as a second wall: reads only of what the view holds, writes only to the workspace,
-/// `/tmp` and `/dev/shm`, no TCP, no abstract Unix sockets or signals beyond the sandbox.
-/// Returns the ABI in force and whether everything asked for is enforced.
-fn restrict_filesystem(spec: &Spec) -> Result<(u32, bool), Failed> {
-    let abi = ABI::V6;
-    let (read, write): (Vec<PathBuf>, Vec<PathBuf>) = if spec.namespaces {
+/// What Landlock lets a run read, and write: the view and the run's own directories.
+pub fn landlock_paths(spec: &Spec) -> (Vec<PathBuf>, Vec<PathBuf>) {
+    if spec.namespaces {
         let mut read: Vec<PathBuf> = spec
             .view
             .iter()
@@ -520,7 +538,15 @@ fn restrict_filesystem(spec: &Spec) -> Result<(u32, bool), Failed> {
         let mut write: Vec<PathBuf> = spec.host_workspace.iter().cloned().collect();
         write.push("/dev/null".into());
         (read, write)
-    };
+    }
+}
+
+/// Landlock as a second wall: reads only of what the view holds, writes only to the workspace,
+/// `/tmp` and `/dev/shm`, no TCP, no abstract Unix sockets or signals beyond the sandbox.
+/// Returns the ABI in force and whether everything asked for is enforced.
+fn restrict_filesystem(spec: &Spec) -> Result<(u32, bool), Failed> {
+    let abi = ABI::V6;
+    let (read, write) = landlock_paths(spec);
     let status = Ruleset::default()
         .set_compatibility(CompatLevel::BestEffort)
         .handle_access(AccessFs::from_all(abi))

@@ -13,12 +13,14 @@ pub mod bridge;
 mod calls;
 mod cgroup;
 mod config;
+mod fork_server;
 pub mod init;
 mod isolation;
 mod memory;
 mod pool;
 mod process;
 mod seccomp;
+mod self_test;
 mod view;
 mod workspace;
 
@@ -33,16 +35,16 @@ use nomad_telemetry::metrics as defs;
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
 use opentelemetry::metrics::{Counter, Histogram, ObservableGauge, ObservableUpDownCounter};
 use serde_json::Value;
-use tokio::sync::Semaphore;
 
 pub use self::config::SandboxConfig;
-use self::init::{Limits, Report, Spec};
+use self::init::{Limits, Spec};
 pub use self::isolation::Isolation;
 pub use self::pool::Rejected;
 use self::pool::{Counts, Pool};
 use self::process::{Job, Launch};
 
 const RUNNER: &str = include_str!("runner.py");
+const ZYGOTE: &str = include_str!("zygote.py");
 
 /// One tool as the sandbox sees it.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -228,8 +230,10 @@ impl Sandbox {
             std::fs::create_dir(dir)?;
             set_mode(dir, 0o755)?;
         }
-        std::fs::write(runtime.join("runner.py"), RUNNER)?;
-        set_mode(&runtime.join("runner.py"), 0o644)?;
+        for (name, text) in [("runner.py", RUNNER), ("zygote.py", ZYGOTE)] {
+            std::fs::write(runtime.join(name), text)?;
+            set_mode(&runtime.join(name), 0o644)?;
+        }
 
         let view = view::view_for(&python, &base).await?;
         let cgroup = cgroup::Cgroups::detect();
@@ -255,6 +259,7 @@ impl Sandbox {
             cgroup: None,
             seccomp: true,
             landlock: true,
+            zygote: false,
         };
         let mut launch = Launch {
             spec: spec.clone(),
@@ -271,6 +276,7 @@ impl Sandbox {
             bridge_memory: calls::BridgeMemory::new(config.bridge_memory_bytes),
             // A cgroup's memory.max bounds a run as a whole; without one, the gateway does.
             memory_watch: cgroup.is_err().then_some(config.memory_bytes),
+            fork_server: None,
         };
         // The largest frame, parsed, must fit, or a run sending one would wait for ever.
         let largest = calls::PARSE_FACTOR as u64 * launch.frame_limit() as u64 + (64 << 10);
@@ -295,7 +301,7 @@ impl Sandbox {
         let report = loop {
             spec.args = runner_args(&spec);
             launch.spec = spec.clone();
-            match self_test(&launch, cgroups, run_limits).await {
+            match self_test::self_test(&launch, cgroups, run_limits).await {
                 Ok(report) => break report,
                 Err(e) if spec.proc && e.contains("mounting /proc") => {
                     tracing::warn!(
@@ -323,6 +329,9 @@ impl Sandbox {
                 Err(e) => anyhow::bail!("the sandbox does not work on this machine: {e}"),
             }
         };
+        if config.fork_server && spec.namespaces && cgroups.is_none() {
+            launch.fork_server = self_test::start_fork_server(&launch, &report, run_limits).await;
+        }
         let isolation = Isolation {
             report: report.clone(),
             cgroup: cgroup
@@ -513,63 +522,6 @@ fn runner_args(spec: &Spec) -> Vec<String> {
     vec!["-I".into(), "-B".into(), runner.display().to_string()]
 }
 
-/// Starts one process cold, outside the pool, and runs `RESULT = 1` in it.
-async fn self_test(
-    launch: &Launch,
-    cgroups: Option<&cgroup::Cgroups>,
-    run_limits: cgroup::RunLimits,
-) -> Result<Report, String> {
-    let slot = Arc::new(Semaphore::new(1))
-        .try_acquire_owned()
-        .expect("a fresh semaphore");
-    let mut process = launch
-        .start(slot, cgroups, run_limits, false)
-        .map_err(|e| format!("starting the sandbox: {e}"))?;
-    let report = match process.check(None, false).await {
-        Ok(report) => report,
-        Err(failure) => {
-            let stderr = process.stderr_after_failure().await;
-            return Err(format!("{} ({})", failure.describe(), stderr.trim()));
-        }
-    };
-    let job = Job {
-        mode: "code",
-        filename: "<self-test>".into(),
-        source: "RESULT = 1".into(),
-        env: Vec::new(),
-    };
-    let started = Instant::now();
-    // Counted against a budget of its own: no run is admitted yet.
-    let mut memory = memory::Ledger::new(u64::MAX)
-        .try_admit()
-        .expect("an empty ledger admits a run");
-    let outcome = process
-        .run(
-            job,
-            &report,
-            &NoTools,
-            Duration::from_secs(30),
-            launch,
-            &mut memory,
-        )
-        .await;
-    match (&outcome.failure, &outcome.result) {
-        (None, Some(Value::Number(_))) => {
-            tracing::debug!(
-                seconds = started.elapsed().as_secs_f64(),
-                "sandbox self-test"
-            );
-            Ok(report)
-        }
-        (Some(f), _) => Err(format!(
-            "{} (stderr: {})",
-            f.describe(),
-            outcome.stderr.trim()
-        )),
-        _ => Err(format!("unexpected result {:?}", outcome.result)),
-    }
-}
-
 fn gauges(isolation: &Isolation, pool: &Arc<Pool>) -> Gauges {
     let layers = isolation.layers();
     let isolation = defs::GATEWAY_SANDBOX_ISOLATION.f64_observable_gauge(move |o| {
@@ -656,21 +608,4 @@ fn reachable_by_others(path: &Path) -> bool {
 fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-}
-
-/// A host with no tools (the start-up self-test).
-struct NoTools;
-
-impl ToolHost for NoTools {
-    fn servers(&self) -> Vec<String> {
-        Vec::new()
-    }
-
-    async fn tools(&self, server: &str) -> Result<Vec<ToolSpec>, ToolError> {
-        Err(ToolError::not_found(format!("no server {server:?}")))
-    }
-
-    async fn call(&self, server: &str, tool: &str, _arguments: Value) -> Result<Value, ToolError> {
-        Err(ToolError::not_found(format!("no tool {server}.{tool}")))
-    }
 }

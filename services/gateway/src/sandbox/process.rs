@@ -1,7 +1,7 @@
 //! One sandbox process seen from the gateway: started ahead (warm) or on demand (cold), checked,
 //! handed exactly one run, then gone.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -16,11 +16,14 @@ use tokio::task::JoinHandle;
 use super::bridge::{self, Decoder, Message};
 use super::calls::{BridgeEnd, BridgeMemory, Budget, Done, serve};
 use super::cgroup::{Cgroups, RunCgroup, RunLimits};
+use super::fork_server::{ForkServer, Forked};
 use super::init::{self, Report, Spec};
 use super::memory::{self, Share};
 use super::{Failure, Outcome, ToolHost, workspace};
+use std::sync::Arc;
 
 /// How to start a sandbox process: the init's spec and the limits the gateway enforces itself.
+#[derive(Clone)]
 pub struct Launch {
     pub spec: Spec,
     /// The gateway's private directory (host workspaces go under it when there are no
@@ -39,6 +42,8 @@ pub struct Launch {
     /// Without a cgroup: the bytes all of a run's processes may hold together, which the
     /// gateway samples (see [`super::memory`]).
     pub memory_watch: Option<u64>,
+    /// Runs are forked from here when there is one (and runs have no cgroup of their own).
+    pub fork_server: Option<Arc<ForkServer>>,
 }
 
 impl Launch {
@@ -92,7 +97,12 @@ impl Launch {
             _cgroup: cgroup,
             _workspace: workspace,
         };
-        Started::spawn(&spec, resources, warm, self)
+        match &self.fork_server {
+            Some(server) if resources._cgroup.is_none() && spec.namespaces && server.alive() => {
+                Started::fork(server, resources, warm, self)
+            }
+            _ => Started::spawn(&spec, resources, warm, self),
+        }
     }
 }
 
@@ -105,10 +115,56 @@ pub struct Job {
     pub env: Vec<(String, String)>,
 }
 
+/// The process behind a run: started by the gateway (its init), or forked by the fork server.
+enum Proc {
+    Spawned {
+        child: Child,
+        pgid: Option<i32>,
+    },
+    /// `pid`: the run's PID 1 as the gateway sees it, once its report has said so.
+    Forked {
+        forked: Forked,
+        pid: Option<u32>,
+    },
+}
+
+impl Proc {
+    /// Kills the whole run: the init's process group, or the forked run's waiter (whose death
+    /// takes the run's PID namespace with it).
+    fn kill(&mut self) {
+        match self {
+            Proc::Spawned { child, pgid } => kill(child, *pgid),
+            Proc::Forked { forked, .. } => forked.kill(),
+        }
+    }
+
+    /// The exit code, once ended (`None`: killed by a signal, or not known).
+    async fn wait(&mut self) -> Option<i32> {
+        match self {
+            Proc::Spawned { child, .. } => child.wait().await.ok().and_then(|s| s.code()),
+            Proc::Forked { forked, .. } => forked.wait().await.filter(|c| *c < 128),
+        }
+    }
+
+    fn alive(&mut self) -> bool {
+        match self {
+            Proc::Spawned { child, .. } => matches!(child.try_wait(), Ok(None)),
+            Proc::Forked { forked, .. } => forked.alive(),
+        }
+    }
+
+    /// The process whose tree is the run (for the memory watch).
+    fn pid(&self) -> Option<u32> {
+        match self {
+            Proc::Spawned { child, .. } => child.id(),
+            Proc::Forked { pid, .. } => *pid,
+        }
+    }
+}
+
 /// A started sandbox process, not yet given its run.
 pub struct Started {
-    child: Child,
-    pgid: Option<i32>,
+    process: Proc,
     bridge: UnixStream,
     decoder: Decoder,
     stdout: JoinHandle<String>,
@@ -156,9 +212,42 @@ impl Started {
         let stdout = tokio::spawn(read_limited(child.stdout.take(), launch.stdout_limit));
         let stderr = tokio::spawn(read_limited(child.stderr.take(), launch.stderr_limit));
         Ok(Self {
-            pgid: child.id().map(|p| p as i32),
-            child,
+            process: Proc::Spawned {
+                pgid: child.id().map(|p| p as i32),
+                child,
+            },
             bridge,
+            decoder: Decoder::with_limit(launch.frame_limit()),
+            stdout,
+            stderr,
+            report: None,
+            resources,
+            warm,
+        })
+    }
+
+    /// Asks the fork server for a child with a new bridge and output pipes of its own.
+    fn fork(
+        server: &Arc<ForkServer>,
+        resources: Resources,
+        warm: bool,
+        launch: &Launch,
+    ) -> std::io::Result<Self> {
+        use std::os::fd::AsFd as _;
+        let (ours, theirs) = StdUnixStream::pair()?;
+        // Every message the child sends carries its pid, as the gateway sees it.
+        nix::sys::socket::setsockopt(&ours, nix::sys::socket::sockopt::PassCred, &true)?;
+        let (out_read, out_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        let (err_read, err_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        let forked = server.fork([theirs.as_fd(), out_write.as_fd(), err_write.as_fd()])?;
+        drop((theirs, out_write, err_write));
+        ours.set_nonblocking(true)?;
+        let pipe = |fd: OwnedFd| tokio::net::unix::pipe::Receiver::from_owned_fd(fd);
+        let stdout = tokio::spawn(read_limited(Some(pipe(out_read)?), launch.stdout_limit));
+        let stderr = tokio::spawn(read_limited(Some(pipe(err_read)?), launch.stderr_limit));
+        Ok(Self {
+            process: Proc::Forked { forked, pid: None },
+            bridge: UnixStream::from_std(ours)?,
             decoder: Decoder::with_limit(launch.frame_limit()),
             stdout,
             stderr,
@@ -171,8 +260,8 @@ impl Started {
     /// Kills a process that failed its check and returns what it wrote on stderr (the init's
     /// own message, when its set-up failed).
     pub async fn stderr_after_failure(mut self) -> String {
-        kill(&mut self.child, self.pgid);
-        let _ = self.child.wait().await;
+        self.process.kill();
+        let _ = self.process.wait().await;
         tokio::time::timeout(Duration::from_secs(2), self.stderr)
             .await
             .ok()
@@ -182,7 +271,7 @@ impl Started {
 
     /// Whether the process is still there (a warm one could have been killed while waiting).
     pub fn alive(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
+        self.process.alive()
     }
 
     /// The init's report (read once), checked against what the gateway promised; with
@@ -225,11 +314,32 @@ impl Started {
             {
                 return Ok(Some(frame));
             }
-            match self.bridge.read(&mut buffer).await {
+            match self.read_some(&mut buffer).await {
                 Ok(0) | Err(_) => return Ok(None),
                 Ok(n) => self.decoder.push(&buffer[..n]),
             }
         }
+    }
+
+    /// Reads what the bridge holds. A forked run's first message also says, in its credentials,
+    /// which process it is as the gateway sees it (for the memory watch).
+    async fn read_some(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        let Self {
+            process, bridge, ..
+        } = self;
+        let Proc::Forked {
+            pid: pid @ None, ..
+        } = process
+        else {
+            return bridge.read(buffer).await;
+        };
+        let (n, sender) = bridge
+            .async_io(tokio::io::Interest::READABLE, || {
+                recv_with_pid(bridge.as_raw_fd(), buffer)
+            })
+            .await?;
+        *pid = sender;
+        Ok(n)
     }
 
     /// Runs `job`, serving its tool calls from `host`, for at most `timeout`.
@@ -248,8 +358,7 @@ impl Started {
         // From here on the parts are used separately; the slot, cgroup and workspace are dropped
         // only at the end, when the process is gone.
         let Started {
-            mut child,
-            pgid,
+            mut process,
             bridge,
             decoder,
             stdout,
@@ -281,7 +390,7 @@ impl Started {
                     &launch.bridge_memory,
                     &mut end,
                 );
-                let pid = child.id();
+                let pid = process.pid();
                 // Sampled always, for the runs' budget; a limit only where no cgroup is one.
                 let watch = async move {
                     match pid {
@@ -292,8 +401,8 @@ impl Started {
                 let waited = tokio::time::timeout_at(deadline, async {
                     tokio::pin!(serving);
                     tokio::select! {
-                        () = &mut serving => child.wait().await,
-                        status = child.wait() => {
+                        () = &mut serving => process.wait().await,
+                        status = process.wait() => {
                             // Gone: what it sent is buffered. A descendant that kept the bridge
                             // open (possible only without a PID namespace) is not waited for.
                             let _ = tokio::time::timeout(Duration::from_millis(500), serving).await;
@@ -301,8 +410,8 @@ impl Started {
                         }
                         held = watch => {
                             over_memory = Some(held);
-                            kill(&mut child, pgid);
-                            child.wait().await
+                            process.kill();
+                            process.wait().await
                         }
                     }
                 })
@@ -315,11 +424,11 @@ impl Started {
             }
             Err(_) => None,
         };
-        kill(&mut child, pgid);
-        let _ = child.wait().await;
+        process.kill();
+        let _ = process.wait().await;
         match served {
             Some(status) => {
-                outcome.returncode = status.ok().and_then(|s| s.code());
+                outcome.returncode = status;
                 outcome.tool_calls = end.tool_calls;
                 outcome.failure = match end.done {
                     // An exception's text is the run's own, bounded as its stderr is.
@@ -396,6 +505,26 @@ impl Started {
             .await
             .map_err(|e| Failure::Bridge(format!("sending the run: {e}")))
     }
+}
+
+/// One read of the bridge with the sender's credentials: the bytes, and the sender's pid.
+fn recv_with_pid(
+    fd: std::os::fd::RawFd,
+    buffer: &mut [u8],
+) -> std::io::Result<(usize, Option<u32>)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, UnixCredentials, recvmsg};
+    let mut iov = [std::io::IoSliceMut::new(buffer)];
+    let mut space = nix::cmsg_space!(UnixCredentials);
+    let message = recvmsg::<()>(fd, &mut iov, Some(&mut space), MsgFlags::MSG_DONTWAIT)?;
+    let pid = message
+        .cmsgs()?
+        .find_map(|c| match c {
+            ControlMessageOwned::ScmCredentials(credentials) => Some(credentials.pid()),
+            _ => None,
+        })
+        .filter(|pid| *pid > 0)
+        .map(|pid| pid as u32);
+    Ok((message.bytes, pid))
 }
 
 /// Kills the whole process group; with namespaces the init is the waiter, whose death takes the

@@ -306,7 +306,21 @@ def _exit(code):
     os._exit(code)
 
 
-def main():
+def _zygote():
+    """`--zygote MODULES`: serve as the sandbox's fork server (zygote.py beside this file)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("nomad_zygote", os.path.join(os.path.dirname(__file__), "zygote.py"))
+    zygote = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zygote)
+    preload = [m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else []
+    zygote.serve(preload, _write_frame, lambda: main(forked=True))
+
+
+def main(forked=False):
+    if not forked and len(sys.argv) > 1 and sys.argv[1] == "--zygote":
+        _zygote()
+        return
     if len(sys.argv) > 2 and sys.argv[1] == "--preload":
         for name in sys.argv[2].split(","):
             try:
