@@ -1,7 +1,8 @@
 //! Rollouts at scale through the gateway: N callers, each running sandboxed code that waits
 //! 0.5 s (as agent code waits on a model) and then calls the `embed` tool once, back to back for
-//! a fixed time. Two gateways side by side, each with its own fleet: admission by memory (the
-//! default) and a fixed cap of 4 runs at once (the former default on 2 cores). Reports
+//! a fixed time. Three gateways side by side, each with its own fleet: admission by memory with
+//! runs forked from the fork server (the default), the same with a new interpreter per run
+//! (`fork_server: false`), and a fixed cap of 4 runs at once (the former default on 2 cores). Reports
 //! rollouts/s against the ideal (N / 0.5 s), latency, errors, and the peak memory of the
 //! gateway and of all its runs together (PSS, read from /proc).
 //!
@@ -147,7 +148,8 @@ async fn measure(fleet: &Fleet, callers: usize, seconds: f64) -> Row {
 const USAGE: &str = "\
 Usage: nomad-rollout-bench [--callers 1,16,64,256] [--seconds 15]
 N callers each running code that waits 0.5 s then calls embed, back to back, through a gateway
-admitting by memory (the default) and one capped at 4 runs at once.";
+admitting by memory with forked runs (the default), one starting an interpreter per run, and
+one capped at 4 runs at once.";
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -162,8 +164,9 @@ async fn main() {
         .collect();
     let seconds: f64 = arg("--seconds", "15").parse().expect("--seconds: a number");
     let by_memory = fleet("").await;
-    let capped = fleet("  max_concurrent: 4\n").await;
-    for fleet in [&by_memory, &capped] {
+    let interpreters = fleet("  fork_server: false\n").await;
+    let capped = fleet("  max_concurrent: 4\n  fork_server: false\n").await;
+    for fleet in [&by_memory, &interpreters, &capped] {
         // Load the model and touch every path once.
         measure(fleet, 2, 2.0).await;
     }
@@ -174,7 +177,11 @@ async fn main() {
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut notes = Vec::new();
     for &n in &callers {
-        for (name, fleet) in [("by memory (default)", &by_memory), ("4 at once", &capped)] {
+        for (name, fleet) in [
+            ("by memory, forked (default)", &by_memory),
+            ("by memory, an interpreter per run", &interpreters),
+            ("4 at once, an interpreter per run", &capped),
+        ] {
             let row = measure(fleet, n, seconds).await;
             let ideal = n as f64 / 0.5;
             println!(

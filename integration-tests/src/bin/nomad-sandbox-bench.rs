@@ -2,7 +2,9 @@
 //! a bare `python3 -I -c pass`, the same under `bwrap` with every namespace, and the gateway's
 //! `ExecuteCode` (the operation behind the MCP tool `execute_mcp_code`) of `RESULT = 6 * 7` and of
 //! code that calls the `embed` tool once, warm (a runner from the pool) and cold (`warm: 0`),
-//! next to the `embed` tool called directly through the gateway. Then the same at concurrency 8.
+//! each with runs forked from the fork server and with a new interpreter per run
+//! (`fork_server: false`), next to the `embed` tool called directly through the gateway; then
+//! trivial code back to back, and the same at concurrency 8.
 //!
 //! Run: `cargo build --release --workspace --bins && target/release/nomad-sandbox-bench
 //! [--samples 40] [--python /usr/bin/python3]` (needs `bwrap`: Debian's `bubblewrap`).
@@ -19,8 +21,9 @@ const TRIVIAL: &str = "RESULT = 6 * 7";
 const EMBED: &str =
     "from mcp_tools.nomad import embed\nRESULT = len(embed('A sentence to embed.')['output'])";
 
-/// A fleet with the `embed` tool and a gateway whose pool keeps `warm` runners.
-async fn fleet(warm: usize) -> Fleet {
+/// A fleet with the `embed` tool and a gateway whose pool keeps `warm` runners, forked from the
+/// fork server or each a new interpreter.
+async fn fleet(warm: usize, fork_server: bool) -> Fleet {
     Fleet::start(
         FleetOptions {
             tools_yaml: Some(format!(
@@ -28,7 +31,9 @@ async fn fleet(warm: usize) -> Fleet {
                  tool_manager:\n  heartbeat_interval_ms: 200\n  max_batch_delay_ms: 0\n",
                 models_dir().join("all-minilm-l6-v2").display()
             )),
-            config_yaml: format!("sandbox:\n  warm: {warm}\n  max_concurrent: 16\n"),
+            config_yaml: format!(
+                "sandbox:\n  warm: {warm}\n  max_concurrent: 16\n  fork_server: {fork_server}\n"
+            ),
             ..Default::default()
         }
         .service_env(Service::Gateway, "RUST_LOG", "warn"),
@@ -134,55 +139,92 @@ async fn main() {
     check_args(USAGE, &["--samples", "--python"], &[]);
     let samples: usize = arg("--samples", "40").parse().unwrap();
     let python = arg("--python", "/usr/bin/python3");
-    let warm_fleet = fleet(2).await;
-    let cold_fleet = fleet(0).await;
-    let mut warm = client(&warm_fleet).await;
-    let mut cold = client(&cold_fleet).await;
+    let fleets = [
+        fleet(2, true).await,
+        fleet(0, true).await,
+        fleet(2, false).await,
+        fleet(0, false).await,
+    ];
+    let mut clients = Vec::new();
+    for f in &fleets {
+        clients.push(client(f).await);
+    }
     let bwrap = bwrap_args(&python);
     let bwrap: Vec<&str> = bwrap.iter().map(String::as_str).collect();
     // Warm-up: load the model, fill the pool, touch every path once.
     for _ in 0..3 {
-        execute(&mut warm, EMBED).await;
-        execute(&mut cold, EMBED).await;
-        embed_directly(&mut warm).await;
+        for c in &mut clients {
+            execute(c, EMBED).await;
+        }
+        embed_directly(&mut clients[0]).await;
     }
     let pause = Duration::from_millis(150); // lets the pool refill between warm samples
-    let names = [
-        "bare `python3 -I -c pass`",
-        "`bwrap` (every namespace) + `python3 -I -c pass`",
-        "`RESULT = 6 * 7`, warm",
-        "`RESULT = 6 * 7`, cold",
-        "`embed` tool called directly through the gateway",
-        "code calling `embed` once, warm",
-        "code calling `embed` once, cold",
+    let kinds = [
+        "forked, warm",
+        "forked, cold",
+        "new interpreter, warm",
+        "new interpreter, cold",
     ];
+    let mut names = vec![
+        "bare `python3 -I -c pass`".to_owned(),
+        "`bwrap` (every namespace) + `python3 -I -c pass`".to_owned(),
+        "`embed` tool called directly through the gateway".to_owned(),
+    ];
+    names.extend(kinds.iter().map(|k| format!("`RESULT = 6 * 7`, {k}")));
+    names.extend(
+        kinds
+            .iter()
+            .map(|k| format!("code calling `embed` once, {k}")),
+    );
     let mut results: Vec<Vec<Duration>> = vec![Vec::new(); names.len()];
     for _ in 0..samples {
         results[0].push(command(&python, &["-I", "-c", "pass"]));
         results[1].push(command("bwrap", &bwrap));
+        results[2].push(embed_directly(&mut clients[0]).await);
         tokio::time::sleep(pause).await;
-        results[2].push(execute(&mut warm, TRIVIAL).await);
-        results[3].push(execute(&mut cold, TRIVIAL).await);
-        results[4].push(embed_directly(&mut warm).await);
+        for (i, c) in clients.iter_mut().enumerate() {
+            results[3 + i].push(execute(c, TRIVIAL).await);
+        }
         tokio::time::sleep(pause).await;
-        results[5].push(execute(&mut warm, EMBED).await);
-        results[6].push(execute(&mut cold, EMBED).await);
+        for (i, c) in clients.iter_mut().enumerate() {
+            results[7 + i].push(execute(c, EMBED).await);
+        }
     }
-    println!("\nConcurrency 1, {samples} samples of each, interleaved:\n");
+    println!("\nConcurrency 1, {samples} samples of each, interleaved, with gaps:\n");
     println!("| path | p50 | p99 |\n|---|---|---|");
     for (name, samples) in names.iter().zip(&mut results) {
         row(name, samples);
+    }
+    // Back to back: each call as soon as the last one ends (a pool cannot refill in time).
+    println!("\nConcurrency 1, {samples} calls back to back:\n");
+    println!("| path | p50 | p99 |\n|---|---|---|");
+    let mut bare: Vec<Duration> = (0..samples)
+        .map(|_| command(&python, &["-I", "-c", "pass"]))
+        .collect();
+    row("bare `python3 -I -c pass`", &mut bare);
+    for (kind, c) in kinds.iter().zip(clients.iter_mut()) {
+        let mut back_to_back = Vec::new();
+        for _ in 0..samples {
+            back_to_back.push(execute(c, TRIVIAL).await);
+        }
+        row(&format!("`RESULT = 6 * 7`, {kind}"), &mut back_to_back);
     }
 
     // Concurrency 8: eight callers, each with its own connection, for `samples` calls each.
     println!("\nConcurrency 8 ({samples} calls per caller):\n");
     println!("| path | runs/s | p50 | p99 | warm starts |\n|---|---|---|---|---|");
-    for (name, fleet, code) in [
-        ("`RESULT = 6 * 7`, pool of 2", &warm_fleet, TRIVIAL),
-        ("`RESULT = 6 * 7`, cold", &cold_fleet, TRIVIAL),
-        ("code calling `embed` once, pool of 2", &warm_fleet, EMBED),
-        ("code calling `embed` once, cold", &cold_fleet, EMBED),
-    ] {
+    let runs = [TRIVIAL, EMBED].into_iter().flat_map(|code| {
+        let label = if code == TRIVIAL {
+            "`RESULT = 6 * 7`"
+        } else {
+            "code calling `embed` once"
+        };
+        kinds
+            .iter()
+            .zip(&fleets)
+            .map(move |(kind, fleet)| (format!("{label}, {kind}"), fleet, code))
+    });
+    for (name, fleet, code) in runs {
         let mut status_client = client(fleet).await;
         let before = status_client
             .status(GatewayStatusRequest {})
