@@ -666,6 +666,63 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
         embed < generate / 3.0,
         "the embedding waited for the generation: {took}"
     );
+
+    // README's next block, each line as written, from the directory that holds runs/ (with a
+    // tasks.jsonl of two code tasks; `nomad top` gets --once, as there is no terminal here).
+    let block = readme
+        .split("```sh\n")
+        .find(|b| b.starts_with("nomad run --tasks"))
+        .and_then(|b| b.split("```").next())
+        .expect("README has the block that drives and looks at rollouts");
+    let task = |id: &str| serde_json::json!({"id": id, "code": "from mcp_tools.nomad import embed\nRESULT = embed('hello')['shape']", "expected": [384]});
+    write_tasks(&dir.join("tasks.jsonl"), &[task("a"), task("b")]);
+    for line in block.lines().filter(|l| !l.trim().is_empty()) {
+        let command = line
+            .split(" #")
+            .next()
+            .unwrap()
+            .replace("runs/<run id>/fleet.json", fleet.to_str().unwrap());
+        let mut words: Vec<String> = command.split_whitespace().map(String::from).collect();
+        assert_eq!(words[0], "nomad", "{line}");
+        if words[1] == "top" {
+            words.push("--once".into());
+        }
+        let out = clean("nomad")
+            .args(&words[1..])
+            .current_dir(&dir)
+            .output()
+            .await
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{line}:\n{stdout}\n{stderr}");
+        match words[1].as_str() {
+            "run" => {
+                let results: Vec<Value> = stdout
+                    .lines()
+                    .chain(
+                        std::fs::read_to_string(dir.join("results.jsonl"))
+                            .unwrap_or_default()
+                            .lines(),
+                    )
+                    .filter_map(|l| serde_json::from_str(l).ok())
+                    .collect();
+                assert!(
+                    results.iter().filter(|r| r["passed"] == true).count() == 2,
+                    "{line}:\n{stdout}\n{stderr}"
+                );
+            }
+            "traces" => assert_eq!(
+                stdout.lines().filter(|l| l.starts_with("rollout ")).count(),
+                2,
+                "{line}:\n{stdout}"
+            ),
+            "report" => assert!(dir.join(stdout.trim()).is_file(), "{line}: {stdout}"),
+            _ => {}
+        }
+    }
     // SAFETY: kill(2) on the child we spawned.
     unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
     assert!(up.wait().await.unwrap().success());

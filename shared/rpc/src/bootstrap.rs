@@ -94,6 +94,8 @@ pub struct Service {
     /// Open until the service listens (or its owner finishes it).
     pub startup: Startup,
     telemetry: Telemetry,
+    /// A server (says when it stops) or a client command (stops quietly).
+    serves: bool,
 }
 
 impl Service {
@@ -182,6 +184,7 @@ impl Service {
             identity,
             startup,
             telemetry,
+            serves: options.serves,
         })
     }
 
@@ -207,7 +210,11 @@ impl Service {
 
     /// Flushes telemetry (at most 5 s).
     pub async fn stop(self) {
-        tracing::info!("shutting down");
+        if self.serves {
+            tracing::info!("shutting down");
+        } else {
+            tracing::debug!("shutting down");
+        }
         self.telemetry.shutdown(Duration::from_secs(5)).await;
     }
 }
