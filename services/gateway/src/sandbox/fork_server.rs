@@ -99,10 +99,15 @@ impl ForkServer {
         }
         // The init's report of the zygote's own namespaces (its children report the run's).
         let reader = ours.try_clone()?;
+        // Bounded: a read that never ends would hold the gateway's start-up (the zygote is
+        // killed with its handle when this gives up).
+        reader.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
         let report = tokio::task::spawn_blocking(move || read_frame(&reader))
             .await
             .map_err(std::io::Error::other)??
             .ok_or_else(|| std::io::Error::other("the zygote ended before it was set up"))?;
+        // The timeout is the socket's, shared by every handle: the exits reader waits unbounded.
+        ours.set_read_timeout(None)?;
         let report: init::Report = serde_json::from_slice(&report)?;
         if !report.namespaces {
             return Err(std::io::Error::other("the zygote has no namespaces"));
@@ -128,6 +133,9 @@ impl ForkServer {
                     }
                 }
                 // Gone: every child it had is gone with it (their waiters die with it).
+                tracing::warn!(
+                    "the sandbox's fork server ended; from now on each run starts an interpreter"
+                );
                 alive.store(false, Ordering::Release);
                 lock(&exits).clear();
             })?;
