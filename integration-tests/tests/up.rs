@@ -54,6 +54,23 @@ fn alive(pid: u64) -> bool {
         .unwrap_or(false)
 }
 
+/// What `code` prints, run by the Python that has the client installed; it must succeed.
+async fn python_ok(code: &str) -> String {
+    let out = tokio::process::Command::new(nomad_integration_tests::peers::python_sdk())
+        .arg("-c")
+        .arg(code)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 /// `nomad traces` output as JSON, with its exit status.
 async fn nomad_traces(args: &[&str]) -> (bool, Value, String) {
     let out = clean("nomad")
@@ -605,18 +622,7 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
         .expect("README has a Python snippet");
     assert!(snippet.contains("runs/<run id>/fleet.json"), "{snippet}");
     let snippet = snippet.replace("runs/<run id>/fleet.json", fleet.to_str().unwrap());
-    let out = tokio::process::Command::new(nomad_integration_tests::peers::python_sdk())
-        .arg("-c")
-        .arg(&snippet)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = python_ok(&snippet).await;
     assert_eq!(stdout.lines().collect::<Vec<_>>(), ["[384]", "[384]"]);
 
     // The default CPU worker serves both tools at once: an embedding asked for while a long
@@ -641,18 +647,7 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
          print(json.dumps(took))\n",
         fleet = fleet.to_str().unwrap()
     );
-    let out = tokio::process::Command::new(nomad_integration_tests::peers::python_sdk())
-        .arg("-c")
-        .arg(&both)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = python_ok(&both).await;
     let took: Value = serde_json::from_str(stdout.trim()).unwrap();
     let (generate, embed) = (
         took["generate"].as_f64().unwrap(),

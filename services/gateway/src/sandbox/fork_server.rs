@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::io::Write as _;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -83,16 +83,10 @@ impl ForkServer {
         spec.cgroup = None;
         spec.args.push("--zygote".into());
         spec.args.push(preload.join(","));
-        let (mut ours, theirs) = UnixStream::pair()?;
-        let frame = bridge::encode(&spec).map_err(std::io::Error::other)?;
-        ours.write_all(&frame)?;
-        let mut zygote = tokio::process::Command::new("/proc/self/exe")
-            .arg(init::ARG)
-            .env_clear()
-            .stdin(Stdio::from(OwnedFd::from(theirs)))
+        let (mut ours, mut command) = init::command(&spec)?;
+        let mut zygote = command
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
-            .kill_on_drop(true)
             .spawn()?;
         if let Some(stderr) = zygote.stderr.take() {
             tokio::spawn(log_lines(stderr));

@@ -154,6 +154,27 @@ impl<T, E: std::fmt::Display> Step<T> for Result<T, E> {
     }
 }
 
+/// The command that starts the init for `spec` (the gateway's own binary in this mode, with no
+/// environment), and the gateway's end of the bridge, whose other end is the command's standard
+/// input and already holds the spec (a few KiB into an empty socket buffer: the write completes
+/// before the init reads). Standard output and error are the caller's to set.
+pub fn command(
+    spec: &Spec,
+) -> std::io::Result<(std::os::unix::net::UnixStream, tokio::process::Command)> {
+    let (mut ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+    let frame = bridge::encode(spec).map_err(std::io::Error::other)?;
+    ours.write_all(&frame)?;
+    let mut command = tokio::process::Command::new("/proc/self/exe");
+    command
+        .arg(ARG)
+        .env_clear()
+        .stdin(std::process::Stdio::from(std::os::fd::OwnedFd::from(
+            theirs,
+        )))
+        .kill_on_drop(true);
+    Ok((ours, command))
+}
+
 /// Runs the init; never returns.
 pub fn main() -> ! {
     let Err(Failed(message)) = run();

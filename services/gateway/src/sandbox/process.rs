@@ -195,35 +195,18 @@ impl Started {
         warm: bool,
         launch: &Launch,
     ) -> std::io::Result<Self> {
-        let (mut ours, theirs) = StdUnixStream::pair()?;
-        // A few KiB into an empty socket buffer: the write completes before the init reads.
-        let frame = bridge::encode(spec).map_err(std::io::Error::other)?;
-        std::io::Write::write_all(&mut ours, &frame)?;
-        let mut child = tokio::process::Command::new("/proc/self/exe")
-            .arg(init::ARG)
-            .env_clear()
-            .stdin(Stdio::from(OwnedFd::from(theirs)))
+        let (ours, mut command) = init::command(spec)?;
+        let mut child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .kill_on_drop(true)
             .spawn()?;
-        ours.set_nonblocking(true)?;
-        let bridge = UnixStream::from_std(ours)?;
         let stdout = tokio::spawn(read_limited(child.stdout.take(), launch.stdout_limit));
         let stderr = tokio::spawn(read_limited(child.stderr.take(), launch.stderr_limit));
-        Ok(Self {
-            process: Proc::Spawned {
-                pgid: child.id().map(|p| p as i32),
-                child,
-            },
-            bridge,
-            decoder: Decoder::with_limit(launch.frame_limit()),
-            stdout,
-            stderr,
-            report: None,
-            resources,
-            warm,
-        })
+        let process = Proc::Spawned {
+            pgid: child.id().map(|p| p as i32),
+            child,
+        };
+        Self::new(process, ours, (stdout, stderr), resources, warm, launch)
     }
 
     /// Asks the fork server for a child with a new bridge and output pipes of its own.
@@ -241,13 +224,26 @@ impl Started {
         let (err_read, err_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let forked = server.fork([theirs.as_fd(), out_write.as_fd(), err_write.as_fd()])?;
         drop((theirs, out_write, err_write));
-        ours.set_nonblocking(true)?;
         let pipe = |fd: OwnedFd| tokio::net::unix::pipe::Receiver::from_owned_fd(fd);
         let stdout = tokio::spawn(read_limited(Some(pipe(out_read)?), launch.stdout_limit));
         let stderr = tokio::spawn(read_limited(Some(pipe(err_read)?), launch.stderr_limit));
+        let process = Proc::Forked { forked, pid: None };
+        Self::new(process, ours, (stdout, stderr), resources, warm, launch)
+    }
+
+    /// A started process with its bridge (made non-blocking here) and output readers.
+    fn new(
+        process: Proc,
+        bridge: StdUnixStream,
+        (stdout, stderr): (JoinHandle<String>, JoinHandle<String>),
+        resources: Resources,
+        warm: bool,
+        launch: &Launch,
+    ) -> std::io::Result<Self> {
+        bridge.set_nonblocking(true)?;
         Ok(Self {
-            process: Proc::Forked { forked, pid: None },
-            bridge: UnixStream::from_std(ours)?,
+            process,
+            bridge: UnixStream::from_std(bridge)?,
             decoder: Decoder::with_limit(launch.frame_limit()),
             stdout,
             stderr,

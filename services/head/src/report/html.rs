@@ -118,16 +118,27 @@ fn series_svg(
                 PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(3))
             });
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(plot_error)?;
+        legend(&mut chart)?;
         root.present().map_err(plot_error)?;
     }
     Ok(svg)
+}
+
+/// The series' names in a box at the upper right.
+fn legend<'a, 'b: 'a>(
+    chart: &mut ChartContext<
+        'a,
+        SVGBackend<'b>,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+) -> anyhow::Result<()> {
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(plot_error)
 }
 
 /// Each worker as a row of its batches over time, coloured by tool: which tool held it when.
@@ -181,13 +192,7 @@ fn timeline_svg(workers: &std::collections::BTreeMap<String, Vec<Held>>) -> anyh
                     PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(6))
                 });
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(plot_error)?;
+        legend(&mut chart)?;
         root.present().map_err(plot_error)?;
     }
     Ok(svg)
