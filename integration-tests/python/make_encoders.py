@@ -81,9 +81,9 @@ def xlmr_tokenizer():
     )
 
 
-def encoder(family, seed, head_labels=None):
-    """A random model of `family` (with a sequence classification head of `head_labels`) and its
-    tokenizer."""
+def encoder(family, seed, head_labels=None, activation=None):
+    """A random model of `family` (with a sequence classification head of `head_labels`, and
+    `activation` in place of the family's default) and its tokenizer."""
     torch.manual_seed(seed)
     if family == "bert":
         tok = bert_tokenizer()
@@ -107,6 +107,11 @@ def encoder(family, seed, head_labels=None):
         cls = ModernBertModel
     else:
         raise ValueError(family)
+    if activation:
+        setattr(config, "activation" if family == "distilbert" else "hidden_act", activation)
+    # Weights ten times the usual initial scale: the MLP's inputs then reach the range where the
+    # activations differ (the exact GELU and its tanh approximation agree within 1e-6 near 0).
+    config.initializer_range = 0.2
     if head_labels:
         config.num_labels = len(head_labels)
         config.id2label = dict(enumerate(head_labels))
@@ -129,9 +134,9 @@ cases = []
 
 
 def embed_case(name, family, seed, pooling, normalize=True, prompts=None, prompt_name=None,
-               max_seq_length=96):
+               max_seq_length=96, activation=None):
     raw = os.path.join(OUT, f"_{name}-raw")
-    model, tok = encoder(family, seed)
+    model, tok = encoder(family, seed, activation=activation)
     save_hf(model, tok, raw)
     transformer = st_models.Transformer(raw, max_seq_length=max_seq_length)
     dim = transformer.get_word_embedding_dimension()
@@ -151,9 +156,9 @@ def embed_case(name, family, seed, pooling, normalize=True, prompts=None, prompt
     })
 
 
-def score_case(name, family, seed, labels, kind):
+def score_case(name, family, seed, labels, kind, activation=None):
     out = os.path.join(OUT, name)
-    model, tok = encoder(family, seed, head_labels=labels)
+    model, tok = encoder(family, seed, head_labels=labels, activation=activation)
     save_hf(model, tok, out)
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
@@ -200,6 +205,11 @@ score_case("bert-rerank", "bert", 9, ["relevance"], "rerank")
 score_case("xlm-roberta-rerank", "xlm-roberta", 10, ["relevance"], "rerank")
 score_case("bert-classify", "bert", 11, ["negative", "neutral", "positive"], "classify")
 score_case("distilbert-classify", "distilbert", 12, ["no", "yes"], "classify")
+# The other activations the checkpoints of these families name.
+embed_case("xlm-roberta-gelu-tanh", "xlm-roberta", 13, ["mean_tokens"], activation="gelu_pytorch_tanh")
+score_case("distilbert-relu-classify", "distilbert", 14, ["no", "yes"], "classify", activation="relu")
+embed_case("bert-relu", "bert", 15, ["mean_tokens"], activation="relu")
+embed_case("xlm-roberta-silu", "xlm-roberta", 16, ["cls_token"], activation="silu")
 
 with open(os.path.join(OUT, "cases.json"), "w") as f:
     json.dump(cases, f)

@@ -82,6 +82,12 @@ async fn encoders_answer_as_sentence_transformers_and_transformers_do_and_refuse
         config["model_type"] = json!("gpt2");
         std::fs::write(d.join("config.json"), config.to_string()).unwrap();
     });
+    variant(&out.join("xlm-roberta-cls"), &dir.join("relative"), |d| {
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+        config["position_embedding_type"] = json!("relative_key");
+        std::fs::write(d.join("config.json"), config.to_string()).unwrap();
+    });
     let mut tools = String::from("tools:\n");
     for case in &cases {
         tools.push_str(&format!(
@@ -121,6 +127,12 @@ async fn encoders_answer_as_sentence_transformers_and_transformers_do_and_refuse
             "classify",
             out.join("bert-rerank"),
             "serve it as `rerank`",
+        ),
+        (
+            "relative",
+            "embed",
+            dir.join("relative"),
+            "position_embedding_type \"relative_key\" is not served (absolute is)",
         ),
     ];
     for (name, kind, path, _) in &refused {

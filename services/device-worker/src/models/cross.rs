@@ -13,7 +13,7 @@ use nomad_proto::v1::{ItemResult, ToolInput, ToolOutput, item_result, tool_input
 use serde_json::json;
 use tokenizers::{EncodeInput, Tokenizer};
 
-use super::embed::{Row, padded, pools, tokenizer, weight_bytes};
+use super::embed::{Row, pools, tokenizer, weight_bytes};
 use super::encoder::Encoder;
 use super::options::Options;
 use super::{ExecError, ExecLimits, LoadError, Model, invalid};
@@ -35,7 +35,7 @@ pub struct Scorer {
     max_seq_length: usize,
     bytes: u64,
     device: Device,
-    pools: Vec<rayon::ThreadPool>,
+    pools: super::length_groups::Pools,
 }
 
 fn load_error(dir: &Path, reason: impl std::fmt::Display) -> LoadError {
@@ -161,8 +161,7 @@ impl Scorer {
     fn logits(&self, rows: &[Row]) -> Result<Vec<Vec<f32>>, ExecError> {
         let lens: Vec<usize> = rows.iter().map(Row::len).collect();
         super::length_groups::run_passes(rows, &lens, &self.pools, |part| {
-            let (ids, types, mask) = padded(part, self.encoder.pad_id, &self.device)?;
-            let hidden = self.encoder.hidden(&ids, &types, &mask)?;
+            let (hidden, mask) = self.encoder.hidden(part, &self.device)?;
             let logits = self.encoder.logits(&hidden, &mask)?;
             Ok(logits.to_device(&Device::Cpu)?.to_vec2()?)
         })

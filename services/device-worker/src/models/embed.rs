@@ -14,6 +14,7 @@ use nomad_proto::v1::{ItemResult, ToolInput, tool_input};
 use tokenizers::{Tokenizer, TruncationParams};
 
 use super::encoder::Encoder;
+use super::length_groups::Pools;
 use super::options::Options;
 use super::sentence::{Pooling, SentenceConfig};
 use super::{ExecError, ExecLimits, LoadError, Model, invalid};
@@ -28,7 +29,7 @@ pub struct Embedder {
     bytes: u64,
     device: Device,
     /// One single-threaded pool per core, for splitting batches (CPU only).
-    pools: Vec<rayon::ThreadPool>,
+    pools: Pools,
 }
 
 fn load_error(dir: &Path, reason: impl std::fmt::Display) -> LoadError {
@@ -66,26 +67,13 @@ pub(crate) fn weight_bytes(dir: &Path) -> Result<u64, LoadError> {
 }
 
 /// One single-threaded pool per core on a CPU (none on an accelerator).
-pub(crate) fn pools(
-    dir: &Path,
-    device: &Device,
-    name: &str,
-) -> Result<Vec<rayon::ThreadPool>, LoadError> {
+pub(crate) fn pools(dir: &Path, device: &Device, name: &str) -> Result<Pools, LoadError> {
     let cores = if device.is_cpu() {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {
         0
     };
-    (0..cores)
-        .map(|i| {
-            let name = name.to_owned();
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(1)
-                .thread_name(move |_| format!("{name}-{i}"))
-                .build()
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| load_error(dir, format!("starting compute threads: {e}")))
+    Pools::new(cores, name).map_err(|e| load_error(dir, format!("starting compute threads: {e}")))
 }
 
 /// One tokenized sequence: its ids and their token types (all 0 but for a pair's second text).
@@ -291,8 +279,7 @@ impl Embedder {
     }
 
     fn forward(&self, rows: &[Row]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let (ids, types, mask) = padded(rows, self.encoder.pad_id, &self.device)?;
-        let hidden = self.encoder.hidden(&ids, &types, &mask)?;
+        let (hidden, mask) = self.encoder.hidden(rows, &self.device)?;
         let lens: Vec<usize> = rows.iter().map(Row::len).collect();
         let mut pooled = pool(&hidden, &mask, &lens, &self.sentence.pooling)?;
         if self.sentence.normalize {

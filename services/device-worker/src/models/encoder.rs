@@ -1,5 +1,6 @@
 //! The encoder families `embed`, `rerank` and `classify` run, chosen by `config.json`'s
-//! `model_type` (BERT, DistilBERT, XLM-RoBERTa, ModernBERT, each by candle-transformers), with
+//! `model_type` (BERT, DistilBERT, XLM-RoBERTa, ModernBERT; on the CPU the first three by
+//! Nomad's own forward pass in `bert_cpu`, otherwise by candle-transformers), with
 //! the classification head a `*ForSequenceClassification` checkpoint carries. A family or head
 //! Nomad does not run is refused at load, naming it and what is supported.
 
@@ -10,6 +11,9 @@ use candle_core::{DType, Device, IndexOp as _, Module as _, Tensor};
 use candle_nn::{Linear, VarBuilder, linear};
 use candle_transformers::models::{bert, distilbert, modernbert, xlm_roberta};
 use serde::Deserialize;
+
+use super::bert_cpu::BertCpu;
+use super::embed::{Row, padded};
 
 /// The families, as `model_type` names them.
 pub const FAMILIES: &[&str] = &["bert", "distilbert", "xlm-roberta", "modernbert"];
@@ -59,6 +63,15 @@ fn with_defaults(family: &str, text: &str) -> Result<String, String> {
 /// first call).
 fn parse_family(family: &str, text: &str) -> Result<(), String> {
     let text = with_defaults(family, text)?;
+    // candle's XLM-RoBERTa reads any value here and computes absolute positions whatever it says.
+    let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+    if let Some(kind) = config["position_embedding_type"].as_str()
+        && kind != "absolute"
+    {
+        return Err(format!(
+            "config.json: position_embedding_type {kind:?} is not served (absolute is)"
+        ));
+    }
     let parsed = match family {
         "bert" => serde_json::from_str::<bert::Config>(&text).map(|_| ()),
         "distilbert" => serde_json::from_str::<distilbert::Config>(&text).map(|_| ()),
@@ -130,6 +143,8 @@ impl Shape {
 }
 
 enum Body {
+    /// BERT, XLM-RoBERTa or DistilBERT on the CPU, by Nomad's own forward pass.
+    Cpu(BertCpu),
     Bert(bert::BertModel),
     DistilBert(distilbert::DistilBertModel),
     XlmRoberta(xlm_roberta::XLMRobertaModel),
@@ -189,7 +204,21 @@ impl Encoder {
             }
         };
         let parse = |what| format!("config.json for {what}");
+        let pad_id = shape.pad_token_id.unwrap_or(match family {
+            "xlm-roberta" => 1,
+            _ => 0,
+        });
+        let prefix = match family {
+            "xlm-roberta" => "roberta",
+            other => other,
+        };
+        let cpu = if device.is_cpu() {
+            BertCpu::load(family, &config_text, &nested(prefix), pad_id)?
+        } else {
+            None
+        };
         let body = match family {
+            _ if cpu.is_some() => Body::Cpu(cpu.expect("checked")),
             "bert" => {
                 let config: bert::Config = serde_json::from_str(&config_text)
                     .map_err(|e| format!("{}: {e}", parse("BERT")))?;
@@ -229,10 +258,6 @@ impl Encoder {
         } else {
             None
         };
-        let pad_id = shape.pad_token_id.unwrap_or(match family {
-            "xlm-roberta" => 1,
-            _ => 0,
-        });
         Ok(Self {
             family,
             shape,
@@ -307,25 +332,22 @@ impl Encoder {
         })
     }
 
-    /// The last hidden states `[n, len, hidden]` of `ids` (`[n, len]`, padded with
-    /// [`Encoder::pad_id`]) whose real tokens `mask` (`[n, len]`, 1 or 0) marks; `types` are
-    /// the token type ids (the second text of a pair is 1 for BERT).
-    pub fn hidden(
-        &self,
-        ids: &Tensor,
-        types: &Tensor,
-        mask: &Tensor,
-    ) -> candle_core::Result<Tensor> {
-        match &self.body {
-            Body::Bert(m) => m.forward(ids, types, Some(mask)),
+    /// The last hidden states `[n, len, hidden]` of `rows` (padded to the longest) and the mask
+    /// of their real tokens (`[n, len]`, 1 or 0).
+    pub fn hidden(&self, rows: &[Row], device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+        let (ids, types, mask) = padded(rows, self.pad_id, device)?;
+        let hidden = match &self.body {
+            Body::Cpu(m) => m.hidden_states(rows)?,
+            Body::Bert(m) => m.forward(&ids, &types, Some(&mask))?,
             // candle's DistilBERT masks where its mask is 1: the padding.
             Body::DistilBert(m) => {
                 let padding = mask.eq(0u32)?.unsqueeze(1)?.unsqueeze(1)?;
-                m.forward(ids, &padding)
+                m.forward(&ids, &padding)?
             }
-            Body::XlmRoberta(m) => m.forward(ids, mask, types, None, None, None),
-            Body::ModernBert(m) => m.forward(ids, mask),
-        }
+            Body::XlmRoberta(m) => m.forward(&ids, &mask, &types, None, None, None)?,
+            Body::ModernBert(m) => m.forward(&ids, &mask)?,
+        };
+        Ok((hidden, mask))
     }
 
     /// The classification head's logits `[n, labels]` from the hidden states.

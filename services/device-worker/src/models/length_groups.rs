@@ -43,18 +43,48 @@ pub fn plan(lens: &[usize], parts: usize) -> Vec<Vec<Vec<usize>>> {
     plan
 }
 
-/// Runs `forward` over `rows` in passes of similar length, one worker's passes on each of
-/// `pools` (single-threaded; none, or one pass list, on an accelerator), and returns its
-/// results in the rows' order. Encoders' matmuls at these sizes scale poorly across threads;
-/// whole sequences scale well.
+/// The CPU threads an encoder's passes run on: one single-threaded pool per core, each running
+/// whole passes (encoders' matmuls at these sizes scale poorly across threads; whole sequences
+/// scale well), and one pool of every core for a batch that is a single pass (one long text,
+/// or a query and one document), so that it does not leave all but one core idle. None on an
+/// accelerator.
+pub struct Pools {
+    each: Vec<rayon::ThreadPool>,
+    all: Option<rayon::ThreadPool>,
+}
+
+impl Pools {
+    /// Pools for `cores` cores (0 on an accelerator), their threads named after `name`.
+    pub fn new(cores: usize, name: &str) -> Result<Self, rayon::ThreadPoolBuildError> {
+        let pool = |threads: usize, label: String| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(move |i| format!("{label}-{i}"))
+                .build()
+        };
+        let each = (0..cores)
+            .map(|i| pool(1, format!("{name}-{i}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let all = if cores > 1 {
+            Some(pool(cores, format!("{name}-all"))?)
+        } else {
+            None
+        };
+        Ok(Self { each, all })
+    }
+}
+
+/// Runs `forward` over `rows` in passes of similar length, one worker's passes on each of the
+/// single-threaded pools (a lone pass on the pool of every core; everything on the calling
+/// thread on an accelerator), and returns its results in the rows' order.
 pub fn run_passes<R: Clone + Sync, T: Send + Default + Clone>(
     rows: &[R],
     lens: &[usize],
-    pools: &[rayon::ThreadPool],
+    pools: &Pools,
     forward: impl Fn(&[R]) -> Result<Vec<T>, super::ExecError> + Sync,
 ) -> Result<Vec<T>, super::ExecError> {
     type Part<T> = Result<Vec<(usize, T)>, super::ExecError>;
-    let plan = plan(lens, pools.len().max(1));
+    let plan = plan(lens, pools.each.len().max(1));
     let run = |passes: &[Vec<usize>]| -> Part<T> {
         let mut out = Vec::new();
         for pass in passes {
@@ -63,15 +93,19 @@ pub fn run_passes<R: Clone + Sync, T: Send + Default + Clone>(
         }
         Ok(out)
     };
-    let parts: Vec<Part<T>> = if pools.len() <= 1 {
-        plan.iter().map(|passes| run(passes)).collect()
-    } else {
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = plan
+    let busy: Vec<(&Vec<Vec<usize>>, &rayon::ThreadPool)> = plan
+        .iter()
+        .zip(&pools.each)
+        .filter(|(passes, _)| !passes.is_empty())
+        .collect();
+    let lone = busy.len() == 1 && busy[0].0.len() == 1;
+    let parts: Vec<Part<T>> = match (&pools.all, lone) {
+        _ if pools.each.is_empty() => plan.iter().map(|passes| run(passes)).collect(),
+        (Some(all), true) => vec![all.install(|| run(busy[0].0))],
+        _ => std::thread::scope(|scope| {
+            let handles: Vec<_> = busy
                 .iter()
-                .zip(pools)
-                .filter(|(passes, _)| !passes.is_empty())
-                .map(|(passes, pool)| scope.spawn(|| pool.install(|| run(passes))))
+                .map(|&(passes, pool)| scope.spawn(|| pool.install(|| run(passes))))
                 .collect();
             handles
                 .into_iter()
@@ -81,7 +115,7 @@ pub fn run_passes<R: Clone + Sync, T: Send + Default + Clone>(
                     })
                 })
                 .collect()
-        })
+        }),
     };
     let mut out = vec![T::default(); rows.len()];
     for part in parts {

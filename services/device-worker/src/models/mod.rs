@@ -3,6 +3,7 @@
 
 mod architecture;
 mod attention;
+mod bert_cpu;
 mod chat_template;
 pub mod cross;
 pub mod decoder;
