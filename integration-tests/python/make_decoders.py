@@ -359,6 +359,15 @@ DIRECTORIES = [
     # Heads wider than hidden / heads, tied embeddings, weights in bfloat16.
     {"name": "qwen3-dir", "tokenizer_of": "qwen3", "model_type": "qwen3", "seed": 11,
      "head_dim": 32, "tied": True, "dtype": torch.bfloat16},
+    # Rope scaling: Llama 3.1's kind (an original context this short puts head_dim 16's
+    # frequencies in all three of its bands) and linear.
+    {"name": "llama31-dir", "tokenizer_of": "llama3", "model_type": "llama", "seed": 12,
+     "head_dim": 16, "tied": False, "dtype": torch.float32,
+     "rope": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    {"name": "linear-rope-dir", "tokenizer_of": "llama3", "model_type": "llama", "seed": 13,
+     "head_dim": 16, "tied": False, "dtype": torch.float32,
+     "rope": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
 ]
 
 
@@ -370,6 +379,7 @@ def write_directory(entry, tokenizer, case):
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=entry["head_dim"], max_position_embeddings=512, rms_norm_eps=1e-6,
         tie_word_embeddings=entry["tied"],
+        **({"rope_parameters": entry["rope"]} if "rope" in entry else {}),
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.convert_tokens_to_ids(case["eos"]))
     model = AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(entry["seed"])

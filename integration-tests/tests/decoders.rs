@@ -1,7 +1,8 @@
 //! `generate` from GGUF files of each served family — llama with Llama 3's tokenizer and
 //! template, llama with a SentencePiece vocabulary and Mistral's template, qwen2 (q/k/v biases),
 //! qwen3 (q/k norms, heads wider than hidden / heads, tied embeddings) — and from transformers
-//! directories (safetensors in f32 and bfloat16, `tokenizer.json`, `chat_template.jinja`), made
+//! directories (safetensors in f32 and bfloat16, `tokenizer.json`, `chat_template.jinja`, rope
+//! scaling of Llama 3.1's kind and linear), made
 //! by the test itself (`python/make_decoders.py`: random weights in each family's layout, a real
 //! vocabulary under the family's pre-tokenizer, its special tokens and chat template), served by
 //! a real fleet, and checked against what transformers computes from the same files: the
@@ -40,7 +41,7 @@ async fn decoders_of_each_family_answer_as_transformers_does_and_the_rest_are_re
         ),
         (
             "yarn-rope",
-            "qwen2.rope.scaling.type = \"yarn\": rope scaling is not served",
+            "qwen2.rope.scaling.type = \"yarn\": this rope scaling is not served",
         ),
     ];
     for (name, _) in &refused {

@@ -5,6 +5,8 @@
 
 use candle_core::quantized::gguf_file;
 
+use super::rope_scaling::Scaling;
+
 /// The decoder families served, and what each adds to llama's block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
@@ -79,6 +81,8 @@ pub struct Architecture {
     pub head_dim: usize,
     pub eps: f64,
     pub freq_base: f32,
+    /// One divisor per rotary frequency, from the rope scaling the files ask for.
+    pub rope_divisors: Option<Vec<f32>>,
 }
 
 impl Architecture {
@@ -124,15 +128,17 @@ impl Architecture {
                 "rope over {rope_dim} of {head_dim} dimensions per head is not served"
             ));
         }
-        if let Some(scaling) = ct.metadata.get(&key("rope.scaling.type")) {
-            let scaling = scaling.to_string().map_err(|e| e.to_string())?;
-            if scaling != "none" {
-                return Err(format!(
-                    "{} = {scaling:?}: rope scaling is not served",
-                    key("rope.scaling.type")
-                ));
+        let scaling = match ct.metadata.get(&key("rope.scaling.type")) {
+            Some(kind) => {
+                let kind = kind.to_string().map_err(|e| e.to_string())?;
+                let factor = match ct.metadata.get(&key("rope.scaling.factor")) {
+                    Some(v) => Some(v.to_f32().map_err(|e| e.to_string())?),
+                    None => None,
+                };
+                Scaling::from_gguf(kind, factor, &key("rope.scaling.type"))?
             }
-        }
+            None => None,
+        };
         let mut context_length = number("context_length")?;
         if let Some(window) = optional("attention.sliding_window")?
             && window > 0
@@ -157,6 +163,7 @@ impl Architecture {
             head_dim,
             eps,
             freq_base,
+            rope_divisors: scaling.map(|s| s.divisors(head_dim, freq_base)),
         })
     }
 
@@ -187,16 +194,7 @@ impl Architecture {
         }
         // transformers 5 keeps rope's settings in `rope_parameters`; earlier versions beside.
         let rope = config.get("rope_parameters").unwrap_or(config);
-        let rope_type = rope
-            .get("rope_type")
-            .or_else(|| config.get("rope_scaling").and_then(|s| s.get("rope_type")))
-            .and_then(serde_json::Value::as_str)
-            .unwrap_or("default");
-        if rope_type != "default" {
-            return Err(format!(
-                "config.json: rope_type {rope_type:?}: rope scaling is not served"
-            ));
-        }
+        let scaling = Scaling::from_config(config)?;
         let heads = need("num_attention_heads")?;
         let kv_heads = number("num_key_value_heads")?.unwrap_or(heads);
         let hidden = need("hidden_size")?;
@@ -211,6 +209,8 @@ impl Architecture {
         if let Some(window) = number("sliding_window")?.filter(|w| windowed && *w > 0) {
             context_length = context_length.min(window);
         }
+        let head_dim = number("head_dim")?.unwrap_or(hidden / heads);
+        let freq_base = rope["rope_theta"].as_f64().unwrap_or(10_000.0) as f32;
         Ok(Self {
             family,
             rope: RopeStyle::Halves,
@@ -219,9 +219,10 @@ impl Architecture {
             hidden,
             heads,
             kv_heads,
-            head_dim: number("head_dim")?.unwrap_or(hidden / heads),
+            head_dim,
             eps: config["rms_norm_eps"].as_f64().unwrap_or(1e-6),
-            freq_base: rope["rope_theta"].as_f64().unwrap_or(10_000.0) as f32,
+            freq_base,
+            rope_divisors: scaling.map(|s| s.divisors(head_dim, freq_base)),
         })
     }
 
@@ -319,11 +320,20 @@ mod tests {
         assert_eq!(arch.rope, RopeStyle::Halves);
         assert_eq!((arch.heads, arch.kv_heads, arch.head_dim), (4, 1, 16));
         assert_eq!((arch.context_length, arch.freq_base), (4096, 1e6));
+        assert_eq!(arch.rope_divisors, None);
         let mut scaled = config.clone();
-        scaled["rope_parameters"]["rope_type"] = "llama3".into();
+        scaled["rope_parameters"]["rope_type"] = "yarn".into();
+        assert!(
+            Architecture::from_config(&scaled)
+                .unwrap_err()
+                .starts_with("config.json: rope_type \"yarn\": this rope scaling is not served"),
+        );
+        let mut linear = config.clone();
+        linear["rope_parameters"] = serde_json::json!({"rope_type": "linear", "factor": 2.0,
+            "rope_theta": 1e6});
         assert_eq!(
-            Architecture::from_config(&scaled).unwrap_err(),
-            "config.json: rope_type \"llama3\": rope scaling is not served"
+            Architecture::from_config(&linear).unwrap().rope_divisors,
+            Some(vec![2.0; 8])
         );
         let mut gpt = config;
         gpt["model_type"] = "gpt2".into();

@@ -262,10 +262,14 @@ impl Llama {
                 down: Linear::new(down, dense_prefill)?,
             });
         }
-        // Llama 3.1's long-context rope stores a divisor per frequency.
-        let factors = match weights.get("rope_freqs.weight")? {
-            Some(t) => Some(t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?),
-            None => None,
+        // Llama 3.1's GGUF stores its rope scaling as a divisor per frequency; other files
+        // name theirs (`Architecture::rope_divisors`). Never both.
+        let factors = match (weights.get("rope_freqs.weight")?, &arch.rope_divisors) {
+            (Some(_), Some(_)) => candle_core::bail!(
+                "the model has both rope_freqs and a rope scaling type; one or the other is served"
+            ),
+            (Some(t), None) => Some(t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?),
+            (None, divisors) => divisors.clone(),
         };
         let (cos, sin) = rope_tables(
             arch.head_dim,

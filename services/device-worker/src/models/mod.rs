@@ -21,6 +21,7 @@ pub mod mlp;
 pub mod open;
 mod options;
 mod prefix_cache;
+mod rope_scaling;
 pub mod python;
 mod sentence;
 pub mod sim;
