@@ -164,6 +164,99 @@ struct DistilBertConfig {
     vocab_size: usize,
 }
 
+/// A family's shape and where it keeps each tensor (below the encoder's own prefix).
+struct Layout {
+    hidden: usize,
+    heads: usize,
+    inner: usize,
+    layers: usize,
+    eps: f64,
+    activation: String,
+    vocab: usize,
+    max_positions: usize,
+    /// Rows of the token type table; none in DistilBERT.
+    type_vocab: Option<usize>,
+    /// A layer's prefix, followed by its index.
+    layer: &'static str,
+    /// Query, key and value, below the layer's prefix.
+    qkv: [&'static str; 3],
+    output: &'static str,
+    attention_norm: &'static str,
+    up: &'static str,
+    down: &'static str,
+    output_norm: &'static str,
+}
+
+impl Layout {
+    /// `family`'s layout from its `config.json`; `None` for a family this pass does not run.
+    fn read(family: &str, config: &str) -> Result<Option<Self>, String> {
+        let parse = |e: serde_json::Error| format!("config.json: {e}");
+        Ok(Some(match family {
+            "bert" | "xlm-roberta" => {
+                let c: BertConfig = serde_json::from_str(config).map_err(parse)?;
+                Self {
+                    hidden: c.hidden_size,
+                    heads: c.num_attention_heads,
+                    inner: c.intermediate_size,
+                    layers: c.num_hidden_layers,
+                    eps: c.layer_norm_eps,
+                    activation: c.hidden_act,
+                    vocab: c.vocab_size,
+                    max_positions: c.max_position_embeddings,
+                    type_vocab: Some(c.type_vocab_size),
+                    layer: "encoder.layer",
+                    qkv: [
+                        "attention.self.query",
+                        "attention.self.key",
+                        "attention.self.value",
+                    ],
+                    output: "attention.output.dense",
+                    attention_norm: "attention.output.LayerNorm",
+                    up: "intermediate.dense",
+                    down: "output.dense",
+                    output_norm: "output.LayerNorm",
+                }
+            }
+            "distilbert" => {
+                let c: DistilBertConfig = serde_json::from_str(config).map_err(parse)?;
+                Self {
+                    hidden: c.dim,
+                    heads: c.n_heads,
+                    inner: c.hidden_dim,
+                    layers: c.n_layers,
+                    // transformers' DistilBERT norms have a fixed epsilon.
+                    eps: 1e-12,
+                    activation: c.activation,
+                    vocab: c.vocab_size,
+                    max_positions: c.max_position_embeddings,
+                    type_vocab: None,
+                    layer: "transformer.layer",
+                    qkv: ["attention.q_lin", "attention.k_lin", "attention.v_lin"],
+                    output: "attention.out_lin",
+                    attention_norm: "sa_layer_norm",
+                    up: "ffn.lin1",
+                    down: "ffn.lin2",
+                    output_norm: "output_layer_norm",
+                }
+            }
+            _ => return Ok(None),
+        }))
+    }
+
+    fn layer(&self, vb: &VarBuilder, i: usize) -> candle_core::Result<Layer> {
+        let l = vb.pp(format!("{}.{i}", self.layer));
+        let (h, m, eps) = (self.hidden, self.inner, self.eps);
+        Ok(Layer {
+            qkv: Dense::load(&self.qkv.map(|name| l.pp(name)), h, h)?,
+            output: Dense::load(&[l.pp(self.output)], h, h)?,
+            attention_norm: Norm::load(&l.pp(self.attention_norm), h, eps)?,
+            up: Dense::load(&[l.pp(self.up)], m, h)?,
+            down: Dense::load(&[l.pp(self.down)], h, m)?,
+            output_norm: Norm::load(&l.pp(self.output_norm), h, eps)?,
+        })
+    }
+}
+
 impl BertCpu {
     /// The encoder of `family` (`bert`, `xlm-roberta` or `distilbert`) from `config` and the
     /// weights under `vb` (the encoder's own prefix); `None` for any other family, or an
@@ -174,120 +267,38 @@ impl BertCpu {
         vb: &VarBuilder,
         pad_id: u32,
     ) -> Result<Option<Self>, String> {
-        let text = |e: candle_core::Error| e.to_string();
-        match family {
-            "bert" | "xlm-roberta" => {
-                let c: BertConfig =
-                    serde_json::from_str(config).map_err(|e| format!("config.json: {e}"))?;
-                let Some(activation) = Activation::named(&c.hidden_act) else {
-                    return Ok(None);
-                };
-                let e = vb.pp("embeddings");
-                let layer = |i: usize| -> candle_core::Result<Layer> {
-                    let l = vb.pp(format!("encoder.layer.{i}"));
-                    let (h, m) = (c.hidden_size, c.intermediate_size);
-                    let a = l.pp("attention");
-                    let qkv = ["query", "key", "value"].map(|name| a.pp("self").pp(name));
-                    Ok(Layer {
-                        qkv: Dense::load(&qkv, h, h)?,
-                        output: Dense::load(&[a.pp("output.dense")], h, h)?,
-                        attention_norm: Norm::load(&a.pp("output.LayerNorm"), h, c.layer_norm_eps)?,
-                        up: Dense::load(&[l.pp("intermediate.dense")], m, h)?,
-                        down: Dense::load(&[l.pp("output.dense")], h, m)?,
-                        output_norm: Norm::load(&l.pp("output.LayerNorm"), h, c.layer_norm_eps)?,
-                    })
-                };
-                Ok(Some(Self {
-                    hidden: c.hidden_size,
-                    heads: c.num_attention_heads,
-                    activation,
-                    positions: if family == "xlm-roberta" {
-                        Positions::AfterPadding(pad_id)
-                    } else {
-                        Positions::FromZero
-                    },
-                    words: floats(
-                        e.get((c.vocab_size, c.hidden_size), "word_embeddings.weight")
-                            .map_err(text)?,
-                    )
-                    .map_err(text)?,
-                    position_table: floats(
-                        e.get(
-                            (c.max_position_embeddings, c.hidden_size),
-                            "position_embeddings.weight",
-                        )
-                        .map_err(text)?,
-                    )
-                    .map_err(text)?,
-                    types: Some(
-                        floats(
-                            e.get(
-                                (c.type_vocab_size, c.hidden_size),
-                                "token_type_embeddings.weight",
-                            )
-                            .map_err(text)?,
-                        )
-                        .map_err(text)?,
-                    ),
-                    embedding_norm: Norm::load(&e.pp("LayerNorm"), c.hidden_size, c.layer_norm_eps)
-                        .map_err(text)?,
-                    layers: (0..c.num_hidden_layers)
-                        .map(layer)
-                        .collect::<candle_core::Result<_>>()
-                        .map_err(text)?,
-                }))
-            }
-            "distilbert" => {
-                let c: DistilBertConfig =
-                    serde_json::from_str(config).map_err(|e| format!("config.json: {e}"))?;
-                let Some(activation) = Activation::named(&c.activation) else {
-                    return Ok(None);
-                };
-                // DistilBERT's norms use transformers' fixed epsilon.
-                let eps = 1e-12;
-                let e = vb.pp("embeddings");
-                let layer = |i: usize| -> candle_core::Result<Layer> {
-                    let l = vb.pp(format!("transformer.layer.{i}"));
-                    let (h, m) = (c.dim, c.hidden_dim);
-                    let a = l.pp("attention");
-                    let qkv = ["q_lin", "k_lin", "v_lin"].map(|name| a.pp(name));
-                    Ok(Layer {
-                        qkv: Dense::load(&qkv, h, h)?,
-                        output: Dense::load(&[a.pp("out_lin")], h, h)?,
-                        attention_norm: Norm::load(&l.pp("sa_layer_norm"), h, eps)?,
-                        up: Dense::load(&[l.pp("ffn.lin1")], m, h)?,
-                        down: Dense::load(&[l.pp("ffn.lin2")], h, m)?,
-                        output_norm: Norm::load(&l.pp("output_layer_norm"), h, eps)?,
-                    })
-                };
-                Ok(Some(Self {
-                    hidden: c.dim,
-                    heads: c.n_heads,
-                    activation,
-                    positions: Positions::FromZero,
-                    words: floats(
-                        e.get((c.vocab_size, c.dim), "word_embeddings.weight")
-                            .map_err(text)?,
-                    )
-                    .map_err(text)?,
-                    position_table: floats(
-                        e.get(
-                            (c.max_position_embeddings, c.dim),
-                            "position_embeddings.weight",
-                        )
-                        .map_err(text)?,
-                    )
-                    .map_err(text)?,
-                    types: None,
-                    embedding_norm: Norm::load(&e.pp("LayerNorm"), c.dim, eps).map_err(text)?,
-                    layers: (0..c.n_layers)
-                        .map(layer)
-                        .collect::<candle_core::Result<_>>()
-                        .map_err(text)?,
-                }))
-            }
-            _ => Ok(None),
-        }
+        let Some(layout) = Layout::read(family, config)? else {
+            return Ok(None);
+        };
+        let Some(activation) = Activation::named(&layout.activation) else {
+            return Ok(None);
+        };
+        let e = vb.pp("embeddings");
+        let h = layout.hidden;
+        let table = |rows: usize, name: &str| floats(e.get((rows, h), name)?);
+        let load = || -> candle_core::Result<Self> {
+            Ok(Self {
+                hidden: h,
+                heads: layout.heads,
+                activation,
+                positions: if family == "xlm-roberta" {
+                    Positions::AfterPadding(pad_id)
+                } else {
+                    Positions::FromZero
+                },
+                words: table(layout.vocab, "word_embeddings.weight")?,
+                position_table: table(layout.max_positions, "position_embeddings.weight")?,
+                types: match layout.type_vocab {
+                    Some(rows) => Some(table(rows, "token_type_embeddings.weight")?),
+                    None => None,
+                },
+                embedding_norm: Norm::load(&e.pp("LayerNorm"), h, layout.eps)?,
+                layers: (0..layout.layers)
+                    .map(|i| layout.layer(vb, i))
+                    .collect::<candle_core::Result<_>>()?,
+            })
+        };
+        load().map(Some).map_err(|e| e.to_string())
     }
 
     /// The last hidden states of `rows`, `[n, longest, hidden]` with zeros past each row's end.
