@@ -368,6 +368,9 @@ DIRECTORIES = [
     {"name": "linear-rope-dir", "tokenizer_of": "llama3", "model_type": "llama", "seed": 13,
      "head_dim": 16, "tied": False, "dtype": torch.float32,
      "rope": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+    # A sliding window far shorter than the prompts: every layer attends to the last 6 positions.
+    {"name": "mistral-window-dir", "tokenizer_of": "llama3", "model_type": "mistral", "seed": 14,
+     "head_dim": 16, "tied": False, "dtype": torch.float32, "sliding_window": 6},
 ]
 
 
@@ -380,6 +383,7 @@ def write_directory(entry, tokenizer, case):
         head_dim=entry["head_dim"], max_position_embeddings=512, rms_norm_eps=1e-6,
         tie_word_embeddings=entry["tied"],
         **({"rope_parameters": entry["rope"]} if "rope" in entry else {}),
+        **({"sliding_window": entry["sliding_window"]} if "sliding_window" in entry else {}),
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.convert_tokens_to_ids(case["eos"]))
     model = AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(entry["seed"])

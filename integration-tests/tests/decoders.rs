@@ -2,7 +2,8 @@
 //! template, llama with a SentencePiece vocabulary and Mistral's template, qwen2 (q/k/v biases),
 //! qwen3 (q/k norms, heads wider than hidden / heads, tied embeddings) — and from transformers
 //! directories (safetensors in f32 and bfloat16, `tokenizer.json`, `chat_template.jinja`, rope
-//! scaling of Llama 3.1's kind and linear), made
+//! scaling of Llama 3.1's kind and linear, Mistral's sliding window far shorter than the
+//! prompts), made
 //! by the test itself (`python/make_decoders.py`: random weights in each family's layout, a real
 //! vocabulary under the family's pre-tokenizer, its special tokens and chat template), served by
 //! a real fleet, and checked against what transformers computes from the same files: the

@@ -71,9 +71,13 @@ impl Family {
 pub struct Architecture {
     pub family: Family,
     pub rope: RopeStyle,
-    /// Tokens a sequence may hold: the trained context, or the sliding window when the model
-    /// has one (attention beyond it is never computed, so answers stay the model's).
+    /// Tokens a sequence may hold: the trained context, or a sliding window that only some
+    /// layers keep to, or one read from a GGUF (attention beyond it is never computed, so
+    /// answers stay the model's).
     pub context_length: usize,
+    /// A sliding window every layer keeps to (a transformers directory's `sliding_window`):
+    /// each token attends to the last `window` positions only, itself included.
+    pub sliding_window: Option<usize>,
     pub layers: usize,
     pub hidden: usize,
     pub heads: usize,
@@ -156,6 +160,7 @@ impl Architecture {
             family,
             rope: family.gguf_rope_style(),
             context_length,
+            sliding_window: None,
             layers: number("block_count")?,
             hidden,
             heads,
@@ -202,12 +207,33 @@ impl Architecture {
             return Err(format!("{heads} attention heads over {kv_heads} kv heads"));
         }
         let mut context_length = need("max_position_embeddings")?;
-        let windowed = match family {
-            Family::Qwen2 | Family::Qwen3 => flag("use_sliding_window") == Some(true),
-            Family::Llama | Family::Mistral => true,
-        };
-        if let Some(window) = number("sliding_window")?.filter(|w| windowed && *w > 0) {
-            context_length = context_length.min(window);
+        let layers = need("num_hidden_layers")?;
+        let mut sliding_window = None;
+        if let Some(window) = number("sliding_window")?.filter(|w| *w > 0) {
+            // Which layers keep to it, as transformers decides: every layer of Mistral's (and
+            // of a llama config that names one); in Qwen's, with `use_sliding_window`, those
+            // `layer_types` calls sliding, or from `max_window_layers` on.
+            let sliding = match family {
+                Family::Llama | Family::Mistral => layers,
+                Family::Qwen2 | Family::Qwen3 if flag("use_sliding_window") == Some(true) => {
+                    match config
+                        .get("layer_types")
+                        .and_then(serde_json::Value::as_array)
+                    {
+                        Some(types) => types
+                            .iter()
+                            .filter(|t| t.as_str() == Some("sliding_attention"))
+                            .count(),
+                        None => layers.saturating_sub(number("max_window_layers")?.unwrap_or(0)),
+                    }
+                }
+                Family::Qwen2 | Family::Qwen3 => 0,
+            };
+            if sliding == layers {
+                sliding_window = Some(window);
+            } else if sliding > 0 {
+                context_length = context_length.min(window);
+            }
         }
         let head_dim = number("head_dim")?.unwrap_or(hidden / heads);
         let freq_base = rope["rope_theta"].as_f64().unwrap_or(10_000.0) as f32;
@@ -215,7 +241,8 @@ impl Architecture {
             family,
             rope: RopeStyle::Halves,
             context_length,
-            layers: need("num_hidden_layers")?,
+            sliding_window,
+            layers,
             hidden,
             heads,
             kv_heads,
@@ -224,6 +251,15 @@ impl Architecture {
             freq_base,
             rope_divisors: scaling.map(|s| s.divisors(head_dim, freq_base)),
         })
+    }
+
+    /// The same model where attention has no sliding window (candle's, on an accelerator):
+    /// the context ends at the window instead.
+    pub fn without_window(mut self) -> Self {
+        if let Some(window) = self.sliding_window.take() {
+            self.context_length = self.context_length.min(window);
+        }
+        self
     }
 
     /// Bytes of KV cache one token occupies (all layers, keys and values, f32).
@@ -319,7 +355,9 @@ mod tests {
         assert_eq!(arch.family, Family::Mistral);
         assert_eq!(arch.rope, RopeStyle::Halves);
         assert_eq!((arch.heads, arch.kv_heads, arch.head_dim), (4, 1, 16));
-        assert_eq!((arch.context_length, arch.freq_base), (4096, 1e6));
+        assert_eq!((arch.context_length, arch.freq_base), (32768, 1e6));
+        assert_eq!(arch.sliding_window, Some(4096));
+        assert_eq!(arch.clone().without_window().context_length, 4096);
         assert_eq!(arch.rope_divisors, None);
         let mut scaled = config.clone();
         scaled["rope_parameters"]["rope_type"] = "yarn".into();
@@ -354,5 +392,45 @@ mod tests {
                 .context_length,
             4096
         );
+    }
+
+    #[test]
+    fn a_window_every_layer_keeps_to_is_served_and_a_partial_one_bounds_the_context() {
+        let qwen2 = |extra: serde_json::Value| {
+            let mut config = serde_json::json!({
+                "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 32768, "sliding_window": 128,
+            });
+            config
+                .as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let arch = Architecture::from_config(&config).unwrap();
+            (arch.context_length, arch.sliding_window)
+        };
+        use serde_json::json;
+        // Every layer slides: the window is served, the context stays.
+        assert_eq!(
+            qwen2(json!({"use_sliding_window": true, "max_window_layers": 0})),
+            (32768, Some(128))
+        );
+        assert_eq!(
+            qwen2(json!({"use_sliding_window": true,
+                "layer_types": ["sliding_attention", "sliding_attention"]})),
+            (32768, Some(128))
+        );
+        // Some layers slide: the context ends at the window.
+        assert_eq!(
+            qwen2(json!({"use_sliding_window": true, "max_window_layers": 1})),
+            (128, None)
+        );
+        // None slide (transformers' default of max_window_layers covers every layer), or the
+        // window is off: full attention over the whole context.
+        assert_eq!(
+            qwen2(json!({"use_sliding_window": true, "max_window_layers": 28})),
+            (32768, None)
+        );
+        assert_eq!(qwen2(json!({"use_sliding_window": false})), (32768, None));
     }
 }

@@ -13,19 +13,39 @@ pub struct Heads {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// A sliding window: each position attends to the last `window` positions (itself
+    /// included) only; `None` attends to all before it.
+    pub window: Option<usize>,
 }
 
 /// Causal attention of query rows `queries` (`[n][d]`, positions `at..at + n`) over the keys
-/// and values of positions `0..at + n` (rows of `d` from position 0), into `out` (`[n][d]`):
+/// and values of positions `0..at + n` (rows of `d` from position 0; within a sliding `window`,
+/// only the last `window` of those each row sees), into `out` (`[n][d]`):
 /// compiled for AVX2 where the CPU has it, the same operations in the same order (no fused
 /// multiply-adds), so the same bits, on vectors twice as wide.
-pub fn attend(queries: &[f32], keys: &[f32], values: &[f32], at: usize, d: usize, out: &mut [f32]) {
+pub fn attend(
+    queries: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    (at, window): (usize, Option<usize>),
+    d: usize,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { attend_avx2(queries, keys, values, at, d, out) };
+        return unsafe { attend_avx2(queries, keys, values, (at, window), d, out) };
     }
-    attend_with(queries, keys, values, at, d, out, dots, weighted_sum)
+    attend_with(
+        queries,
+        keys,
+        values,
+        (at, window),
+        d,
+        out,
+        |q, (k, _), d, s| dots(q, k, d, s),
+        weighted_sum,
+    )
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -34,7 +54,7 @@ fn attend_avx2(
     queries: &[f32],
     keys: &[f32],
     values: &[f32],
-    at: usize,
+    (at, window): (usize, Option<usize>),
     d: usize,
     out: &mut [f32],
 ) {
@@ -42,10 +62,10 @@ fn attend_avx2(
         queries,
         keys,
         values,
-        at,
+        (at, window),
         d,
         out,
-        |q, k, d, s| dots_avx2(q, k, values, d, s),
+        |q, (k, v), d, s| dots_avx2(q, k, v, d, s),
         |w, v, d, y| weighted_sum_avx2(w, v, d, y),
     )
 }
@@ -56,10 +76,10 @@ fn attend_with(
     queries: &[f32],
     keys: &[f32],
     values: &[f32],
-    at: usize,
+    (at, window): (usize, Option<usize>),
     d: usize,
     out: &mut [f32],
-    dots: impl Fn(&[f32], &[f32], usize, &mut [f32]),
+    dots: impl Fn(&[f32], (&[f32], &[f32]), usize, &mut [f32]),
     weighted_sum: impl Fn(&[f32], &[f32], usize, &mut [f32]),
 ) {
     let n = queries.len() / d;
@@ -67,8 +87,11 @@ fn attend_with(
     let mut weights = vec![0f32; at + n];
     for i in 0..n {
         let query = &queries[i * d..][..d];
-        let visible = &mut weights[..at + i + 1];
-        dots(query, keys, d, visible);
+        let end = at + i + 1;
+        let first = window.map_or(0, |w| end.saturating_sub(w));
+        let (keys, values) = (&keys[first * d..], &values[first * d..]);
+        let visible = &mut weights[first..end];
+        dots(query, (keys, values), d, visible);
         visible.iter_mut().for_each(|w| *w *= scale);
         let max = max_of(visible);
         exp_shifted(visible, max);
@@ -260,6 +283,51 @@ mod tests {
 
     fn random(shape: (usize, usize, usize, usize)) -> Tensor {
         Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
+    }
+
+    fn floats(n: usize) -> Vec<f32> {
+        random((1, 1, 1, n))
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// Within a sliding window each row is the attention over its last `window` positions
+    /// alone (and the same bits), and a window wider than the sequence changes nothing.
+    #[test]
+    fn a_window_attends_to_the_last_positions_alone() {
+        let (d, at, n, window) = (16, 9, 5, 4);
+        let (queries, keys, values) = (floats(n * d), floats((at + n) * d), floats((at + n) * d));
+        let mut windowed = vec![0f32; n * d];
+        attend(
+            &queries,
+            &keys,
+            &values,
+            (at, Some(window)),
+            d,
+            &mut windowed,
+        );
+        for i in 0..n {
+            let end = at + i + 1;
+            let first = end - window;
+            let mut alone = vec![0f32; d];
+            attend(
+                &queries[i * d..][..d],
+                &keys[first * d..end * d],
+                &values[first * d..end * d],
+                (window - 1, None),
+                d,
+                &mut alone,
+            );
+            assert_eq!(alone, windowed[i * d..][..d], "row {i}");
+        }
+        let mut full = vec![0f32; n * d];
+        attend(&queries, &keys, &values, (at, None), d, &mut full);
+        let mut wide = vec![0f32; n * d];
+        attend(&queries, &keys, &values, (at, Some(at + n)), d, &mut wide);
+        assert_eq!(full, wide);
+        assert_ne!(full, windowed);
     }
 
     /// The AVX2 dot product is the portable one's bits, so a CPU's path does not move results.

@@ -155,6 +155,12 @@ impl Generator {
             bos,
             stop,
         } = metadata;
+        // candle's attention on an accelerator has no sliding window: the context ends at it.
+        let arch = if loading.device.is_cpu() {
+            arch
+        } else {
+            arch.without_window()
+        };
         let model = Llama::load(&arch, weights, loading.device, loading.config.dense_prefill)
             .map_err(|e| load_error(&path, format!("loading the weights: {e}")))?;
         // The f32 copies count toward the model's host memory.

@@ -287,7 +287,7 @@ fn run(
                 rotary.rotate(source, at + i, query);
             }
             let mut part = vec![0f32; n * d];
-            attend(&queries, keys, values, at, d, &mut part);
+            attend(&queries, keys, values, (at, shape.window), d, &mut part);
             (row, h, part)
         })
         .collect()

@@ -90,6 +90,8 @@ pub struct Llama {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// The sliding window of the host's attention (`Architecture::sliding_window`).
+    window: Option<usize>,
     device: Device,
 }
 
@@ -294,6 +296,7 @@ impl Llama {
             heads: arch.heads,
             kv_heads: arch.kv_heads,
             head_dim: arch.head_dim,
+            window: arch.sliding_window,
             device: device.clone(),
         })
     }
@@ -424,6 +427,7 @@ impl Llama {
             heads: self.heads,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
+            window: self.window,
         }
     }
 

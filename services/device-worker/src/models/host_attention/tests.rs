@@ -5,6 +5,7 @@ const SHAPE: Heads = Heads {
     heads: 6,
     kv_heads: 2,
     head_dim: 20,
+    window: None,
 };
 const WIDTH: usize = (SHAPE.heads + 2 * SHAPE.kv_heads) * SHAPE.head_dim;
 
