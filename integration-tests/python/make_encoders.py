@@ -24,11 +24,17 @@ from transformers import (
     BertConfig,
     BertForSequenceClassification,
     BertModel,
+    CamembertConfig,
+    CamembertForSequenceClassification,
+    CamembertModel,
     DistilBertConfig,
     DistilBertForSequenceClassification,
     DistilBertModel,
     ModernBertConfig,
     ModernBertModel,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+    RobertaModel,
     XLMRobertaConfig,
     XLMRobertaForSequenceClassification,
     XLMRobertaModel,
@@ -99,6 +105,16 @@ def encoder(family, seed, head_labels=None, activation=None):
         config = XLMRobertaConfig(vocab_size=len(tok), max_position_embeddings=130, pad_token_id=1,
                                   bos_token_id=0, eos_token_id=2, type_vocab_size=1, **SMALL)
         cls = XLMRobertaForSequenceClassification if head_labels else XLMRobertaModel
+    elif family in ("roberta", "camembert"):
+        # XLM-RoBERTa's architecture under their own names and classes.
+        tok = xlmr_tokenizer()
+        config_class, model, head = {
+            "roberta": (RobertaConfig, RobertaModel, RobertaForSequenceClassification),
+            "camembert": (CamembertConfig, CamembertModel, CamembertForSequenceClassification),
+        }[family]
+        config = config_class(vocab_size=len(tok), max_position_embeddings=130, pad_token_id=1,
+                              bos_token_id=0, eos_token_id=2, type_vocab_size=1, **SMALL)
+        cls = head if head_labels else model
     elif family == "modernbert":
         tok = bert_tokenizer()
         config = ModernBertConfig(vocab_size=tok.vocab_size, max_position_embeddings=256, pad_token_id=0,
@@ -210,6 +226,8 @@ embed_case("xlm-roberta-gelu-tanh", "xlm-roberta", 13, ["mean_tokens"], activati
 score_case("distilbert-relu-classify", "distilbert", 14, ["no", "yes"], "classify", activation="relu")
 embed_case("bert-relu", "bert", 15, ["mean_tokens"], activation="relu")
 embed_case("xlm-roberta-silu", "xlm-roberta", 16, ["cls_token"], activation="silu")
+embed_case("roberta-mean", "roberta", 17, ["mean_tokens"])
+score_case("camembert-rerank", "camembert", 18, ["relevance"], "rerank")
 
 with open(os.path.join(OUT, "cases.json"), "w") as f:
     json.dump(cases, f)

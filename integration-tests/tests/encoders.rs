@@ -1,5 +1,5 @@
-//! The built-in encoder kinds read the model's own files: `embed` for BERT, DistilBERT,
-//! XLM-RoBERTa and ModernBERT with every pooling sentence-transformers saves (cls, mean, max,
+//! The built-in encoder kinds read the model's own files: `embed` for BERT, DistilBERT, RoBERTa,
+//! XLM-RoBERTa, CamemBERT and ModernBERT with every pooling sentence-transformers saves (cls, mean, max,
 //! mean-sqrt-len, last token, several concatenated), with and without `Normalize`, with named
 //! prompts; `rerank` (cross-encoders) and `classify` (labels from `id2label`). The models are
 //! made by the test itself (`python/make_encoders.py`: random weights in each family's layout,
@@ -114,7 +114,7 @@ async fn encoders_answer_as_sentence_transformers_and_transformers_do_and_refuse
             "gpt2",
             "embed",
             dir.join("gpt2"),
-            "model_type \"gpt2\" is not an encoder family Nomad runs (bert, distilbert, xlm-roberta, modernbert)",
+            "model_type \"gpt2\" is not an encoder family Nomad runs (bert, distilbert, xlm-roberta, roberta, camembert, modernbert)",
         ),
         (
             "classify-as-rerank",

@@ -1,6 +1,7 @@
 //! The encoder families `embed`, `rerank` and `classify` run, chosen by `config.json`'s
-//! `model_type` (BERT, DistilBERT, XLM-RoBERTa, ModernBERT; on the CPU the first three by
-//! Nomad's own forward pass in `bert_cpu`, otherwise by candle-transformers), with
+//! `model_type` (BERT, DistilBERT, XLM-RoBERTa with RoBERTa and CamemBERT, ModernBERT; on the
+//! CPU all but ModernBERT by Nomad's own forward pass in `bert_cpu`, otherwise by
+//! candle-transformers), with
 //! the classification head a `*ForSequenceClassification` checkpoint carries. A family or head
 //! Nomad does not run is refused at load, naming it and what is supported.
 
@@ -16,7 +17,23 @@ use super::bert_cpu::BertCpu;
 use super::embed::{Row, padded};
 
 /// The families, as `model_type` names them.
-pub const FAMILIES: &[&str] = &["bert", "distilbert", "xlm-roberta", "modernbert"];
+pub const FAMILIES: &[&str] = &[
+    "bert",
+    "distilbert",
+    "xlm-roberta",
+    "roberta",
+    "camembert",
+    "modernbert",
+];
+
+/// The architecture a family runs as: RoBERTa and CamemBERT are XLM-RoBERTa's (transformers'
+/// classes for the three are copies of one another, the same tensor names and positions).
+fn architecture(family: &'static str) -> &'static str {
+    match family {
+        "roberta" | "camembert" => "xlm-roberta",
+        other => other,
+    }
+}
 
 /// `config.json` with the keys newer transformers leave out at their defaults, where candle's
 /// config types require them.
@@ -115,6 +132,7 @@ impl Shape {
             })?,
             None => "bert",
         };
+        let family = architecture(family);
         parse_family(family, &text)?;
         Ok((family, shape, text))
     }
@@ -123,7 +141,7 @@ impl Shape {
     /// index).
     pub fn max_tokens(&self) -> usize {
         match self.model_type.as_deref() {
-            Some("xlm-roberta") => {
+            Some("xlm-roberta" | "roberta" | "camembert") => {
                 self.max_position_embeddings - self.pad_token_id.unwrap_or(1) as usize - 1
             }
             _ => self.max_position_embeddings,
