@@ -270,6 +270,12 @@ impl BertCpu {
         let Some(layout) = Layout::read(family, config)? else {
             return Ok(None);
         };
+        if layout.heads == 0 || layout.hidden % layout.heads != 0 {
+            return Err(format!(
+                "config.json: {} attention heads do not divide a hidden size of {}",
+                layout.heads, layout.hidden
+            ));
+        }
         let Some(activation) = Activation::named(&layout.activation) else {
             return Ok(None);
         };
