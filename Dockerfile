@@ -27,7 +27,7 @@ RUN cargo build --release --locked --workspace --bins \
        fi \
     && mkdir /out \
     && cp target/release/nomad target/release/nomad-scheduler target/release/nomad-gateway \
-          target/release/nomad-device-worker /out/ \
+          target/release/nomad-device-worker target/release/deps/libnomad_jail.so /out/ \
     && cp scripts/fetch-models /out/nomad-fetch-models
 
 FROM ${RUNTIME_BASE}

@@ -145,7 +145,7 @@ pub async fn serve(
                 waiting = Some(len);
                 break;
             };
-            let message = match decoder.next_frame() {
+            let message = match decoder.next_as::<bridge::Message>() {
                 Ok(Some(m)) => m,
                 Ok(None) => break,
                 Err(e) => {

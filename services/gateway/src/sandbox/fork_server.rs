@@ -1,12 +1,15 @@
 //! The fork server: one sandboxed interpreter (`zygote.py`) with the runtime imported, which
-//! forks a child per run into namespaces of its own, so a run's start costs a fork, not a Python
-//! start-up and its imports.
+//! forks a child per run, so a run's start costs a fork, not a Python start-up and its imports.
 //!
-//! The zygote is started by `sandbox-init` as a run is (namespaces, the filesystem view), but
-//! as root of its own user namespace and with no other restriction: each child puts the run's in
-//! force itself and reports them, and the gateway checks that report as it checks any run's.
-//! The control socket carries JSON frames: the gateway's settings first, then `fork` (with the
-//! run's bridge, stdout and stderr as SCM_RIGHTS) and `kill`; the zygote answers `exited`.
+//! The zygote is started by `sandbox-init`, which takes the view's steps (namespaces, the
+//! read-only root) and then starts the interpreter instead of a run. The interpreter loads
+//! `nomad_jail` as a shared library and has each child take the run's steps there, the same code
+//! a spawned run's init runs, so a forked run reports and is checked as any run is. The control
+//! socket carries frames: the run's spec first, then `fork` (with the run's bridge, stdout and
+//! stderr as SCM_RIGHTS) and `kill`; the zygote answers `exited`.
+//!
+//! [`ForkServers`] holds the one in use; a zygote that dies, or forks a run that does not come up
+//! as isolated as promised, is let go and replaced (see `Pool::keep_fork_server`).
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -18,53 +21,21 @@ use std::sync::{Arc, Mutex};
 
 use serde::Deserialize;
 use serde_json::json;
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 
 use super::bridge;
 use super::init::{self, Spec};
 
-/// What the zygote tells each child (the run's limits and what to enforce).
-fn settings(spec: &Spec) -> std::io::Result<serde_json::Value> {
-    let (read, write) = init::landlock_paths(spec);
-    let seccomp = if spec.seccomp {
-        super::seccomp::programs()
-            .map_err(std::io::Error::other)?
-            .iter()
-            .map(|program| {
-                program
-                    .iter()
-                    .flat_map(|f| {
-                        let mut raw = Vec::with_capacity(8);
-                        raw.extend(f.code.to_le_bytes());
-                        raw.extend([f.jt, f.jf]);
-                        raw.extend(f.k.to_le_bytes());
-                        raw
-                    })
-                    .map(|b| format!("{b:02x}"))
-                    .collect::<String>()
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
-    Ok(json!({
-        "disk_bytes": spec.disk_bytes,
-        "max_files": spec.max_files,
-        "limits": spec.limits,
-        "read": read,
-        "write": write,
-        "landlock": spec.landlock,
-        "seccomp": seccomp,
-        "proc": spec.proc,
-        "niceness": init::RUN_NICENESS,
-    }))
-}
+/// The largest frame the zygote sends (`exited` and the init's report are small).
+const CONTROL_FRAME: usize = 1 << 20;
 
 pub struct ForkServer {
     control: Mutex<UnixStream>,
     exits: Arc<Mutex<HashMap<u64, oneshot::Sender<i32>>>>,
     next: AtomicU64,
     alive: Arc<AtomicBool>,
+    /// The zygote's init (killed with this handle; the zygote and every run it forked die with
+    /// it, as the first process of their PID namespace).
     _zygote: tokio::process::Child,
 }
 
@@ -75,15 +46,15 @@ struct Exited {
 }
 
 impl ForkServer {
-    /// Starts the zygote from `spec` (a run's spec; `args` are the runner's) and sends it its
-    /// settings.
+    /// Starts the zygote from `spec` (a run's spec; `args` are the runner's) and sends it the
+    /// spec its children take.
     pub async fn start(spec: &Spec, preload: &[String]) -> std::io::Result<Arc<Self>> {
-        let mut spec = spec.clone();
-        spec.zygote = true;
-        spec.cgroup = None;
-        spec.args.push("--zygote".into());
-        spec.args.push(preload.join(","));
-        let (mut ours, mut command) = init::command(&spec)?;
+        let mut zygote_spec = spec.clone();
+        zygote_spec.zygote = true;
+        zygote_spec.cgroup = None;
+        zygote_spec.args.push("--zygote".into());
+        zygote_spec.args.push(preload.join(","));
+        let (mut ours, mut command) = init::command(&zygote_spec)?;
         let mut zygote = command
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -91,23 +62,28 @@ impl ForkServer {
         if let Some(stderr) = zygote.stderr.take() {
             tokio::spawn(log_lines(stderr));
         }
-        // The init's report of the zygote's own namespaces (its children report the run's).
+        // The init's report of the zygote's own view (its children report the runs').
         let reader = ours.try_clone()?;
         // Bounded: a read that never ends would hold the gateway's start-up (the zygote is
         // killed with its handle when this gives up).
         reader.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
-        let report = tokio::task::spawn_blocking(move || read_frame(&reader))
-            .await
-            .map_err(std::io::Error::other)??
-            .ok_or_else(|| std::io::Error::other("the zygote ended before it was set up"))?;
+        let report = tokio::task::spawn_blocking(move || {
+            nomad_jail::frame::read_blocking(reader.as_fd(), CONTROL_FRAME)
+        })
+        .await
+        .map_err(std::io::Error::other)??
+        .ok_or_else(|| std::io::Error::other("the zygote ended before it was set up"))?;
         // The timeout is the socket's, shared by every handle: the exits reader waits unbounded.
         ours.set_read_timeout(None)?;
         let report: init::Report = serde_json::from_slice(&report)?;
-        if !report.namespaces {
-            return Err(std::io::Error::other("the zygote has no namespaces"));
+        if !report.namespaces || !report.read_only_root {
+            return Err(std::io::Error::other(
+                "the zygote has no namespaces or no read-only view",
+            ));
         }
-        let settings = bridge::encode(&settings(&spec)?).map_err(std::io::Error::other)?;
-        ours.write_all(&settings)?;
+        let mut run_spec = spec.clone();
+        run_spec.cgroup = None;
+        ours.write_all(&bridge::encode(&run_spec).map_err(std::io::Error::other)?)?;
         let server = Arc::new(Self {
             control: Mutex::new(ours.try_clone()?),
             exits: Arc::default(),
@@ -119,17 +95,17 @@ impl ForkServer {
         std::thread::Builder::new()
             .name("nomad-zygote".into())
             .spawn(move || {
-                while let Ok(Some(body)) = read_frame(&ours) {
+                while let Ok(Some(body)) =
+                    nomad_jail::frame::read_blocking(ours.as_fd(), CONTROL_FRAME)
+                {
                     if let Ok(exited) = serde_json::from_slice::<Exited>(&body)
                         && let Some(tx) = lock(&exits).remove(&exited.id)
                     {
                         let _ = tx.send(exited.code);
                     }
                 }
-                // Gone: every child it had is gone with it (their waiters die with it).
-                tracing::warn!(
-                    "the sandbox's fork server ended; from now on each run starts an interpreter"
-                );
+                // Gone: every child it had is gone with it (they were in its PID namespace).
+                tracing::warn!("the sandbox's fork server ended");
                 alive.store(false, Ordering::Release);
                 lock(&exits).clear();
             })?;
@@ -182,7 +158,56 @@ impl ForkServer {
     }
 }
 
-/// A run the fork server started: killed through it, its exit status reported by it.
+/// The fork server in use, if any. One that dies or turns out unsound is let go: its runs in
+/// flight finish (it is killed when the last of them drops its handle), and
+/// `Pool::keep_fork_server` starts another.
+#[derive(Default)]
+pub struct ForkServers {
+    current: Mutex<Option<Arc<ForkServer>>>,
+    /// Woken when the one in use is let go.
+    pub lost: Notify,
+    /// How many were started to replace one (the first is not counted).
+    pub replaced: AtomicU64,
+}
+
+impl ForkServers {
+    pub fn new(server: Arc<ForkServer>) -> Arc<Self> {
+        Arc::new(Self {
+            current: Mutex::new(Some(server)),
+            ..Self::default()
+        })
+    }
+
+    /// The fork server to fork from: the one in use while it is alive.
+    pub fn current(&self) -> Option<Arc<ForkServer>> {
+        let mut current = lock(&self.current);
+        if current.as_ref().is_some_and(|s| !s.alive()) {
+            *current = None;
+            self.lost.notify_one();
+        }
+        current.clone()
+    }
+
+    /// `server` forked a run that did not come up sound (`why`): no more runs from it.
+    pub fn unsound(&self, server: &Arc<ForkServer>, why: &str) {
+        let mut current = lock(&self.current);
+        if current.as_ref().is_some_and(|s| Arc::ptr_eq(s, server)) {
+            tracing::error!(
+                "the sandbox's fork server forked a run that did not come up sound ({why}); \
+                 it is let go and replaced, and runs start an interpreter each meanwhile"
+            );
+            *current = None;
+            self.lost.notify_one();
+        }
+    }
+
+    pub fn install(&self, server: Arc<ForkServer>) {
+        *lock(&self.current) = Some(server);
+        self.replaced.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A run the fork server started: its exit status reported by it.
 pub struct Forked {
     id: u64,
     exit: oneshot::Receiver<i32>,
@@ -191,11 +216,16 @@ pub struct Forked {
 }
 
 impl Forked {
-    /// Kills the run's waiter, whose death kills the run's PID 1 and so its whole namespace.
+    /// Has the fork server kill the run's waiter (before the run reported, when no code of the
+    /// run's has run yet; after, the gateway kills the run's first process itself).
     pub fn kill(&self) {
         if self.code.is_none() {
             self.server.kill(self.id);
         }
+    }
+
+    pub fn server(&self) -> &Arc<ForkServer> {
+        &self.server
     }
 
     pub fn alive(&mut self) -> bool {
@@ -230,27 +260,6 @@ impl Drop for Forked {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// One length-prefixed frame, blocking; `None` at end of stream.
-fn read_frame(stream: &UnixStream) -> std::io::Result<Option<Vec<u8>>> {
-    use std::io::Read as _;
-    let mut stream = stream;
-    let mut head = [0u8; 4];
-    match stream.read_exact(&mut head) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e),
-    }
-    let length = u32::from_be_bytes(head) as usize;
-    if length > 1 << 20 {
-        return Err(std::io::Error::other(format!(
-            "the zygote sent a frame of {length} bytes"
-        )));
-    }
-    let mut body = vec![0u8; length];
-    stream.read_exact(&mut body)?;
-    Ok(Some(body))
 }
 
 async fn log_lines(stderr: tokio::process::ChildStderr) {

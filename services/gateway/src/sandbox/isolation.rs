@@ -24,6 +24,7 @@ impl Isolation {
             ("network_namespace", r.namespaces),
             ("pid_namespace", r.namespaces),
             ("ipc_namespace", r.namespaces),
+            ("read_only_root", r.read_only_root),
             ("seccomp", r.seccomp),
             ("landlock", r.landlock_abi > 0),
             ("no_new_privs", r.no_new_privs),

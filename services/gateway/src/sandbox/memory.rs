@@ -1,5 +1,7 @@
 //! What runs hold in memory. The gateway sums the proportional set size (PSS: shared pages
-//! divided among their sharers) of every process of a run a few times a second, for two ends:
+//! divided among their sharers) of every process of a run, and what the run's own tmpfs holds
+//! (its `/workspace`, `/tmp` and `/dev/shm`: memory too, mapped or not), a few times a second,
+//! for two ends:
 //! - a run as a whole, where no cgroup bounds it: `RLIMIT_AS` bounds each process of a run, not
 //!   their sum (64 processes of 1 GiB each), so a run whose sum passes its limit is ended;
 //! - all runs together: admission counts each run against the gateway's budget for runs (the
@@ -97,17 +99,21 @@ impl Drop for Share {
     }
 }
 
-/// Samples what the processes under `root` (it and its descendants) hold into `share`, and
-/// completes when that passes `limit` (where one is given), with what they held then.
-pub async fn watch(root: u32, limit: Option<u64>, share: &mut Share) -> u64 {
+/// Samples what the processes under `root` (it and its descendants) hold, and with `own_tmpfs`
+/// what the tmpfs of `root`'s view holds, into `share`, and completes when that passes `limit`
+/// (where one is given), with what they held then. (Memory no process maps and no file holds —
+/// memfds, System V shared memory — is refused to runs by the seccomp filter.)
+pub async fn watch(root: u32, own_tmpfs: bool, limit: Option<u64>, share: &mut Share) -> u64 {
     let mut tick = tokio::time::interval(INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tick.tick().await;
         // smaps_rollup walks the process's page tables: off the event loop.
-        let held = tokio::task::spawn_blocking(move || held_by_tree(root))
-            .await
-            .unwrap_or(0);
+        let held = tokio::task::spawn_blocking(move || {
+            held_by_tree(root) + if own_tmpfs { held_by_tmpfs(root) } else { 0 }
+        })
+        .await
+        .unwrap_or(0);
         share.set(held);
         if limit.is_some_and(|limit| held > limit) {
             return held;
@@ -121,6 +127,14 @@ fn held_by_tree(root: u32) -> u64 {
     nomad_telemetry::process::tree_memory(root).map_or(0, |m| m.held)
 }
 
+/// Bytes in use on the tmpfs that holds `/tmp` in the mount namespace of `root` (a run's own,
+/// which also holds its `/workspace` and `/dev/shm`); 0 when `root` is gone.
+fn held_by_tmpfs(root: u32) -> u64 {
+    nix::sys::statvfs::statvfs(format!("/proc/{root}/root/tmp").as_str()).map_or(0, |s| {
+        s.blocks().saturating_sub(s.blocks_free()) * s.fragment_size()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,13 +144,18 @@ mod tests {
         let me = std::process::id();
         let ledger = Ledger::new(1 << 40);
         let mut share = ledger.try_admit().unwrap();
-        let held =
-            tokio::time::timeout(Duration::from_secs(5), watch(me, Some(1 << 20), &mut share))
-                .await
-                .expect("a test process holds more than 1 MiB");
+        let held = tokio::time::timeout(
+            Duration::from_secs(5),
+            watch(me, false, Some(1 << 20), &mut share),
+        )
+        .await
+        .expect("a test process holds more than 1 MiB");
         assert!(held > 1 << 20, "{held}");
         assert_eq!(ledger.held(), held, "the sample replaced the reserve");
-        let never = tokio::time::timeout(INTERVAL * 3, watch(me, Some(u64::MAX / 2), &mut share));
+        let never = tokio::time::timeout(
+            INTERVAL * 3,
+            watch(me, false, Some(u64::MAX / 2), &mut share),
+        );
         assert!(never.await.is_err(), "under its limit, a run is left alone");
         drop(share);
         assert_eq!(ledger.held(), 0, "an ended run holds nothing");

@@ -1,9 +1,12 @@
 //! Runs model-written Python in an isolated process. The code reaches upstream tools only
 //! through the bridge (see `bridge`), which the gateway serves with a [`ToolHost`].
 //!
-//! - `init`: the sandbox's first process (namespaces, the filesystem view, Landlock, seccomp),
-//!   started as `nomad-gateway sandbox-init`;
-//! - `seccomp`: the system-call filter; `cgroup`: per-run cgroups where delegated;
+//! The isolation itself (namespaces, the filesystem view, limits, Landlock, capabilities,
+//! seccomp) is one sequence in the `nomad_jail` crate, taken by every run however it starts:
+//! - `init`: starting `nomad-gateway sandbox-init`, a spawned run's (and the fork server's) first
+//!   process; `fork_server`: the zygote that forks runs, each taking the same steps;
+//! - `first_process`: a run's PID 1, by which the gateway ends it; `cgroup`: per-run cgroups
+//!   where delegated;
 //! - `view`: what the filesystem view holds; `isolation`: what holds, in words;
 //! - `process`: one sandbox process from the gateway's side; `calls`: the bridge server;
 //! - `pool`: admission (`max_concurrent`, `max_queued`) and the warm pool;
@@ -13,13 +16,13 @@ pub mod bridge;
 mod calls;
 mod cgroup;
 mod config;
+mod first_process;
 mod fork_server;
 pub mod init;
 mod isolation;
 mod memory;
 mod pool;
 mod process;
-mod seccomp;
 mod self_test;
 mod view;
 mod workspace;
@@ -234,6 +237,13 @@ impl Sandbox {
             std::fs::write(runtime.join(name), text)?;
             set_mode(&runtime.join(name), 0o644)?;
         }
+        // The fork server's interpreter loads the isolation library from the view.
+        let library = jail_library().and_then(|found| {
+            let copy = runtime.join(nomad_jail::LIBRARY);
+            std::fs::copy(&found, &copy)
+                .and_then(|_| set_mode(&copy, 0o644))
+                .map_err(|e| format!("copying {}: {e}", found.display()))
+        });
 
         let view = view::view_for(&python, &base).await?;
         let cgroup = cgroup::Cgroups::detect();
@@ -302,7 +312,7 @@ impl Sandbox {
             spec.args = runner_args(&spec);
             launch.spec = spec.clone();
             match self_test::self_test(&launch, cgroups, run_limits).await {
-                Ok(report) => break report,
+                Ok((report, _)) => break report,
                 Err(e) if spec.proc && e.contains("mounting /proc") => {
                     tracing::warn!(
                         "the kernel refuses the sandbox its own /proc (as in a container that \
@@ -330,7 +340,17 @@ impl Sandbox {
             }
         };
         if config.fork_server && spec.namespaces && cgroups.is_none() {
-            launch.fork_server = self_test::start_fork_server(&launch, &report, run_limits).await;
+            launch.fork_server = match &library {
+                Ok(()) => self_test::start_fork_server(&launch, &report, run_limits)
+                    .await
+                    .map(fork_server::ForkServers::new),
+                Err(why) => {
+                    tracing::warn!(
+                        "sandbox fork server not used, each run starts an interpreter: {why}"
+                    );
+                    None
+                }
+            };
         }
         let isolation = Isolation {
             report: report.clone(),
@@ -393,6 +413,7 @@ impl Sandbox {
             },
         ));
         tokio::spawn(pool.clone().keep_warm());
+        tokio::spawn(pool.clone().keep_fork_server());
         let gauges = gauges(&isolation, &pool);
         Ok(Sandbox {
             config,
@@ -603,6 +624,24 @@ fn reachable_by_others(path: &Path) -> bool {
             .unwrap_or(0)
     };
     path.ancestors().skip(1).all(|dir| mode(dir) & 0o001 != 0) && mode(path) & 0o005 == 0o005
+}
+
+/// The isolation library (`nomad_jail` built as a shared library): beside the gateway's
+/// binary, or in cargo's `deps/` there.
+fn jail_library() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("finding the gateway's binary: {e}"))?;
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    [dir.to_owned(), dir.join("deps")]
+        .into_iter()
+        .map(|d| d.join(nomad_jail::LIBRARY))
+        .find(|candidate| candidate.is_file())
+        .ok_or_else(|| {
+            format!(
+                "no {} beside {} (or in deps/ there): install it with the gateway's binary",
+                nomad_jail::LIBRARY,
+                exe.display()
+            )
+        })
 }
 
 fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {

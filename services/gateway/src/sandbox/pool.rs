@@ -185,9 +185,30 @@ impl Pool {
             }
         };
         self.counts.cold_starts.fetch_add(1, Ordering::Relaxed);
-        let process = self
+        let mut process = self
             .spawn(slot, false)
             .map_err(|e| Rejected::Spawn(e.to_string()))?;
+        // A forked run is checked here, so that one from a fork server that can no longer start
+        // a sound run is replaced by a spawned one (and the fork server let go) before any code.
+        if let Some(server) = process.fork_server().cloned() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let checked =
+                tokio::time::timeout(left, process.check(Some(&self.expected), false)).await;
+            let why = match checked {
+                Ok(Ok(_)) => None,
+                Ok(Err(e)) => Some(e.describe()),
+                Err(_) => Some("its report did not come before the run's deadline".into()),
+            };
+            if let Some(why) = why {
+                if let Some(servers) = &self.launch.fork_server {
+                    servers.unsound(&server, &why);
+                }
+                let slot = process.abandon().await;
+                process = self
+                    .spawn(slot, false)
+                    .map_err(|e| Rejected::Spawn(e.to_string()))?;
+            }
+        }
         Ok((process, running(memory)))
     }
 
@@ -280,10 +301,21 @@ impl Pool {
                         process.check(Some(&self.expected), true),
                     )
                     .await;
-                    match checked {
-                        Ok(Ok(_)) => Ok(process),
-                        Ok(Err(e)) => Err(e.describe()),
-                        Err(_) => Err("the warm runner was not ready within 30 s".into()),
+                    let failed = match checked {
+                        Ok(Ok(_)) => None,
+                        Ok(Err(e)) => Some(e.describe()),
+                        Err(_) => Some("the warm runner was not ready within 30 s".into()),
+                    };
+                    match failed {
+                        None => Ok(process),
+                        Some(why) => {
+                            if let (Some(server), Some(servers)) =
+                                (process.fork_server(), &self.launch.fork_server)
+                            {
+                                servers.unsound(server, &why);
+                            }
+                            Err(why)
+                        }
                     }
                 }
                 Err(e) => Err(e.to_string()),
@@ -303,6 +335,43 @@ impl Pool {
                     }
                     let backoff = Duration::from_millis(100 << failures.min(6));
                     tokio::time::sleep(backoff).await;
+                }
+            }
+        }
+    }
+
+    /// Keeps a fork server in use where one was: a zygote that died, or forked a run that did not
+    /// come up sound, is replaced by a new one that passes the same self-test (runs start an
+    /// interpreter each meanwhile). Runs until the pool is dropped by every holder.
+    pub async fn keep_fork_server(self: Arc<Self>) {
+        let Some(servers) = self.launch.fork_server.clone() else {
+            return;
+        };
+        let spawning = Launch {
+            fork_server: None,
+            ..self.launch.clone()
+        };
+        let mut failures = 0u32;
+        loop {
+            // Woken when one is let go; a timer notices one that died between runs.
+            let _ = tokio::time::timeout(Duration::from_secs(1), servers.lost.notified()).await;
+            if Arc::strong_count(&self) == 1 {
+                return;
+            }
+            if servers.current().is_some() {
+                continue;
+            }
+            match super::self_test::start_fork_server(&spawning, &self.expected, self.run_limits)
+                .await
+            {
+                Some(server) => {
+                    failures = 0;
+                    servers.install(server);
+                    tracing::info!("the sandbox's fork server was replaced by a new one");
+                }
+                None => {
+                    failures += 1;
+                    tokio::time::sleep(Duration::from_secs(1 << failures.min(6))).await;
                 }
             }
         }

@@ -16,7 +16,8 @@ use tokio::task::JoinHandle;
 use super::bridge::{self, Decoder, Message};
 use super::calls::{BridgeEnd, BridgeMemory, Budget, Done, serve};
 use super::cgroup::{Cgroups, RunCgroup, RunLimits};
-use super::fork_server::{ForkServer, Forked};
+use super::first_process::{self, FirstProcess};
+use super::fork_server::{ForkServer, ForkServers, Forked};
 use super::init::{self, Report, Spec};
 use super::memory::{self, Share};
 use super::{Failure, Outcome, ToolHost, workspace};
@@ -42,8 +43,9 @@ pub struct Launch {
     /// Without a cgroup: the bytes all of a run's processes may hold together, which the
     /// gateway samples (see [`super::memory`]).
     pub memory_watch: Option<u64>,
-    /// Runs are forked from here when there is one (and runs have no cgroup of their own).
-    pub fork_server: Option<Arc<ForkServer>>,
+    /// Runs are forked from the fork server in use when there is one (and runs have no cgroup
+    /// of their own).
+    pub fork_server: Option<Arc<ForkServers>>,
 }
 
 impl Launch {
@@ -97,9 +99,10 @@ impl Launch {
             _cgroup: cgroup,
             _workspace: workspace,
         };
-        match &self.fork_server {
-            Some(server) if resources._cgroup.is_none() && spec.namespaces && server.alive() => {
-                Started::fork(server, resources, warm, self)
+        let fork_server = self.fork_server.as_ref().and_then(|s| s.current());
+        match fork_server {
+            Some(server) if resources._cgroup.is_none() && spec.namespaces => {
+                Started::fork(&server, resources, warm, self)
             }
             _ => Started::spawn(&spec, resources, warm, self),
         }
@@ -115,50 +118,58 @@ pub struct Job {
     pub env: Vec<(String, String)>,
 }
 
-/// The process behind a run: started by the gateway (its init), or forked by the fork server.
-enum Proc {
-    Spawned {
-        child: Child,
-        pgid: Option<i32>,
-    },
-    /// `pid`: the run's PID 1 as the gateway sees it, once its report has said so.
-    Forked {
-        forked: Forked,
-        pid: Option<u32>,
-    },
+/// The processes behind a run: its waiter (the init the gateway started, or the fork server's
+/// child), and once the run has reported, its first process, by which the gateway ends it.
+struct Proc {
+    waiter: Waiter,
+    first: Option<FirstProcess>,
+}
+
+enum Waiter {
+    Spawned { child: Child, pgid: Option<i32> },
+    Forked(Forked),
 }
 
 impl Proc {
-    /// Kills the whole run: the init's process group, or the forked run's waiter (whose death
-    /// takes the run's PID namespace with it).
+    /// Kills the whole run: its first process, whose namespace the kernel then empties; before
+    /// it has reported (no code of the run's has run yet), its waiter, whose death kills it.
     fn kill(&mut self) {
-        match self {
-            Proc::Spawned { child, pgid } => kill(child, *pgid),
-            Proc::Forked { forked, .. } => forked.kill(),
+        if let Some(first) = &self.first {
+            match first.kill() {
+                Ok(()) => return,
+                Err(e) => tracing::error!(pid = first.pid, "killing a sandboxed run: {e}"),
+            }
+        }
+        match &mut self.waiter {
+            Waiter::Spawned { child, pgid } => kill(child, *pgid),
+            Waiter::Forked(forked) => forked.kill(),
         }
     }
 
-    /// The exit code, once ended (`None`: killed by a signal, or not known).
+    /// The exit code, once the run has ended, its namespace empty (`None`: killed by a signal,
+    /// or not known).
     async fn wait(&mut self) -> Option<i32> {
-        match self {
-            Proc::Spawned { child, .. } => child.wait().await.ok().and_then(|s| s.code()),
-            Proc::Forked { forked, .. } => forked.wait().await.filter(|c| *c < 128),
+        if let Some(first) = &self.first {
+            first.gone().await;
         }
+        let code = match &mut self.waiter {
+            Waiter::Spawned { child, .. } => child.wait().await.ok().and_then(|s| s.code()),
+            Waiter::Forked(forked) => forked.wait().await,
+        };
+        // The waiters end with 128 + the signal that killed the run.
+        code.filter(|c| *c < 128)
     }
 
     fn alive(&mut self) -> bool {
-        match self {
-            Proc::Spawned { child, .. } => matches!(child.try_wait(), Ok(None)),
-            Proc::Forked { forked, .. } => forked.alive(),
+        match &mut self.waiter {
+            Waiter::Spawned { child, .. } => matches!(child.try_wait(), Ok(None)),
+            Waiter::Forked(forked) => forked.alive(),
         }
     }
 
-    /// The process whose tree is the run (for the memory watch).
+    /// PID 1 of the run's namespace as the gateway sees it (for the memory watch).
     fn pid(&self) -> Option<u32> {
-        match self {
-            Proc::Spawned { child, .. } => child.id(),
-            Proc::Forked { pid, .. } => *pid,
-        }
+        self.first.as_ref().map(|f| f.pid)
     }
 }
 
@@ -202,9 +213,12 @@ impl Started {
             .spawn()?;
         let stdout = tokio::spawn(read_limited(child.stdout.take(), launch.stdout_limit));
         let stderr = tokio::spawn(read_limited(child.stderr.take(), launch.stderr_limit));
-        let process = Proc::Spawned {
-            pgid: child.id().map(|p| p as i32),
-            child,
+        let process = Proc {
+            waiter: Waiter::Spawned {
+                pgid: child.id().map(|p| p as i32),
+                child,
+            },
+            first: None,
         };
         Self::new(process, ours, (stdout, stderr), resources, warm, launch)
     }
@@ -218,8 +232,6 @@ impl Started {
     ) -> std::io::Result<Self> {
         use std::os::fd::AsFd as _;
         let (ours, theirs) = StdUnixStream::pair()?;
-        // Every message the child sends carries its pid, as the gateway sees it.
-        nix::sys::socket::setsockopt(&ours, nix::sys::socket::sockopt::PassCred, &true)?;
         let (out_read, out_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let (err_read, err_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let forked = server.fork([theirs.as_fd(), out_write.as_fd(), err_write.as_fd()])?;
@@ -227,7 +239,10 @@ impl Started {
         let pipe = |fd: OwnedFd| tokio::net::unix::pipe::Receiver::from_owned_fd(fd);
         let stdout = tokio::spawn(read_limited(Some(pipe(out_read)?), launch.stdout_limit));
         let stderr = tokio::spawn(read_limited(Some(pipe(err_read)?), launch.stderr_limit));
-        let process = Proc::Forked { forked, pid: None };
+        let process = Proc {
+            waiter: Waiter::Forked(forked),
+            first: None,
+        };
         Self::new(process, ours, (stdout, stderr), resources, warm, launch)
     }
 
@@ -265,6 +280,13 @@ impl Started {
             .unwrap_or_default()
     }
 
+    /// Kills a process that will not be used, once it is gone gives back its slot.
+    pub async fn abandon(mut self) -> OwnedSemaphorePermit {
+        self.process.kill();
+        let _ = tokio::time::timeout(first_process::GONE_WITHIN, self.process.wait()).await;
+        self.resources._slot
+    }
+
     /// Whether the process is still there (a warm one could have been killed while waiting).
     pub fn alive(&mut self) -> bool {
         self.process.alive()
@@ -279,6 +301,13 @@ impl Started {
     ) -> Result<Report, Failure> {
         if self.report.is_none() {
             let report: Report = self.read_frame().await?.ok_or_else(setup_failure)?;
+            if self.process.first.is_none() {
+                return Err(Failure::Spawn(
+                    "the sandbox reported without a pidfd of its first process, so the gateway \
+                     could not end the run as a whole; refusing to run code in it"
+                        .into(),
+                ));
+            }
             if let Some(expected) = expected
                 && !report.as_strong_as(expected)
             {
@@ -317,25 +346,32 @@ impl Started {
         }
     }
 
-    /// Reads what the bridge holds. A forked run's first message also says, in its credentials,
-    /// which process it is as the gateway sees it (for the memory watch).
+    /// Reads what the bridge holds. Until the report is in, with the descriptor that comes with
+    /// it: a pidfd of the run's first process.
     async fn read_some(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
         let Self {
             process, bridge, ..
         } = self;
-        let Proc::Forked {
-            pid: pid @ None, ..
-        } = process
-        else {
+        if process.first.is_some() {
             return bridge.read(buffer).await;
-        };
-        let (n, sender) = bridge
+        }
+        let (n, pidfd) = bridge
             .async_io(tokio::io::Interest::READABLE, || {
-                recv_with_pid(bridge.as_raw_fd(), buffer)
+                recv_with_fd(bridge.as_raw_fd(), buffer)
             })
             .await?;
-        *pid = sender;
+        if let Some(pidfd) = pidfd {
+            process.first = Some(FirstProcess::new(pidfd)?);
+        }
         Ok(n)
+    }
+
+    /// The fork server this process was forked from, if it was.
+    pub fn fork_server(&self) -> Option<&Arc<ForkServer>> {
+        match &self.process.waiter {
+            Waiter::Forked(forked) => Some(forked.server()),
+            Waiter::Spawned { .. } => None,
+        }
     }
 
     /// Runs `job`, serving its tool calls from `host`, for at most `timeout`.
@@ -387,10 +423,13 @@ impl Started {
                     &mut end,
                 );
                 let pid = process.pid();
+                let own_tmpfs = launch.spec.namespaces;
                 // Sampled always, for the runs' budget; a limit only where no cgroup is one.
                 let watch = async move {
                     match pid {
-                        Some(pid) => memory::watch(pid, launch.memory_watch, memory).await,
+                        Some(pid) => {
+                            memory::watch(pid, own_tmpfs, launch.memory_watch, memory).await
+                        }
                         None => std::future::pending().await,
                     }
                 };
@@ -420,8 +459,18 @@ impl Started {
             }
             Err(_) => None,
         };
+        // Whatever the run did, it is counted (its slot, its memory) until it is gone.
         process.kill();
-        let _ = process.wait().await;
+        if tokio::time::timeout(first_process::GONE_WITHIN, process.wait())
+            .await
+            .is_err()
+        {
+            tracing::error!(
+                pid = process.pid(),
+                "a killed sandboxed run was not gone within {} s; its slot is let go",
+                first_process::GONE_WITHIN.as_secs()
+            );
+        }
         match served {
             Some(status) => {
                 outcome.returncode = status;
@@ -503,28 +552,36 @@ impl Started {
     }
 }
 
-/// One read of the bridge with the sender's credentials: the bytes, and the sender's pid.
-fn recv_with_pid(
+/// One read of the bridge, and the first descriptor that came with it (any others are closed).
+fn recv_with_fd(
     fd: std::os::fd::RawFd,
     buffer: &mut [u8],
-) -> std::io::Result<(usize, Option<u32>)> {
-    use nix::sys::socket::{ControlMessageOwned, MsgFlags, UnixCredentials, recvmsg};
+) -> std::io::Result<(usize, Option<OwnedFd>)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    use std::os::fd::FromRawFd as _;
     let mut iov = [std::io::IoSliceMut::new(buffer)];
-    let mut space = nix::cmsg_space!(UnixCredentials);
-    let message = recvmsg::<()>(fd, &mut iov, Some(&mut space), MsgFlags::MSG_DONTWAIT)?;
-    let pid = message
-        .cmsgs()?
-        .find_map(|c| match c {
-            ControlMessageOwned::ScmCredentials(credentials) => Some(credentials.pid()),
-            _ => None,
-        })
-        .filter(|pid| *pid > 0)
-        .map(|pid| pid as u32);
-    Ok((message.bytes, pid))
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 4]);
+    let message = recvmsg::<()>(
+        fd,
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    let mut received = Vec::new();
+    for cmsg in message.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(fds) = cmsg {
+            // SAFETY: descriptors the kernel just installed in this process for this message.
+            received.extend(
+                fds.into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    Ok((message.bytes, received.into_iter().next()))
 }
 
-/// Kills the whole process group; with namespaces the init is the waiter, whose death takes the
-/// PID namespace down with it.
+/// Kills the init's whole process group (its waiter, whose death takes the view's PID namespace,
+/// and so the run's, down with it).
 fn kill(child: &mut Child, pgid: Option<i32>) {
     if let Some(pgid) = pgid {
         // SAFETY: kill(2) on the process group of our own child (its init called setsid).

@@ -46,10 +46,10 @@ class ToolError(Exception):
         self.code = code
 
 
-def _read_exact(n):
+def _read_exact(n, fd=_FD):
     chunks = []
     while n:
-        chunk = os.read(_FD, min(n, 1 << 20))
+        chunk = os.read(fd, min(n, 1 << 20))
         if not chunk:
             raise EOFError
         chunks.append(chunk)
@@ -64,14 +64,14 @@ def _read_frame():
     return _read_exact(length)
 
 
-def _write_frame(body):
+def _write_frame(body, fd=_FD):
     if len(body) > MAX_FRAME:
         raise ToolError(
             f"message of {len(body)} bytes exceeds the bridge's {MAX_FRAME}-byte limit", "INVALID_ARGUMENT"
         )
     data = memoryview(len(body).to_bytes(4, "big") + body)
     while data:
-        data = data[os.write(_FD, data):]
+        data = data[os.write(fd, data):]
 
 
 def _clip(text, limit):
@@ -307,21 +307,21 @@ def _exit(code):
 
 
 def _zygote():
-    """`--zygote MODULES`: serve as the sandbox's fork server (zygote.py beside this file)."""
+    """`--zygote MODULES`: serve as the sandbox's fork server (zygote.py beside this file);
+    returns in each forked child, ready to run."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("nomad_zygote", os.path.join(os.path.dirname(__file__), "zygote.py"))
     zygote = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(zygote)
     preload = [m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else []
-    zygote.serve(preload, _write_frame, lambda: main(forked=True))
+    zygote.serve(preload, _read_exact, _write_frame)
 
 
-def main(forked=False):
-    if not forked and len(sys.argv) > 1 and sys.argv[1] == "--zygote":
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--zygote":
         _zygote()
-        return
-    if len(sys.argv) > 2 and sys.argv[1] == "--preload":
+    elif len(sys.argv) > 2 and sys.argv[1] == "--preload":
         for name in sys.argv[2].split(","):
             try:
                 __import__(name)

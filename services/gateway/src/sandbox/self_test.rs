@@ -24,10 +24,13 @@ pub async fn start_fork_server(
             .await
             .map_err(|e| format!("starting it: {e}"))?;
         let forking = Launch {
-            fork_server: Some(server.clone()),
+            fork_server: Some(fork_server::ForkServers::new(server.clone())),
             ..launch.clone()
         };
-        let report = self_test(&forking, None, run_limits).await?;
+        let (report, forked) = self_test(&forking, None, run_limits).await?;
+        if !forked {
+            return Err("its test run was not forked from it".into());
+        }
         if !report.as_strong_as(expected) {
             return Err(format!(
                 "its runs come up with less isolation ({report:?}, expected {expected:?})"
@@ -47,18 +50,20 @@ pub async fn start_fork_server(
     }
 }
 
-/// Starts one process cold, outside the pool, and runs `RESULT = 1` in it.
+/// Starts one process cold, outside the pool, and runs `RESULT = 1` in it; its report, and
+/// whether it was forked.
 pub async fn self_test(
     launch: &Launch,
     cgroups: Option<&cgroup::Cgroups>,
     run_limits: cgroup::RunLimits,
-) -> Result<Report, String> {
+) -> Result<(Report, bool), String> {
     let slot = Arc::new(Semaphore::new(1))
         .try_acquire_owned()
         .expect("a fresh semaphore");
     let mut process = launch
         .start(slot, cgroups, run_limits, false)
         .map_err(|e| format!("starting the sandbox: {e}"))?;
+    let forked = process.fork_server().is_some();
     let report = match process.check(None, false).await {
         Ok(report) => report,
         Err(failure) => {
@@ -93,7 +98,7 @@ pub async fn self_test(
                 seconds = started.elapsed().as_secs_f64(),
                 "sandbox self-test"
             );
-            Ok(report)
+            Ok((report, forked))
         }
         (Some(f), _) => Err(format!(
             "{} (stderr: {})",

@@ -4,9 +4,12 @@
 //! Denied with `EPERM`: new namespaces (`unshare`, `setns`, `clone` with a `CLONE_NEW*` flag),
 //! mounting and pivoting, `bpf`, the key store, `io_uring`, `userfaultfd`, `perf_event_open`,
 //! `ptrace` and cross-process memory access, kernel modules and kexec, clock and host
-//! administration, and `socket`/`socketpair` for every family but `AF_UNIX` (asyncio needs a Unix
+//! administration, `socket`/`socketpair` for every family but `AF_UNIX` (asyncio needs a Unix
 //! socket pair; the mount namespace leaves no named socket of the host in view, and the network
-//! namespace confines abstract ones). `clone3` gets `ENOSYS`: its flags sit behind a pointer the
+//! namespace confines abstract ones), and memory no process would be seen holding: `memfd_create`
+//! and `memfd_secret` (a memfd outlives every mapping of it) and System V shared memory and message
+//! queues (`shmget`, `msgget`). What a run keeps in files is on its own tmpfs, which the gateway
+//! counts. `clone3` gets `ENOSYS`: its flags sit behind a pointer the
 //! filter cannot read, and C libraries fall back to `clone` on `ENOSYS` only.
 
 use std::collections::BTreeMap;
@@ -39,6 +42,10 @@ const DENIED: &[libc::c_long] = &[
     libc::SYS_io_uring_enter,
     libc::SYS_io_uring_register,
     libc::SYS_userfaultfd,
+    libc::SYS_memfd_create,
+    libc::SYS_memfd_secret,
+    libc::SYS_shmget,
+    libc::SYS_msgget,
     libc::SYS_perf_event_open,
     libc::SYS_ptrace,
     libc::SYS_process_vm_readv,
@@ -162,8 +169,8 @@ fn with_x32_guard(program: BpfProgram) -> BpfProgram {
     program
 }
 
-/// Installs `programs` on the calling thread (which must be the only one: the sandbox's init).
-/// Sets `no_new_privs`, as seccomp requires of an unprivileged caller.
+/// Installs `programs` on the calling thread (which must be the only one); `no_new_privs` must be
+/// set already, as seccomp requires of an unprivileged caller.
 pub fn install(programs: &[BpfProgram]) -> std::io::Result<()> {
     for program in programs {
         seccompiler::apply_filter(program).map_err(std::io::Error::other)?;
