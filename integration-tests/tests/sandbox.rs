@@ -6,172 +6,25 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{binary, wait_for_file};
+use nomad_integration_tests::fleet::binary;
+use nomad_integration_tests::sandbox_gateway::{Gateway, SYSCALL_HELPER, Start};
 use nomad_integration_tests::users::{
     RUNNER, RunAs, TEST_GROUP, descendants_running, gateway_users, group_id, sandbox_runs,
 };
-use nomad_proto::v1::gateway_client::GatewayClient;
-use nomad_proto::v1::{ExecuteCodeRequest, ExecuteResponse, GatewayStatusRequest};
-use serde_json::Value;
-use tonic::transport::Channel;
-
-/// A gateway on its own (no scheduler needed: the code here calls no tools).
-struct Gateway {
-    child: tokio::process::Child,
-    dir: PathBuf,
-    config: PathBuf,
-    client: GatewayClient<Channel>,
-    pid: u32,
-}
-
-impl Gateway {
-    async fn start(run_as: &RunAs, sandbox_yaml: &str) -> Gateway {
-        Self::start_with_scheduler(run_as, sandbox_yaml, "127.0.0.1:9").await
-    }
-
-    /// A gateway whose scheduler is at `scheduler` (by default a closed port: calls fail fast).
-    async fn start_with_scheduler(run_as: &RunAs, sandbox_yaml: &str, scheduler: &str) -> Gateway {
-        Self::start_niced(run_as, sandbox_yaml, scheduler, 0).await
-    }
-
-    /// A gateway started at `niceness` (as `nice -n` starts it).
-    async fn start_niced(
-        run_as: &RunAs,
-        sandbox_yaml: &str,
-        scheduler: &str,
-        niceness: i32,
-    ) -> Gateway {
-        let dir = Fleet::new_dir();
-        run_as.own(&dir);
-        let config = dir.join("nomad.yaml");
-        std::fs::write(
-            &config,
-            format!("sandbox:\n  timeout_seconds: 5\n{sandbox_yaml}"),
-        )
-        .unwrap();
-        let addr_file = dir.join("gateway.addr");
-        let log = dir.join("gateway.stderr");
-        let mut command = run_as.command(&binary("nomad-gateway"));
-        command
-            .env_clear()
-            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-            .env("RUST_LOG", "info")
-            .env("GATEWAY_SECRET", "hunter2")
-            .arg("--config")
-            .arg(&config)
-            .args(["--listen", "127.0.0.1:0", "--mcp-listen", "127.0.0.1:0"])
-            .args(["--scheduler", scheduler, "--addr-file"])
-            .arg(&addr_file)
-            .stdout(std::fs::File::create(dir.join("gateway.stdout")).unwrap())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .kill_on_drop(true);
-        if niceness != 0 {
-            // SAFETY: setpriority is async-signal-safe; nothing else runs between fork and exec.
-            unsafe {
-                command.pre_exec(move || {
-                    match libc::setpriority(libc::PRIO_PROCESS, 0, niceness) {
-                        0 => Ok(()),
-                        _ => Err(std::io::Error::last_os_error()),
-                    }
-                });
-            }
-        }
-        let mut child = command.spawn().unwrap();
-        let addr = wait_for_file(&addr_file, &mut child, "nomad-gateway", &log).await;
-        let client = GatewayClient::connect(format!("http://{addr}"))
-            .await
-            .unwrap();
-        let pid = child.id().unwrap();
-        Gateway {
-            child,
-            dir,
-            config,
-            client,
-            pid,
-        }
-    }
-
-    async fn run(&self, code: impl Into<String>) -> ExecuteResponse {
-        self.client
-            .clone()
-            .execute_code(ExecuteCodeRequest {
-                code: code.into(),
-                env: Default::default(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-    }
-
-    /// RESULT of `code`, which must succeed.
-    async fn result(&self, label: &str, code: &str) -> Value {
-        let reply = self.run(code).await;
-        assert!(
-            reply.error.is_empty(),
-            "{label}: {}\nstderr: {}",
-            reply.error,
-            reply.stderr
-        );
-        serde_json::from_str(&reply.result_json).unwrap()
-    }
-
-    /// The gateway still answers, and no process of a finished run is left (a warm runner's
-    /// Python has `--preload` on its command line; with `warm: 0` there are none).
-    async fn still_serving(&self, after: &str) {
-        let alive = self.run("RESULT = 40 + 2").await;
-        assert_eq!(alive.result_json, "42", "after {after}: {}", alive.error);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let left = sandbox_runs(self.pid);
-            if left == 0 {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "after {after}: {left} sandbox processes left behind"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(self.dir.join("gateway.stderr")).unwrap_or_default()
-    }
-
-    /// SIGTERM, and the gateway must exit cleanly.
-    async fn stop(mut self) {
-        // SAFETY: kill(2) on the gateway this test started.
-        unsafe { libc::kill(self.pid as i32, libc::SIGTERM) };
-        let status = tokio::time::timeout(Duration::from_secs(15), self.child.wait())
-            .await
-            .expect("the gateway exits within 15 s of SIGTERM")
-            .unwrap();
-        assert!(status.success(), "{status}: {}", self.stderr());
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// Python that calls `syscall(nr, *args)` through ctypes and names the errno (`OK` on success).
-const SYSCALL_HELPER: &str = "\
-import ctypes, errno
-libc = ctypes.CDLL(None, use_errno=True)
-libc.syscall.restype = ctypes.c_long
-def call(nr, *args):
-    ctypes.set_errno(0)
-    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
-    return errno.errorcode.get(ctypes.get_errno(), 'OK') if r == -1 else 'OK'
-";
+use nomad_proto::v1::{ExecuteCodeRequest, GatewayStatusRequest};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_code_meets_the_specific_denial_and_the_gateway_keeps_serving() {
     for run_as in gateway_users() {
-        hostile_code(&run_as).await;
+        for start in Start::BOTH {
+            hostile_code(&run_as, start).await;
+        }
     }
 }
 
-async fn hostile_code(run_as: &RunAs) {
-    let who = run_as.label;
-    let gateway = Gateway::start(run_as, "  warm: 0\n").await;
+async fn hostile_code(run_as: &RunAs, start: Start) {
+    let who = &format!("{} {start:?}", run_as.label);
+    let gateway = Gateway::start_on(run_as, start, "  warm: 0\n").await;
     let dir = gateway.dir.clone();
 
     // A named Unix socket the gateway's own user listens on, outside the sandbox.
@@ -386,10 +239,11 @@ async fn hostile_code(run_as: &RunAs) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disk_files_and_cleanup_are_bounded() {
-    for run_as in gateway_users() {
-        let who = run_as.label;
-        let gateway = Gateway::start(
+    for (run_as, start) in users_and_starts() {
+        let who = &format!("{} {start:?}", run_as.label);
+        let gateway = Gateway::start_on(
             &run_as,
+            start,
             "  warm: 0\n  disk_bytes: 16777216\n  max_files: 4096\n",
         )
         .await;
@@ -637,15 +491,9 @@ async fn two_hundred_concurrent_calls_are_answered_within_the_bounds() {
             growth_mib < 64,
             "{who}: the gateway's RSS grew {growth_mib} MiB"
         );
-        gateway.still_serving_warm().await;
-        gateway.stop().await;
-    }
-}
-
-impl Gateway {
-    async fn still_serving_warm(&self) {
-        let alive = self.run("RESULT = 40 + 2").await;
+        let alive = gateway.run("RESULT = 40 + 2").await;
         assert_eq!(alive.result_json, "42", "{}", alive.error);
+        gateway.stop().await;
     }
 }
 
@@ -783,10 +631,11 @@ for _ in range(4):
 time.sleep(30)
 RESULT = 'survived'
 ";
-    for run_as in gateway_users() {
-        let label = run_as.label;
-        let gateway = Gateway::start(
+    for (run_as, start) in users_and_starts() {
+        let label = &format!("{} {start:?}", run_as.label);
+        let gateway = Gateway::start_on(
             &run_as,
+            start,
             "  warm: 0\n  timeout_seconds: 20\n  memory_bytes: 536870912\n",
         )
         .await;
@@ -802,9 +651,7 @@ RESULT = 'survived'
         );
         if watched {
             assert!(
-                reply
-                    .error
-                    .starts_with("memory: the run's processes together held")
+                reply.error.starts_with("memory: the run held")
                     && reply.error.contains("over sandbox.memory_bytes (512 MiB)"),
                 "{label}: {}",
                 reply.error
@@ -887,16 +734,13 @@ async fn runs_are_admitted_by_the_memory_they_hold() {
     }
 }
 
-/// Runs yield the CPU to the fleet's services: every run starts at niceness 10 and cannot raise
-/// its priority back (as root and as an unprivileged user). A gateway started nicer than that
-/// (`nice -n 19`) still runs code, at its own niceness (the sandbox cannot go back up to 10).
-/// Runs forked from the fork server: nothing of one run is in the next — not its files (in
-/// `/workspace`, `/tmp` or `/dev/shm`), not its processes (a sleeper it left is gone, and a run
-/// sees only its own), not its memory (a module it changed is as imported) — and two runs at once
-/// do not see each other's processes. As root and as an unprivileged gateway; the gateway says it
-/// forks, so the classic path cannot pass for it.
+/// Nothing of one run is in the next — not its files (in `/workspace`, `/tmp` or `/dev/shm`), not
+/// its processes (a sleeper it left is gone, and a run sees only its own), not its memory (a
+/// module it changed is as imported) — and two runs at once do not see each other's processes.
+/// As root and as an unprivileged gateway, forked and spawned; the gateway says which, so one
+/// path cannot pass for the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nothing_of_one_forked_run_is_in_the_next() {
+async fn nothing_of_one_run_is_in_the_next() {
     let first = "\
 import json, os, subprocess
 for d in ('/workspace', '/tmp', '/dev/shm'):
@@ -914,56 +758,33 @@ RESULT = {
     'cmdlines': [open(f'/proc/{p}/cmdline').read() for p in os.listdir('/proc') if p.isdigit()],
 }
 ";
-    for run_as in gateway_users() {
-        let gateway = Gateway::start(&run_as, "  warm: 0\n").await;
-        assert!(
-            gateway.stderr().contains("forked from a fork server"),
-            "{}: the fork server is not in use:\n{}",
-            run_as.label,
-            gateway.stderr()
-        );
-        let seen = gateway.result(run_as.label, first).await;
-        assert_eq!(
-            seen[0], 1,
-            "{}: a run is PID 1 of its own: {seen}",
-            run_as.label
-        );
-        let after = gateway.result(run_as.label, next).await;
-        assert_eq!(
-            after["files"],
-            serde_json::json!([]),
-            "{}: {after}",
-            run_as.label
-        );
-        assert_eq!(after["memory"], false, "{}: {after}", run_as.label);
-        assert_eq!(
-            after["pids"],
-            serde_json::json!([1]),
-            "{}: {after}",
-            run_as.label
-        );
+    for (run_as, start) in users_and_starts() {
+        let label = &format!("{} {start:?}", run_as.label);
+        let gateway = Gateway::start_on(&run_as, start, "  warm: 0\n").await;
+        let seen = gateway.result(label, first).await;
+        assert_eq!(seen[0], 1, "{}: a run is PID 1 of its own: {seen}", label);
+        let after = gateway.result(label, next).await;
+        assert_eq!(after["files"], serde_json::json!([]), "{}: {after}", label);
+        assert_eq!(after["memory"], false, "{}: {after}", label);
+        assert_eq!(after["pids"], serde_json::json!([1]), "{}: {after}", label);
         assert!(
             !after["cmdlines"].to_string().contains("sleep"),
             "{}: {after}",
-            run_as.label
+            label
         );
         // Two at once: one waits while the other looks.
         let waiting = gateway.run("import time\ntime.sleep(2)\nRESULT = 1");
         let looking = async {
             tokio::time::sleep(Duration::from_millis(500)).await;
-            gateway.result(run_as.label, next).await
+            gateway.result(label, next).await
         };
         let (waited, looked) = tokio::join!(waiting, looking);
-        assert_eq!(
-            waited.result_json, "1",
-            "{}: {}",
-            run_as.label, waited.error
-        );
+        assert_eq!(waited.result_json, "1", "{}: {}", label, waited.error);
         assert_eq!(
             looked["pids"],
             serde_json::json!([1]),
             "{}: {looked}",
-            run_as.label
+            label
         );
         gateway.still_serving("forked runs").await;
         gateway.stop().await;
@@ -1004,6 +825,9 @@ async fn the_sandbox_spec_is_not_on_a_command_line() {
     }
 }
 
+/// Runs yield the CPU to the fleet's services: every run starts at niceness 10 and cannot raise
+/// its priority back (as root and as an unprivileged user). A gateway started nicer than that
+/// (`nice -n 19`) still runs code, at its own niceness (the sandbox cannot go back up to 10).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_yields_the_cpu_and_cannot_take_it_back() {
     let code = "\
@@ -1016,10 +840,10 @@ except PermissionError as e:
     raised = 'refused: ' + errno.errorcode[e.errno]
 RESULT = [before, raised, os.getpriority(os.PRIO_PROCESS, 0)]
 ";
-    for run_as in gateway_users() {
-        let gateway = Gateway::start(&run_as, "  warm: 0\n").await;
+    for (run_as, start) in users_and_starts() {
+        let gateway = Gateway::start_on(&run_as, start, "  warm: 0\n").await;
         let seen = gateway.result(run_as.label, code).await;
-        assert_eq!(seen[0], 10, "{}: {seen}", run_as.label);
+        assert_eq!(seen[0], 10, "{} {start:?}: {seen}", run_as.label);
         assert!(
             seen[1]
                 .as_str()
@@ -1030,7 +854,8 @@ RESULT = [before, raised, os.getpriority(os.PRIO_PROCESS, 0)]
         assert_eq!(seen[2], 10, "{}: {seen}", run_as.label);
         gateway.stop().await;
 
-        let niced = Gateway::start_niced(&run_as, "  warm: 0\n", "127.0.0.1:9", 19).await;
+        let yaml = format!("{}  warm: 0\n", start.yaml());
+        let niced = Gateway::start_niced(&run_as, &yaml, "127.0.0.1:9", 19).await;
         let seen = niced.result(run_as.label, code).await;
         assert_eq!(seen[0], 19, "{} under nice 19: {seen}", run_as.label);
         assert!(
@@ -1114,4 +939,12 @@ RESULT = 'sent'
             .await;
         gateway.stop().await;
     }
+}
+
+/// Every user the gateway runs as, with each way a run starts.
+fn users_and_starts() -> Vec<(RunAs, Start)> {
+    gateway_users()
+        .into_iter()
+        .flat_map(|run_as| Start::BOTH.map(|start| (run_as.clone(), start)))
+        .collect()
 }

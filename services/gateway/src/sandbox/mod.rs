@@ -100,8 +100,8 @@ pub enum Failure {
         message: String,
         traceback: String,
     },
-    /// The run's processes together held more than `sandbox.memory_bytes` (no cgroup: the
-    /// gateway's own sampling), and it was killed.
+    /// The run's processes and the files on its own tmpfs together held more than
+    /// `sandbox.memory_bytes` (no cgroup: the gateway's own sampling), and it was killed.
     Memory {
         bytes: u64,
         limit: u64,
@@ -140,8 +140,8 @@ impl Failure {
                 traceback,
             } => format!("{kind}: {message}\n{traceback}"),
             Failure::Memory { bytes, limit } => format!(
-                "memory: the run's processes together held {} MiB, over sandbox.memory_bytes \
-                 ({} MiB); the run was killed",
+                "memory: the run held {} MiB (its processes, and the files in its /workspace, \
+                 /tmp and /dev/shm), over sandbox.memory_bytes ({} MiB); the run was killed",
                 bytes >> 20,
                 limit >> 20
             ),
