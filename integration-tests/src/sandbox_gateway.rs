@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::{ExecuteCodeRequest, ExecuteResponse};
 use serde_json::Value;
-use tonic::transport::Channel;
 
 use crate::Fleet;
 use crate::fleet::{binary, wait_for_file};
@@ -41,8 +40,10 @@ pub struct Gateway {
     pub child: tokio::process::Child,
     pub dir: PathBuf,
     pub config: PathBuf,
-    pub client: GatewayClient<Channel>,
+    pub client: GatewayClient<nomad_rpc::Channel>,
     pub pid: u32,
+    /// The MCP (HTTP) listener's address.
+    pub mcp_addr: String,
 }
 
 impl Gateway {
@@ -101,6 +102,8 @@ impl Gateway {
             .args(["--listen", "127.0.0.1:0", "--mcp-listen", "127.0.0.1:0"])
             .args(["--scheduler", scheduler, "--addr-file"])
             .arg(&addr_file)
+            .arg("--mcp-addr-file")
+            .arg(dir.join("gateway.mcp.addr"))
             .stdout(std::fs::File::create(dir.join("gateway.stdout")).unwrap())
             .stderr(std::fs::File::create(&log).unwrap())
             .kill_on_drop(true);
@@ -117,9 +120,15 @@ impl Gateway {
         }
         let mut child = command.spawn().unwrap();
         let addr = wait_for_file(&addr_file, &mut child, "nomad-gateway", &log).await;
-        let client = GatewayClient::connect(format!("http://{addr}"))
-            .await
-            .unwrap();
+        let mcp_addr = wait_for_file(
+            &dir.join("gateway.mcp.addr"),
+            &mut child,
+            "nomad-gateway",
+            &log,
+        )
+        .await;
+        // Carries the tests' token (a gateway without one ignores it).
+        let client = GatewayClient::new(crate::fleet::rpc_channel(&addr));
         let pid = child.id().unwrap();
         Gateway {
             child,
@@ -127,6 +136,7 @@ impl Gateway {
             config,
             client,
             pid,
+            mcp_addr,
         }
     }
 

@@ -309,8 +309,7 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
     assert!(said.contains("NO CREDENTIAL (auth: none)"), "{said}");
     let _ = open.start_kill();
 
-    // /metrics follows the same rule: beyond loopback without a token, the server does not
-    // start; with one, a scrape needs it.
+    // /metrics: beyond loopback without a token, the server does not start.
     let refused = clean("nomad-scheduler")
         .env("NOMAD_OTEL_PROMETHEUS_LISTEN", "0.0.0.0:0")
         .args(["--listen", "127.0.0.1:0"])
@@ -323,45 +322,62 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
         said.contains("prometheus_listen") && said.contains("no credential"),
         "{said}"
     );
-    let port = std::net::TcpListener::bind("0.0.0.0:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr_file = dir.join("metrics.addr");
-    let log = dir.join("metrics.stderr");
-    let mut scraped = clean("nomad-scheduler")
-        .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
-        .env("NOMAD_OTEL_PROMETHEUS_LISTEN", format!("0.0.0.0:{port}"))
-        .args(["--listen", "127.0.0.1:0", "--addr-file"])
-        .arg(&addr_file)
-        .stderr(std::fs::File::create(&log).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    wait_for_file(&addr_file, &mut scraped, "nomad-scheduler", &log).await;
-    let url = format!("http://127.0.0.1:{port}/metrics");
-    let client = reqwest::Client::new();
-    for (authorization, expected) in [
-        (None, 401),
-        (Some(format!("Bearer {WRONG}")), 401),
-        (Some(format!("Bearer {TEST_TOKEN}")), 200),
+    // With a token, every scrape needs it, on loopback as beyond it (any local user reaches a
+    // loopback port); without one, loopback is open.
+    for (host, token, open) in [
+        ("0.0.0.0", Some(TEST_TOKEN), false),
+        ("127.0.0.1", Some(TEST_TOKEN), false),
+        ("127.0.0.1", None, true),
     ] {
-        let mut request = client.get(&url);
-        if let Some(value) = &authorization {
-            request = request.header("authorization", value);
+        let port = std::net::TcpListener::bind(format!("{host}:0"))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr_file = dir.join(format!("metrics-{port}.addr"));
+        let log = dir.join(format!("metrics-{port}.stderr"));
+        let mut command = clean("nomad-scheduler");
+        if let Some(token) = token {
+            command.env("NOMAD_AUTH_TOKEN", token);
         }
-        let response = request.send().await.unwrap();
-        let status = response.status().as_u16();
-        let body = response.text().await.unwrap();
-        assert_eq!(status, expected, "{authorization:?}: {body}");
-        assert_eq!(
-            body.contains("target_info"),
-            expected == 200,
-            "{authorization:?}: {body}"
-        );
+        let mut scraped = command
+            .env("NOMAD_OTEL_PROMETHEUS_LISTEN", format!("{host}:{port}"))
+            .args(["--listen", "127.0.0.1:0", "--addr-file"])
+            .arg(&addr_file)
+            .stderr(std::fs::File::create(&log).unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        wait_for_file(&addr_file, &mut scraped, "nomad-scheduler", &log).await;
+        let url = format!("http://127.0.0.1:{port}/metrics");
+        let client = reqwest::Client::new();
+        for (authorization, expected) in [
+            (None, if open { 200 } else { 401 }),
+            (
+                Some(format!("Bearer {WRONG}")),
+                if open { 200 } else { 401 },
+            ),
+            (Some(format!("Bearer {TEST_TOKEN}")), 200),
+        ] {
+            let mut request = client.get(&url);
+            if let Some(value) = &authorization {
+                request = request.header("authorization", value);
+            }
+            let response = request.send().await.unwrap();
+            let status = response.status().as_u16();
+            let body = response.text().await.unwrap();
+            assert_eq!(
+                status, expected,
+                "{host}, token {token:?}, {authorization:?}: {body}"
+            );
+            assert_eq!(
+                body.contains("target_info"),
+                expected == 200,
+                "{host}, token {token:?}, {authorization:?}: {body}"
+            );
+        }
+        let _ = scraped.start_kill();
     }
-    let _ = scraped.start_kill();
 
     // A token that is too short to be a credential is refused at start-up.
     let weak = clean("nomad-scheduler")

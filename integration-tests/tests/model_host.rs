@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use nomad_integration_tests::fleet::TEST_TOKEN;
 use nomad_integration_tests::model_host::{
     assert_close, described_tools, env_python, host_env, package, reference_toy, run_python,
     toy_entry, toy_weights,
@@ -488,7 +489,10 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
         std::fs::write(
             d.join("my_tools.py"),
             "def greet(name: str, punctuation: str = '!') -> str:\n    \
-             \"\"\"Greets someone.\"\"\"\n    return f'Hello, {name}{punctuation}'\n",
+             \"\"\"Greets someone.\"\"\"\n    return f'Hello, {name}{punctuation}'\n\n\
+             def holding(needle: str) -> list:\n    \
+             \"\"\"Names of the variables whose value holds needle.\"\"\"\n    \
+             import os\n    return sorted(k for k, v in os.environ.items() if needle in v)\n",
         )
         .unwrap();
         d
@@ -508,12 +512,26 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
          \x20 - tool: toy_numpy.dot\n\
          \x20   name: dot\n\
          \x20   env: {numpy}\n\
-         \x20 - my_tools.greet\n{MANAGER}",
+         \x20 - my_tools.greet\n\
+         \x20 - my_tools.holding\n{MANAGER}",
         repo = repo.display(),
         weights = weights.display(),
     );
-    // The config file lives in the fleet's directory, beside my_tools.py.
-    let mut fleet = Fleet::start(options(&dir, yaml.clone()).in_dir(&fleet_dir("first"))).await;
+    // The config file lives in the fleet's directory, beside my_tools.py. The fleet has a
+    // token, which the worker's environment carries in two variables besides its own (as a
+    // Slurm job's collector headers do): none reaches the model's.
+    let with_token = |options: FleetOptions| FleetOptions {
+        auth: true,
+        ..options
+            .env(
+                "NOMAD_OTEL_OTLP_HEADERS",
+                format!("authorization=Bearer%20{TEST_TOKEN}"),
+            )
+            .env("MY_TOOL_SETTING", format!("key={TEST_TOKEN}"))
+            .env("MY_TOOL_MARKER", "marker-4711")
+    };
+    let mut fleet =
+        Fleet::start(with_token(options(&dir, yaml.clone())).in_dir(&fleet_dir("first"))).await;
     let mut client = fleet.scheduler_client().await;
     let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
     let state = |name: &str| {
@@ -608,6 +626,22 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
             .unwrap()
             .0,
         json!("Hello, Ada!")
+    );
+    assert_eq!(
+        call(&fleet, "holding", json!({"needle": TEST_TOKEN}))
+            .await
+            .unwrap()
+            .0,
+        json!([]),
+        "the fleet's token reached the model's environment"
+    );
+    assert_eq!(
+        call(&fleet, "holding", json!({"needle": "marker-4711"}))
+            .await
+            .unwrap()
+            .0,
+        json!(["MY_TOOL_MARKER"]),
+        "the worker's other variables reach the model"
     );
     let missing = call(&fleet, "greet", json!({})).await.unwrap_err();
     assert_eq!(missing.code(), tonic::Code::InvalidArgument);

@@ -79,7 +79,7 @@ async fn the_official_openai_client_gets_what_the_tools_give() {
     let (encoders, _) = nomad_integration_tests::encoders::cases();
     let receiver = OtlpReceiver::grpc().await;
     let tools = format!(
-        "tools:\n  - {{name: embed, kind: embed, source: {}, batch_size: 32}}\n  \
+        "tools:\n  - {{name: embed, kind: embed, source: {}, batch_size: 32, max_pending: 8}}\n  \
          - {{name: generate, kind: generate, source: {}, max_running: 64}}\n  \
          - {{name: rerank, kind: rerank, source: {}}}\n\
          tool_manager:\n  heartbeat_interval_ms: 200\n",
@@ -100,6 +100,8 @@ async fn the_official_openai_client_gets_what_the_tools_give() {
     .await;
     let base = fleet.gateway_mcp_url().replace("/mcp", "/v1");
     let question = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    // More texts in one request than the embed tool queues (its max_pending is 8).
+    let many: Vec<String> = (0..40).map(|i| format!("text number {i}")).collect();
     let ops = json!([
         {"op": "models"},
         {"op": "embeddings", "model": "embed", "input": ["Nomad serves models.", "hi"]},
@@ -119,6 +121,7 @@ async fn the_official_openai_client_gets_what_the_tools_give() {
         {"op": "embeddings", "model": "generate", "input": "x"},
         {"op": "chat", "model": "generate", "messages": question, "n": 2},
         {"op": "chat", "model": "generate", "messages": question, "presence_penalty": 0.5},
+        {"op": "embeddings", "model": "embed", "input": many.clone(), "encoding_format": "float"},
     ]);
     let r = openai(&base, TEST_TOKEN, &ops).await;
 
@@ -162,6 +165,27 @@ async fn the_official_openai_client_gets_what_the_tools_give() {
         assert!(got.len() == 384 && diff < 1e-5, "{text}: {diff}");
     }
     assert_eq!(r[2]["vectors"][0].as_array().unwrap().len(), 384);
+    // 40 texts against a queue of 8: admitted a few at a time, all answered, in order.
+    let last = r.last().unwrap();
+    let vectors = last["vectors"]
+        .as_array()
+        .unwrap_or_else(|| panic!("40 texts: {last}"));
+    assert_eq!(vectors.len(), many.len());
+    for i in [0, 17, 39] {
+        let reference = tool(&fleet, "embed", &many[i], json!({})).await;
+        let reference = match reference.output.and_then(|o| o.value) {
+            Some(tool_output::Value::Tensor(t)) => t.to_f32_vec().unwrap(),
+            other => panic!("{other:?}"),
+        };
+        let diff = vectors[i]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a.as_f64().unwrap() as f32 - b).abs())
+            .fold(0.0, f32::max);
+        assert!(diff < 1e-5, "text {i} of 40: {diff}");
+    }
 
     // A chat completion is generate greedy on the same conversation; streamed, the same text.
     let reference = tool(

@@ -75,17 +75,24 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     // rollout and verification panels read it).
     let runner = format!("127.0.0.1:{}", free_port());
 
-    // A real Prometheus, scraping each server every second.
+    // A real Prometheus, scraping each server every second with the fleet's token (every
+    // /metrics of a fleet with one needs it, on loopback too).
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, fleet["token"].as_str().unwrap()).unwrap();
+    let auth = format!(
+        "    authorization: {{credentials_file: '{}'}}\n",
+        token_file.display()
+    );
     let mut config =
         String::from("global: {scrape_interval: 1s, scrape_timeout: 1s}\nscrape_configs:\n");
     for (name, address) in &targets {
         config.push_str(&format!(
-            "  - job_name: {name}\n    static_configs: [{{targets: ['{}']}}]\n",
+            "  - job_name: {name}\n    static_configs: [{{targets: ['{}']}}]\n{auth}",
             address.as_str().unwrap()
         ));
     }
     config.push_str(&format!(
-        "  - job_name: runner\n    static_configs: [{{targets: ['{runner}']}}]\n"
+        "  - job_name: runner\n    static_configs: [{{targets: ['{runner}']}}]\n{auth}"
     ));
     let config_path = dir.join("prometheus.yml");
     std::fs::write(&config_path, config).unwrap();

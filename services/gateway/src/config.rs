@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -35,6 +36,56 @@ pub struct GatewayConfig {
     pub record_tool_calls: bool,
     /// With `record_tool_calls`: also their arguments, outputs and errors.
     pub record_tool_call_payloads: bool,
+    /// Bounds of the HTTP listener (MCP and the OpenAI routes).
+    pub http: HttpLimits,
+}
+
+/// `gateway.http`: what callers may hold of the gateway's HTTP listener.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpLimits {
+    /// How long a request's headers may take to arrive (also the most a connection may idle
+    /// between requests).
+    pub header_timeout_seconds: f64,
+    /// How long a request's body may take to arrive, once its token is checked.
+    pub body_timeout_seconds: f64,
+    /// Connections open at once; when full, the oldest that never authenticated is closed for a
+    /// new one.
+    pub max_connections: usize,
+    /// MCP sessions at once, across `/mcp` and `/tools`; when full, the one idle longest is
+    /// closed for a new one.
+    pub max_sessions: usize,
+    /// An MCP session without a request for this long ends.
+    pub session_idle_seconds: f64,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            header_timeout_seconds: 10.0,
+            body_timeout_seconds: 60.0,
+            max_connections: 1024,
+            max_sessions: 1024,
+            session_idle_seconds: 300.0,
+        }
+    }
+}
+
+impl HttpLimits {
+    /// The deadlines, each checked by name.
+    pub fn timeouts(&self) -> Result<(Duration, Duration, Duration), String> {
+        let seconds = |field: &str, value: f64| {
+            nomad_config::seconds(&format!("gateway.http.{field}"), value)
+        };
+        if self.max_connections == 0 || self.max_sessions == 0 {
+            return Err("gateway.http.max_connections and max_sessions must be at least 1".into());
+        }
+        Ok((
+            seconds("header_timeout_seconds", self.header_timeout_seconds)?,
+            seconds("body_timeout_seconds", self.body_timeout_seconds)?,
+            seconds("session_idle_seconds", self.session_idle_seconds)?,
+        ))
+    }
 }
 
 impl Default for GatewayConfig {
@@ -51,6 +102,7 @@ impl Default for GatewayConfig {
             search: Default::default(),
             record_tool_calls: false,
             record_tool_call_payloads: false,
+            http: HttpLimits::default(),
         }
     }
 }

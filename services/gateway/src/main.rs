@@ -3,6 +3,7 @@
 //! scheduler's (as the built-in `nomad` server) and external MCP servers.
 
 mod config;
+mod connections;
 mod direct;
 mod execute;
 mod grpc_service;
@@ -14,6 +15,7 @@ mod sandbox;
 mod schema;
 mod search;
 mod serve;
+mod sessions;
 mod tool_error;
 mod upstream;
 

@@ -27,10 +27,11 @@ pub async fn serve(
     addr_file: Option<&std::path::Path>,
     stopped: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
     use rmcp::transport::streamable_http_server::{
         StreamableHttpServerConfig, StreamableHttpService,
     };
+    let (header_timeout, body_timeout, session_idle) =
+        http.http.timeouts().map_err(anyhow::Error::msg)?;
     let (listener, local) = nomad_rpc::bind(listen).await?;
     let auth = nomad_rpc::auth::installed();
     if auth.token.is_none() && !local.ip().is_loopback() && !auth.open {
@@ -51,7 +52,8 @@ pub async fn serve(
     if !http.mcp_allowed_origins.is_empty() {
         config.allowed_origins = http.mcp_allowed_origins.clone();
     }
-    let sessions = || Arc::new(LocalSessionManager::default());
+    let bounded = crate::sessions::Sessions::new(http.http.max_sessions);
+    let sessions = || bounded.endpoint(session_idle);
     let openai = crate::openai::router(tools.gateway.clone());
     let direct = {
         let tools = tools.clone();
@@ -68,8 +70,13 @@ pub async fn serve(
         ),
     }
     .nest_service("/tools", direct)
+    .layer(axum::middleware::from_fn(move |request, next| {
+        refuse_sessions_when_full(bounded.clone(), request, next)
+    }))
     .merge(openai)
-    .layer(axum::middleware::from_fn(bearer_auth));
+    .layer(axum::middleware::from_fn(move |request, next| {
+        bearer_auth(body_timeout, request, next)
+    }));
     tracing::info!(
         "nomad-gateway MCP (Streamable HTTP) listening on http://{local}/mcp ({}) and \
          http://{local}/tools (the fleet's tools)",
@@ -78,14 +85,44 @@ pub async fn serve(
             Front::Tools => "the fleet's tools",
         }
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(stopped)
-        .await?;
+    let limits = crate::connections::Limits {
+        header_timeout,
+        max_connections: http.http.max_connections,
+        drain: std::time::Duration::from_secs(10),
+    };
+    crate::connections::serve(listener, app, limits, stopped).await?;
     Ok(())
 }
 
-/// 401 unless the request carries the fleet's `Authorization: Bearer <token>`.
+/// A new MCP session (a POST without `Mcp-Session-Id`) while every session is busy: 503 at
+/// once, saying why, rather than rmcp's 500.
+async fn refuse_sessions_when_full(
+    sessions: Arc<crate::sessions::Sessions>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let opens_session =
+        request.method() == http::Method::POST && !request.headers().contains_key("mcp-session-id");
+    if opens_session && sessions.full() {
+        let why = crate::sessions::SessionError::Full {
+            max: sessions.max(),
+        };
+        return (
+            http::StatusCode::SERVICE_UNAVAILABLE,
+            [(http::header::RETRY_AFTER, "1")],
+            format!("{why}\n"),
+        )
+            .into_response();
+    }
+    next.run(request).await
+}
+
+/// 401 unless the request carries the fleet's `Authorization: Bearer <token>` (and the
+/// connection closes: a caller without the token gets one answer per connection). A request
+/// that passes marks its connection as authenticated and has `body_timeout` for its body.
 async fn bearer_auth(
+    body_timeout: std::time::Duration,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
@@ -113,17 +150,72 @@ async fn bearer_auth(
                 "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}});
             return (
                 http::StatusCode::UNAUTHORIZED,
-                [(http::header::WWW_AUTHENTICATE, "Bearer")],
+                [
+                    (http::header::WWW_AUTHENTICATE, "Bearer"),
+                    (http::header::CONNECTION, "close"),
+                ],
                 axum::Json(body),
             )
                 .into_response();
         }
         return (
             http::StatusCode::UNAUTHORIZED,
-            [(http::header::WWW_AUTHENTICATE, "Bearer")],
+            [
+                (http::header::WWW_AUTHENTICATE, "Bearer"),
+                (http::header::CONNECTION, "close"),
+            ],
             why,
         )
             .into_response();
     }
+    if let Some(connection) = request.extensions().get::<crate::connections::Connection>() {
+        connection.authenticated();
+    }
+    let deadline = tokio::time::Instant::now() + body_timeout;
+    let request = request.map(|body| axum::body::Body::new(DeadlineBody::new(body, deadline)));
     next.run(request).await
+}
+
+/// A request body that fails once its deadline passes before it has all arrived.
+struct DeadlineBody {
+    body: axum::body::Body,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl DeadlineBody {
+    fn new(body: axum::body::Body, deadline: tokio::time::Instant) -> Self {
+        Self {
+            body,
+            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+        }
+    }
+}
+
+impl http_body::Body for DeadlineBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        use std::task::Poll;
+        if let Poll::Ready(frame) = std::pin::Pin::new(&mut self.body).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err(
+                "the request's body did not arrive within gateway.http.body_timeout_seconds".into(),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }

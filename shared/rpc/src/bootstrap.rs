@@ -31,21 +31,19 @@ pub struct ServiceArgs {
     pub addr_file: Option<PathBuf>,
 }
 
-/// `/metrics` follows the gRPC listen rule: on loopback it is open; beyond it only with the
-/// fleet's token, which every scrape must then carry (`auth: none` serves it open, logged).
+/// `/metrics` needs the fleet's token whenever the fleet has one, on loopback too (every local
+/// user can reach a loopback port); without one it is open on loopback only (`auth: none`
+/// serves it open beyond, logged).
 fn scrape_auth(
     listen: SocketAddr,
 ) -> Result<Option<nomad_telemetry::scrape::ScrapeAuth>, RpcError> {
     let auth = crate::auth::installed();
-    if listen.ip().is_loopback() {
-        return Ok(None);
-    }
     if auth.token.is_some() {
         let accepts =
             std::sync::Arc::new(|given: Option<&str>| crate::auth::installed().accepts(given));
         return Ok(Some(nomad_telemetry::scrape::ScrapeAuth(accepts)));
     }
-    if auth.open {
+    if listen.ip().is_loopback() || auth.open {
         return Ok(None);
     }
     Err(RpcError::Auth(format!(

@@ -91,6 +91,12 @@ async fn model(gateway: &Gateway, name: &str, kinds: &[&str]) -> Result<String, 
     }
 }
 
+/// How many of one request's texts are queued at once: half the tool's queue bound, so one
+/// request never fills the queue alone (all of them when the bound is not known).
+fn embedding_window(max_pending: Option<u32>) -> usize {
+    max_pending.map_or(MAX_INPUTS, |bound| (bound as usize / 2).max(1))
+}
+
 async fn call(
     gateway: &Gateway,
     cx: &Context,
@@ -163,16 +169,31 @@ async fn embeddings(
         ));
     }
     model(&gateway, &request.model, &["embed"]).await?;
+    let window = embedding_window(
+        gateway
+            .upstreams
+            .model_max_pending(&request.model)
+            .await
+            .map_err(ApiError::from_tool_error)?,
+    );
     let cx = caller(&headers);
-    // Each text one scheduler request, all at once: the scheduler batches them.
-    let answers = futures::future::join_all(inputs.iter().map(|text| {
-        let (gateway, cx, model) = (&gateway, &cx, &request.model);
-        async move { call(gateway, cx, model, &json!({"text": text}), None).await }
-    }))
-    .await;
+    // Each text one scheduler request, in order, at most `window` of them queued at once (so a
+    // request of more texts than the tool queues is admitted a window at a time, and leaves
+    // room to other callers); the first failure ends the request, and its texts still in the
+    // queue leave it.
+    use futures::{StreamExt as _, TryStreamExt as _};
+    let (gateway, cx, model) = (&gateway, &cx, &request.model);
+    let answers: Vec<Value> = futures::stream::iter(inputs.into_iter().enumerate())
+        .map(|(index, text)| async move {
+            call(gateway, cx, model, &json!({"text": text}), None)
+                .await
+                .map_err(|e| e.at_input(index))
+        })
+        .buffered(window)
+        .try_collect()
+        .await?;
     let mut data = Vec::with_capacity(answers.len());
     for (index, answer) in answers.into_iter().enumerate() {
-        let answer = answer.map_err(|e| e.at_input(index))?;
         let vector: Vec<f32> = answer
             .get("output")
             .and_then(Value::as_array)

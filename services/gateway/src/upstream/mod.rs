@@ -81,6 +81,11 @@ impl Upstreams {
             .collect())
     }
 
+    /// The queue bound (`max_pending`) of the fleet's model `name`, if it has one.
+    pub async fn model_max_pending(&self, name: &str) -> Result<Option<u32>, ToolError> {
+        self.nomad.max_pending(name).await
+    }
+
     /// Woken when a server's tools may have changed.
     pub fn changed(&self) -> Arc<Notify> {
         self.changed.clone()

@@ -134,12 +134,23 @@ const PENDING_POLL: std::time::Duration = std::time::Duration::from_secs(1);
 /// How long that goes on at most (a tool's environment may take this long to build).
 const PENDING_WATCH: std::time::Duration = std::time::Duration::from_secs(3600);
 
+/// What one listing of the scheduler's tools gives: their specs, kinds and queue bounds, and
+/// whether any is still being described.
+type Listed = (
+    Vec<ToolSpec>,
+    HashMap<String, String>,
+    HashMap<String, u32>,
+    bool,
+);
+
 /// The scheduler's tools as listed at `at`.
 struct Listing {
     at: std::time::Instant,
     tools: Vec<ToolSpec>,
     /// Each tool's kind (a Python model's arguments go as one JSON object).
     kinds: HashMap<String, String>,
+    /// Each tool's queue bound (`max_pending`): requests beyond it are refused as queue_full.
+    max_pending: HashMap<String, u32>,
     /// Some tool was not described yet: the listing is kept for [`PENDING_POLL`] only.
     pending: bool,
 }
@@ -271,7 +282,7 @@ impl Nomad {
                     ),
                 )
             })??;
-        let (tools, kinds, pending) = tools;
+        let (tools, kinds, max_pending, pending) = tools;
         if pending {
             self.watch_pending();
         }
@@ -279,6 +290,7 @@ impl Nomad {
             at: std::time::Instant::now(),
             tools: tools.clone(),
             kinds: kinds.clone(),
+            max_pending,
             pending,
         });
         Ok((tools, kinds))
@@ -293,6 +305,15 @@ impl Nomad {
             .collect())
     }
 
+    /// The queue bound of `tool` (a listing kept while fresh), if the scheduler has it.
+    pub async fn max_pending(&self, tool: &str) -> Result<Option<u32>, ToolError> {
+        self.listing().await?;
+        let listing = self.listing.lock().await;
+        Ok(listing
+            .as_ref()
+            .and_then(|l| l.max_pending.get(tool).copied()))
+    }
+
     /// Whether the last listing, however old, has `tool`; never lists.
     pub async fn listed(&self, tool: &str) -> bool {
         let listing = self.listing.lock().await;
@@ -301,9 +322,9 @@ impl Nomad {
             .is_some_and(|l| l.tools.iter().any(|t| t.name == tool))
     }
 
-    /// Tools that failed to load are left out (the scheduler's log says why); also whether any
-    /// is still being described.
-    async fn list(&self) -> Result<(Vec<ToolSpec>, HashMap<String, String>, bool), ToolError> {
+    /// Tools that failed to load are left out (the scheduler's log says why); also each one's
+    /// kind and queue bound, and whether any is still being described.
+    async fn list(&self) -> Result<Listed, ToolError> {
         let listed = self
             .scheduler
             .clone()
@@ -331,11 +352,15 @@ impl Nomad {
             .iter()
             .map(|t| (t.name.clone(), t.kind.clone()))
             .collect();
+        let max_pending = tools
+            .iter()
+            .map(|t| (t.name.clone(), t.max_pending))
+            .collect();
         let mut specs: Vec<ToolSpec> = tools.into_iter().map(tool_spec).collect();
         if !specs.iter().any(|t| t.name == MODEL_CARD_TOOL) {
             specs.push(model_card_spec());
         }
-        Ok((specs, kinds, pending))
+        Ok((specs, kinds, max_pending, pending))
     }
 
     /// Calls `tool`; the caller's context is current (the client layer injects it). With

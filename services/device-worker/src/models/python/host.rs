@@ -83,14 +83,19 @@ impl Host {
                         HostError::Spawn(format!("an import path holds a separator: {e}"))
                     })?,
                 )
-                // The fleet's credential is the services', not the model's.
-                .env_remove("NOMAD_AUTH_TOKEN")
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 // A Ctrl-C at the terminal reaches the worker, which stops its hosts itself.
                 .process_group(0)
                 .kill_on_drop(true);
+            // The fleet's credential is the services', not the model's.
+            for name in fleet_credentials(
+                std::env::vars_os(),
+                nomad_rpc::auth::installed().token.as_deref(),
+            ) {
+                command.env_remove(name);
+            }
             command
                 .fd_mappings(vec![FdMapping {
                     parent_fd: OwnedFd::from(theirs),
@@ -283,5 +288,67 @@ pub fn describe_exit(status: std::process::ExitStatus) -> String {
             format!("signal {signal}{name}")
         }
         None => status.to_string(),
+    }
+}
+
+/// Variables of the worker's environment `vars` the model host must not inherit: Nomad's own
+/// credential variables, and any other whose value holds the fleet's `token` (as is, or
+/// percent-encoded as in an OTLP headers variable: a Slurm job's collector headers carry it).
+fn fleet_credentials(
+    vars: impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+    token: Option<&str>,
+) -> Vec<std::ffi::OsString> {
+    let mut names: Vec<std::ffi::OsString> = ["NOMAD_AUTH_TOKEN", "NOMAD_OTEL_OTLP_HEADERS"]
+        .map(Into::into)
+        .into();
+    if let Some(token) = token.filter(|t| !t.is_empty()) {
+        let encoded: String = token
+            .bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                    (b as char).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect();
+        names.extend(vars.filter_map(|(name, value)| {
+            let value = value.to_string_lossy();
+            (value.contains(token) || value.contains(&encoded)).then_some(name)
+        }));
+    }
+    names
+}
+
+#[cfg(test)]
+mod credential_tests {
+    use super::fleet_credentials;
+    use std::ffi::OsString;
+
+    #[test]
+    fn every_variable_holding_the_fleet_token_is_withheld() {
+        let token = "s3cret/token+x";
+        let vars = [
+            ("PATH", "/usr/bin".to_owned()),
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "authorization=Bearer%20s3cret%2Ftoken%2Bx".to_owned(),
+            ),
+            ("SOME_TOOL_KEY", format!("x-{token}")),
+            ("OTHER_HEADERS", "authorization=Bearer other".to_owned()),
+        ]
+        .map(|(k, v)| (OsString::from(k), OsString::from(v)));
+        let withheld = fleet_credentials(vars.into_iter(), Some(token));
+        let names: Vec<&str> = withheld.iter().map(|n| n.to_str().unwrap()).collect();
+        assert_eq!(
+            names,
+            [
+                "NOMAD_AUTH_TOKEN",
+                "NOMAD_OTEL_OTLP_HEADERS",
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "SOME_TOOL_KEY"
+            ]
+        );
+        // Without a token only Nomad's own names go.
+        assert_eq!(fleet_credentials(std::iter::empty(), None).len(), 2);
     }
 }
