@@ -121,7 +121,19 @@ pub fn models_dir() -> PathBuf {
 /// A command for the Nomad binary `name` with none of the caller's settings that a Nomad
 /// process reads (`OTEL_*`, `NOMAD_*`, `SLURM_JOB_ID`), logging at info.
 pub fn clean(name: &str) -> Command {
-    let mut cmd = Command::new(binary(name));
+    clean_at(&binary(name))
+}
+
+/// A clean command for `service` with `env` on top.
+fn command(service: Service, env: &[(String, String)]) -> Command {
+    let mut cmd = clean(service.binary());
+    cmd.envs(env.iter().cloned());
+    cmd
+}
+
+/// [`clean`] for the program at `program`.
+fn clean_at(program: &Path) -> Command {
+    let mut cmd = Command::new(program);
     for (key, _) in std::env::vars() {
         if key.starts_with("OTEL_") || key.starts_with("NOMAD_") || key == "SLURM_JOB_ID" {
             cmd.env_remove(key);
@@ -163,13 +175,6 @@ pub async fn nomad_up(dir: &Path, run_id: &str) -> (tokio::process::Child, PathB
     (up, fleet)
 }
 
-/// A clean command for `service` with `env` on top.
-fn command(service: Service, env: &[(String, String)]) -> Command {
-    let mut cmd = clean(service.binary());
-    cmd.envs(env.iter().cloned());
-    cmd
-}
-
 #[derive(Debug, Default, Clone)]
 pub struct FleetOptions {
     /// Environment for every process, the head included.
@@ -191,6 +196,8 @@ pub struct FleetOptions {
     pub worker_args: Vec<String>,
     /// The fleet's directory (its config file, logs and addresses); default: a new temp dir.
     pub dir: Option<PathBuf>,
+    /// Another build's gateway binary, run instead of this build's (a bench's baseline).
+    pub gateway_binary: Option<PathBuf>,
 }
 
 impl FleetOptions {
@@ -466,7 +473,12 @@ impl Fleet {
         let addr_file = self.dir.join(format!("{stem}.addr"));
         let stdout = std::fs::File::create(self.dir.join(format!("{stem}.stdout"))).unwrap();
         let stderr = std::fs::File::create(self.dir.join(format!("{stem}.stderr"))).unwrap();
-        let mut cmd = command(service, &self.options.env_for(service));
+        let program = match (service, &self.options.gateway_binary) {
+            (Service::Gateway, Some(other)) => other.clone(),
+            _ => binary(service.binary()),
+        };
+        let mut cmd = clean_at(&program);
+        cmd.envs(self.options.env_for(service));
         if service == Service::Head {
             cmd.arg("head");
         }

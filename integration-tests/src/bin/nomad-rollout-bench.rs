@@ -7,7 +7,9 @@
 //! gateway and of all its runs together (PSS, read from /proc).
 //!
 //! Run: `cargo build --release --workspace --bins && target/release/nomad-rollout-bench
-//! [--callers 1,16,64,256] [--seconds 15]`.
+//! [--callers 1,16,64,256] [--seconds 15] [--baseline-gateway PATH]`. With
+//! `--baseline-gateway`, the default and the interpreter-per-run rows are measured a second time
+//! with that binary (another build's gateway, "before"), row after row.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,9 +26,10 @@ await asyncio.sleep(0.5)
 RESULT = len(embed('A sentence to embed.')['output'])
 ";
 
-async fn fleet(sandbox_yaml: &str) -> Fleet {
+async fn fleet(sandbox_yaml: &str, gateway: Option<&str>) -> Fleet {
     Fleet::start(
         FleetOptions {
+            gateway_binary: gateway.map(Into::into),
             tools_yaml: Some(format!(
                 "tools:\n  - {{name: embed, kind: embed, source: {}, batch_size: 32}}\n\
                  tool_manager:\n  heartbeat_interval_ms: 200\n",
@@ -146,14 +149,18 @@ async fn measure(fleet: &Fleet, callers: usize, seconds: f64) -> Row {
 }
 
 const USAGE: &str = "\
-Usage: nomad-rollout-bench [--callers 1,16,64,256] [--seconds 15]
+Usage: nomad-rollout-bench [--callers 1,16,64,256] [--seconds 15] [--baseline-gateway PATH]
 N callers each running code that waits 0.5 s then calls embed, back to back, through a gateway
 admitting by memory with forked runs (the default), one starting an interpreter per run, and
-one capped at 4 runs at once.";
+one capped at 4 runs at once; --baseline-gateway adds the first two with another build's gateway.";
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    check_args(USAGE, &["--callers", "--seconds"], &[]);
+    check_args(
+        USAGE,
+        &["--callers", "--seconds", "--baseline-gateway"],
+        &[],
+    );
     let callers: Vec<usize> = arg("--callers", "1,16,64,256")
         .split(',')
         .map(|n| {
@@ -163,10 +170,33 @@ async fn main() {
         })
         .collect();
     let seconds: f64 = arg("--seconds", "15").parse().expect("--seconds: a number");
-    let by_memory = fleet("").await;
-    let interpreters = fleet("  fork_server: false\n").await;
-    let capped = fleet("  max_concurrent: 4\n  fork_server: false\n").await;
-    for fleet in [&by_memory, &interpreters, &capped] {
+    let baseline = arg("--baseline-gateway", "");
+    let mut fleets = vec![
+        (
+            "by memory, forked (default)".to_owned(),
+            fleet("", None).await,
+        ),
+        (
+            "by memory, an interpreter per run".to_owned(),
+            fleet("  fork_server: false\n", None).await,
+        ),
+        (
+            "4 at once, an interpreter per run".to_owned(),
+            fleet("  max_concurrent: 4\n  fork_server: false\n", None).await,
+        ),
+    ];
+    if !baseline.is_empty() {
+        let before = Some(baseline.as_str());
+        fleets.push((
+            "by memory, forked (default; before)".to_owned(),
+            fleet("", before).await,
+        ));
+        fleets.push((
+            "by memory, an interpreter per run (before)".to_owned(),
+            fleet("  fork_server: false\n", before).await,
+        ));
+    }
+    for (_, fleet) in &fleets {
         // Load the model and touch every path once.
         measure(fleet, 2, 2.0).await;
     }
@@ -177,11 +207,7 @@ async fn main() {
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut notes = Vec::new();
     for &n in &callers {
-        for (name, fleet) in [
-            ("by memory, forked (default)", &by_memory),
-            ("by memory, an interpreter per run", &interpreters),
-            ("4 at once, an interpreter per run", &capped),
-        ] {
+        for (name, fleet) in &fleets {
             let row = measure(fleet, n, seconds).await;
             let ideal = n as f64 / 0.5;
             println!(

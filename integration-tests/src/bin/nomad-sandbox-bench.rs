@@ -7,7 +7,9 @@
 //! trivial code back to back, and the same at concurrency 8.
 //!
 //! Run: `cargo build --release --workspace --bins && target/release/nomad-sandbox-bench
-//! [--samples 40] [--python /usr/bin/python3]` (needs `bwrap`: Debian's `bubblewrap`).
+//! [--samples 40] [--python /usr/bin/python3] [--baseline-gateway PATH]` (needs `bwrap`:
+//! Debian's `bubblewrap`). With `--baseline-gateway`, every gateway row is measured a second
+//! time, interleaved, with that binary (another build's gateway, "before").
 
 use std::time::{Duration, Instant};
 
@@ -23,9 +25,10 @@ const EMBED: &str =
 
 /// A fleet with the `embed` tool and a gateway whose pool keeps `warm` runners, forked from the
 /// fork server or each a new interpreter.
-async fn fleet(warm: usize, fork_server: bool) -> Fleet {
+async fn fleet(warm: usize, fork_server: bool, gateway: Option<&str>) -> Fleet {
     Fleet::start(
         FleetOptions {
+            gateway_binary: gateway.map(Into::into),
             tools_yaml: Some(format!(
                 "tools:\n  - {{name: embed, kind: embed, source: {}, batch_size: 8}}\n\
                  tool_manager:\n  heartbeat_interval_ms: 200\n  max_batch_delay_ms: 0\n",
@@ -131,20 +134,32 @@ fn row(name: &str, samples: &mut [Duration]) {
 }
 
 const USAGE: &str = "\
-Usage: nomad-sandbox-bench [--samples N] [--python PATH]
-The sandbox's start-up and run latency: bare python, under bwrap, and the gateway's ExecuteCode\nwarm and cold, then at concurrency 8 (defaults: 40 samples, /usr/bin/python3; needs bwrap).";
+Usage: nomad-sandbox-bench [--samples N] [--python PATH] [--baseline-gateway PATH]
+The sandbox's start-up and run latency: bare python, under bwrap, and the gateway's ExecuteCode\nwarm and cold, then at concurrency 8 (defaults: 40 samples, /usr/bin/python3; needs bwrap).\n--baseline-gateway measures every gateway row again with another build's gateway binary.";
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    check_args(USAGE, &["--samples", "--python"], &[]);
+    check_args(USAGE, &["--samples", "--python", "--baseline-gateway"], &[]);
     let samples: usize = arg("--samples", "40").parse().unwrap();
     let python = arg("--python", "/usr/bin/python3");
-    let fleets = [
-        fleet(2, true).await,
-        fleet(0, true).await,
-        fleet(2, false).await,
-        fleet(0, false).await,
-    ];
+    let baseline = arg("--baseline-gateway", "");
+    let mut gateways = vec![(None, "")];
+    if !baseline.is_empty() {
+        gateways.push((Some(baseline.as_str()), " (before)"));
+    }
+    let mut kinds = Vec::new();
+    let mut fleets = Vec::new();
+    for (binary, suffix) in &gateways {
+        for (warm, fork_server, kind) in [
+            (2, true, "forked, warm"),
+            (0, true, "forked, cold"),
+            (2, false, "new interpreter, warm"),
+            (0, false, "new interpreter, cold"),
+        ] {
+            kinds.push(format!("{kind}{suffix}"));
+            fleets.push(fleet(warm, fork_server, *binary).await);
+        }
+    }
     let mut clients = Vec::new();
     for f in &fleets {
         clients.push(client(f).await);
@@ -159,12 +174,6 @@ async fn main() {
         embed_directly(&mut clients[0]).await;
     }
     let pause = Duration::from_millis(150); // lets the pool refill between warm samples
-    let kinds = [
-        "forked, warm",
-        "forked, cold",
-        "new interpreter, warm",
-        "new interpreter, cold",
-    ];
     let mut names = vec![
         "bare `python3 -I -c pass`".to_owned(),
         "`bwrap` (every namespace) + `python3 -I -c pass`".to_owned(),
@@ -186,8 +195,9 @@ async fn main() {
             results[3 + i].push(execute(c, TRIVIAL).await);
         }
         tokio::time::sleep(pause).await;
+        let embed_rows = 3 + kinds.len();
         for (i, c) in clients.iter_mut().enumerate() {
-            results[7 + i].push(execute(c, EMBED).await);
+            results[embed_rows + i].push(execute(c, EMBED).await);
         }
     }
     println!("\nConcurrency 1, {samples} samples of each, interleaved, with gaps:\n");
