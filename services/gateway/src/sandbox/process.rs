@@ -132,17 +132,21 @@ enum Waiter {
 
 impl Proc {
     /// Kills the whole run: its first process, whose namespace the kernel then empties; before
-    /// it has reported (no code of the run's has run yet), its waiter, whose death kills it.
+    /// it has reported (no code of the run's has run yet), its waiter, whose death kills it. A
+    /// spawned run's init and its process group go too (all there is to kill of a run without
+    /// namespaces).
     fn kill(&mut self) {
-        if let Some(first) = &self.first {
-            match first.kill() {
-                Ok(()) => return,
-                Err(e) => tracing::error!(pid = first.pid, "killing a sandboxed run: {e}"),
-            }
-        }
+        let killed = match &self.first {
+            Some(first) => first
+                .kill()
+                .inspect_err(|e| tracing::error!(pid = first.pid, "killing a sandboxed run: {e}"))
+                .is_ok(),
+            None => false,
+        };
         match &mut self.waiter {
             Waiter::Spawned { child, pgid } => kill(child, *pgid),
-            Waiter::Forked(forked) => forked.kill(),
+            Waiter::Forked(forked) if !killed => forked.kill(),
+            Waiter::Forked(_) => {}
         }
     }
 
