@@ -71,7 +71,8 @@ pub struct Telemetry {
 pub struct InitOptions {
     /// Where console records go (stderr for a process whose stdout is a protocol).
     pub console_sink: ConsoleSink,
-    /// Who may scrape `/metrics` (`None`: anyone who reaches it, as on loopback).
+    /// Who may scrape `/metrics` (`None`: anyone who reaches it, as on loopback when the fleet
+    /// has no token).
     pub scrape_auth: Option<scrape::ScrapeAuth>,
 }
 
