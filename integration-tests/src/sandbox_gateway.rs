@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::Fleet;
 use crate::fleet::{binary, wait_for_file};
-use crate::users::{RunAs, sandbox_runs};
+use crate::users::{RunAs, gateway_users, sandbox_runs};
 
 /// How a run's process starts: each containment test runs on both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,6 +223,14 @@ def call(nr, *args):
     r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
     return errno.errorcode.get(ctypes.get_errno(), 'OK') if r == -1 else 'OK'
 ";
+
+/// Every user the gateway runs as (see [`gateway_users`]), with each way a run starts.
+pub fn users_and_starts() -> Vec<(RunAs, Start)> {
+    gateway_users()
+        .into_iter()
+        .flat_map(|run_as| Start::BOTH.map(|start| (run_as.clone(), start)))
+        .collect()
+}
 
 /// Processes anywhere on the host whose name (`/proc/<pid>/comm`) is `name`: what a run that
 /// escaped its end would leave behind, wherever it was reparented.

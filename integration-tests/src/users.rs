@@ -168,12 +168,7 @@ pub const RUNNER: &str = "-B\0/nomad/runner.py";
 pub fn sandbox_runs(pid: u32) -> usize {
     let cmdline = |p: u32| std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
     let is_runner = |p: u32| String::from_utf8_lossy(&cmdline(p)).contains(RUNNER);
-    let parent = |p: u32| -> u32 {
-        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
-        stat.rfind(')')
-            .and_then(|i| stat[i + 2..].split_whitespace().nth(1)?.parse().ok())
-            .unwrap_or(0)
-    };
+    let parent = parent_of;
     descendants(pid)
         .into_iter()
         .filter(|&p| is_runner(p))
@@ -183,4 +178,13 @@ pub fn sandbox_runs(pid: u32) -> usize {
             !(forked && (!is_runner(up) || !is_runner(parent(up))))
         })
         .count()
+}
+
+/// The parent of process `pid` (0 when it is gone).
+pub fn parent_of(pid: u32) -> u32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The name may hold spaces and parentheses: fields follow the last ')'.
+    stat.rfind(')')
+        .and_then(|i| stat[i + 2..].split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
 use nomad_integration_tests::fleet::binary;
-use nomad_integration_tests::sandbox_gateway::{Gateway, SYSCALL_HELPER, Start};
+use nomad_integration_tests::sandbox_gateway::{Gateway, SYSCALL_HELPER, Start, users_and_starts};
 use nomad_integration_tests::users::{
     RUNNER, RunAs, TEST_GROUP, descendants_running, gateway_users, group_id, sandbox_runs,
 };
@@ -939,12 +939,4 @@ RESULT = 'sent'
             .await;
         gateway.stop().await;
     }
-}
-
-/// Every user the gateway runs as, with each way a run starts.
-fn users_and_starts() -> Vec<(RunAs, Start)> {
-    gateway_users()
-        .into_iter()
-        .flat_map(|run_as| Start::BOTH.map(|start| (run_as.clone(), start)))
-        .collect()
 }

@@ -6,16 +6,11 @@
 
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::sandbox_gateway::{Gateway, SYSCALL_HELPER, Start, processes_named};
-use nomad_integration_tests::users::{RunAs, descendants, gateway_users};
+use nomad_integration_tests::sandbox_gateway::{
+    Gateway, SYSCALL_HELPER, Start, processes_named, users_and_starts,
+};
+use nomad_integration_tests::users::{descendants, gateway_users, parent_of};
 use nomad_proto::v1::ExecuteCodeRequest;
-
-fn users_and_starts() -> Vec<(RunAs, Start)> {
-    gateway_users()
-        .into_iter()
-        .flat_map(|run_as| Start::BOTH.map(|start| (run_as.clone(), start)))
-        .collect()
-}
 
 /// Python that makes this process and two generations of children escape every way a process
 /// can (no death signal, a session of its own, SIGTERM/SIGHUP/SIGINT ignored, orphaned), each
@@ -320,13 +315,7 @@ fn zygote_of(pid: u32) -> Option<u32> {
         String::from_utf8_lossy(&std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default())
             .into_owned()
     };
-    let parent = |p: u32| -> u32 {
-        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
-        stat.rfind(')')
-            .and_then(|i| stat[i + 2..].split_whitespace().nth(1)?.parse().ok())
-            .unwrap_or(0)
-    };
-    descendants(pid)
-        .into_iter()
-        .find(|&p| cmdline(p).contains("\0--zygote") && cmdline(parent(p)).contains("sandbox-init"))
+    descendants(pid).into_iter().find(|&p| {
+        cmdline(p).contains("\0--zygote") && cmdline(parent_of(p)).contains("sandbox-init")
+    })
 }
