@@ -724,10 +724,11 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Ctrl-C during `nomad up --tasks`: one "interrupted" line, the rollouts that finished summed up
-/// (with their report), the fleet stopped, and exit 130 as shells report SIGINT.
+/// Ctrl-C during `nomad up --tasks`: one "interrupted" line, every task with its result line (the
+/// ones cut short or never started as `cancelled`, saying why) summed up with their report, the
+/// fleet stopped, and exit 130 as shells report SIGINT.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ctrl_c_stops_the_run_with_130_and_sums_up_what_finished() {
+async fn ctrl_c_stops_the_run_with_130_and_every_task_gets_its_line() {
     let dir = Fleet::new_dir();
     let config = mlp_config(&dir);
     // Three quick rollouts first, then ones that outlast the test.
@@ -783,13 +784,42 @@ async fn ctrl_c_stops_the_run_with_130_and_sums_up_what_finished() {
         "{stderr}"
     );
     assert!(
-        stderr.contains("3 of 11 rollouts finished before the run was interrupted"),
+        stderr.contains("8 of 11 rollouts cancelled: the run was interrupted"),
         "{stderr}"
     );
     assert!(
-        stdout.contains("3 rollouts: 3 ok, 0 failed; 3 of 3 verified passed"),
-        "the finished rollouts are summed up:\n{stdout}"
+        stdout.contains("11 rollouts: 3 ok, 0 failed, 8 cancelled; 3 of 3 verified passed"),
+        "the rollouts are summed up:\n{stdout}"
     );
+    // Every task has its one line: the three that finished, and the eight the stop cut short
+    // (three running, five not started) as cancelled, saying why.
+    let lines = read_jsonl(&results);
+    let mut ids: Vec<&str> = lines
+        .iter()
+        .map(|l| l["task_id"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    let mut expected: Vec<String> = tasks
+        .iter()
+        .map(|t| t["id"].as_str().unwrap().to_owned())
+        .collect();
+    expected.sort();
+    assert_eq!(ids, expected, "one result line per task");
+    for line in &lines {
+        let id = line["task_id"].as_str().unwrap();
+        if id.starts_with("slow-") {
+            assert_eq!(line["status"], "cancelled", "{line}");
+            assert!(
+                line["error"]
+                    .as_str()
+                    .unwrap()
+                    .contains("the run was interrupted"),
+                "{line}"
+            );
+        } else {
+            assert_eq!(line["status"], "ok", "{line}");
+        }
+    }
     assert!(stdout.contains("Report: "), "{stdout}");
     assert!(runs.join("interrupted/report.html").is_file());
     assert_eq!(
@@ -802,6 +832,11 @@ async fn ctrl_c_stops_the_run_with_130_and_sums_up_what_finished() {
         &std::fs::read_to_string(runs.join("interrupted/head.jsonl")).unwrap_or_default(),
     );
     let rollouts: Vec<_> = spans.iter().filter(|s| s.name == "nomad.rollout").collect();
+    assert_eq!(
+        rollouts.len(),
+        11,
+        "every task's rollout has its root span: {rollouts:?}"
+    );
     let status_of = |prefix: &str| -> BTreeSet<(String, String)> {
         rollouts
             .iter()

@@ -66,7 +66,11 @@ impl Head for HeadService {
         let id = run_id.clone();
         tracing::info!(run_id = %run_id, tasks = tasks.len(), "run started");
         tokio::spawn(async move {
-            runner.run(tasks, |result| runs.record(&id, result)).await;
+            // A run of the head's API ends with its tasks (the head has no stop for it yet).
+            let (_never, stop) = crate::rollouts::Stop::new();
+            runner
+                .run(tasks, &stop, |result| runs.record(&id, result))
+                .await;
             runs.finish(&id);
             tracing::info!(run_id = %id, "run finished");
         });

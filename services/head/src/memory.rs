@@ -107,17 +107,19 @@ impl Profiler {
         }
     }
 
-    /// Samples every `interval` until the task is aborted.
+    /// Samples the running `servers` (kept current across restarts) every `interval` until
+    /// the task is aborted.
     pub fn run(
         self: Arc<Self>,
-        servers: Vec<(String, u32)>,
+        servers: crate::supervisor::Servers,
         interval: Duration,
     ) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             loop {
                 tick.tick().await;
-                let (this, servers) = (self.clone(), servers.clone());
+                let servers = servers.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let this = self.clone();
                 // /proc reads are blocking I/O.
                 let _ = tokio::task::spawn_blocking(move || this.sample(&servers)).await;
             }

@@ -50,6 +50,53 @@ pub struct RolloutResult {
     pub durations: Durations,
 }
 
+/// A run's stop: once it is given, with why, every rollout still running ends as `cancelled`
+/// with that reason, and every task not started yet is written as `cancelled` at once, so that
+/// every task of the run has one result.
+#[derive(Clone)]
+pub struct Stop(tokio::sync::watch::Receiver<Option<String>>);
+
+/// Gives a run its [`Stop`].
+pub struct Stopper(tokio::sync::watch::Sender<Option<String>>);
+
+impl Stop {
+    pub fn new() -> (Stopper, Stop) {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        (Stopper(tx), Stop(rx))
+    }
+
+    /// Why the run stopped, if it has.
+    fn reason(&self) -> Option<String> {
+        self.0.borrow().clone()
+    }
+
+    /// Completes once the run is stopped, with why (never, if it is not).
+    async fn stopped(&self) -> String {
+        let mut rx = self.0.clone();
+        // The guard `wait_for` returns is not held across an await.
+        let why = rx
+            .wait_for(Option::is_some)
+            .await
+            .map(|why| why.clone().unwrap_or_default());
+        match why {
+            Ok(why) => why,
+            Err(_) => std::future::pending().await,
+        }
+    }
+}
+
+impl Stopper {
+    pub fn stop(&self, why: impl Into<String>) {
+        self.0.send_if_modified(|current| {
+            let first = current.is_none();
+            if first {
+                *current = Some(why.into());
+            }
+            first
+        });
+    }
+}
+
 /// Marks a span cancelled when the work it covers is dropped before it ends (Ctrl-C, a run
 /// stopped early), so its trace says so instead of leaving its status unset.
 struct EndsCancelled<'a> {
@@ -165,10 +212,13 @@ impl Runner {
         }
     }
 
-    /// Runs every task; `on_result` sees each result as it completes (in completion order).
+    /// Runs every task until `stop`; `on_result` sees each result as it completes (in
+    /// completion order): one for every task, `cancelled` for those the stop cut short or
+    /// never started.
     pub async fn run(
         &self,
         tasks: Vec<Task>,
+        stop: &Stop,
         mut on_result: impl FnMut(&RolloutResult),
     ) -> Vec<RolloutResult> {
         let run_cx = baggage::with_ids(&Context::new(), &self.run_id, None);
@@ -188,15 +238,16 @@ impl Runner {
             EndsCancelled::new(&job, "the run stopped before all its rollouts finished");
         let mut results = Vec::with_capacity(tasks.len());
         let mut stream = futures::stream::iter(tasks)
-            .map(|task| self.rollout(task, job_link.clone()))
+            .map(|task| self.rollout(task, job_link.clone(), stop))
             .buffer_unordered(self.concurrency.max(1));
         while let Some(result) = stream.next().await {
             on_result(&result);
             results.push(result);
         }
-        job_open.done = true;
         let failed = results.iter().filter(|r| r.status != "ok").count();
         job.set_attribute(KeyValue::new("nomad.job.failed", failed as i64));
+        // A stopped run's job span says so (the guard does, when it drops).
+        job_open.done = stop.reason().is_none();
         results
     }
 
@@ -204,6 +255,7 @@ impl Runner {
         &self,
         task: Task,
         job: Option<opentelemetry::trace::SpanContext>,
+        stop: &Stop,
     ) -> RolloutResult {
         let rollout_id = uuid::Uuid::new_v4().simple().to_string();
         let cx = baggage::with_ids(&Context::new(), &self.run_id, Some(&rollout_id));
@@ -228,19 +280,108 @@ impl Runner {
         );
         let mut open = EndsCancelled::new(&span, "the run stopped before this rollout finished");
         let started = Instant::now();
-        let mut tool_calls = None;
-        let agent = self
-            .agent_step(&task.step, &mut tool_calls)
-            .with_context(span.context().clone())
-            .await;
-        let agent_seconds = started.elapsed().as_secs_f64();
+        let work = async {
+            let mut tool_calls = None;
+            let agent = self
+                .agent_step(&task.step, &mut tool_calls)
+                .with_context(span.context().clone())
+                .await;
+            let agent_seconds = started.elapsed().as_secs_f64();
+            let verify_started = Instant::now();
+            let verdict = self.verdict(&task, agent, span.context()).await;
+            let verify_seconds = if verdict.2.is_some() || verdict.3.is_some() {
+                verify_started.elapsed().as_secs_f64()
+            } else {
+                0.0
+            };
+            (verdict, tool_calls, agent_seconds, verify_seconds)
+        };
+        // A stopped run starts nothing more, and ends what runs as cancelled, with why.
+        let outcome = match stop.reason() {
+            Some(why) => Err(why),
+            None => tokio::select! {
+                outcome = work => Ok(outcome),
+                why = stop.stopped() => Err(why),
+            },
+        };
+        let ((output, error, reward, passed), tool_calls, agent_seconds, verify_seconds) =
+            match outcome {
+                Ok(outcome) => outcome,
+                Err(why) => {
+                    open.done = true;
+                    span.set_error("cancelled", &why);
+                    let total = started.elapsed().as_secs_f64();
+                    self.rollout_duration
+                        .record(total, &[KeyValue::new("status", "cancelled")]);
+                    return RolloutResult {
+                        task_id: task.id.clone(),
+                        rollout_id,
+                        run_id: self.run_id.clone(),
+                        trace_id: span.trace_id().unwrap_or_default(),
+                        status: "cancelled".to_owned(),
+                        reward: None,
+                        passed: None,
+                        output: None,
+                        expected: None,
+                        error: Some(clip(&why, 4000)),
+                        tool_calls: None,
+                        durations: Durations {
+                            agent_seconds: total,
+                            verify_seconds: 0.0,
+                            total_seconds: total,
+                        },
+                    };
+                }
+            };
+        let status = if error.is_none() { "ok" } else { "error" };
+        open.done = true;
+        match &error {
+            Some(e) => span.set_error("rollout_failed", e.lines().next().unwrap_or_default()),
+            None => span.set_ok(),
+        }
+        if let Some(r) = reward {
+            span.set_attribute(KeyValue::new("nomad.rollout.reward", r));
+        }
+        let total = started.elapsed().as_secs_f64();
+        self.rollout_duration
+            .record(total, &[KeyValue::new("status", status)]);
+        RolloutResult {
+            task_id: task.id.clone(),
+            rollout_id,
+            run_id: self.run_id.clone(),
+            trace_id: span.trace_id().unwrap_or_default(),
+            status: status.to_owned(),
+            reward,
+            passed,
+            output: output.map(summarize),
+            expected: (passed == Some(false))
+                .then(|| task.expected.clone().map(summarize))
+                .flatten(),
+            error: error.map(|e| clip(&e, 4000)),
+            tool_calls,
+            durations: Durations {
+                agent_seconds,
+                verify_seconds,
+                total_seconds: total,
+            },
+        }
+    }
+
+    /// The agent step's outcome, verified against the task's expected answer where it has one:
+    /// (output, error, reward, passed).
+    async fn verdict(
+        &self,
+        task: &Task,
+        agent: Result<Value, String>,
+        cx: &Context,
+    ) -> (Option<Value>, Option<String>, Option<f64>, Option<bool>) {
         let verify_started = Instant::now();
-        let (output, error, reward, passed) = match agent {
+        match agent {
             Err(e) => (None, Some(e), None, None),
             Ok(output) => match (&task.verify, &task.expected) {
                 (Verify::None, _) | (_, None) => (Some(output), None, None, None),
                 (kind, Some(expected)) => {
-                    let verdict = self.verify(kind, &output, expected, span.context()).await;
+                    let verdict = self.verify(kind, &output, expected, cx).await;
                     let outcome = match &verdict {
                         Ok((_, true)) => "passed",
                         Ok((_, false)) => "failed",
@@ -263,43 +404,6 @@ impl Runner {
                         ),
                     }
                 }
-            },
-        };
-        let verify_seconds = if reward.is_some() || passed.is_some() {
-            verify_started.elapsed().as_secs_f64()
-        } else {
-            0.0
-        };
-        let status = if error.is_none() { "ok" } else { "error" };
-        open.done = true;
-        match &error {
-            Some(e) => span.set_error("rollout_failed", e.lines().next().unwrap_or_default()),
-            None => span.set_ok(),
-        }
-        if let Some(r) = reward {
-            span.set_attribute(KeyValue::new("nomad.rollout.reward", r));
-        }
-        let total = started.elapsed().as_secs_f64();
-        self.rollout_duration
-            .record(total, &[KeyValue::new("status", status)]);
-        RolloutResult {
-            task_id: task.id,
-            rollout_id,
-            run_id: self.run_id.clone(),
-            trace_id: span.trace_id().unwrap_or_default(),
-            status: status.to_owned(),
-            reward,
-            passed,
-            output: output.map(summarize),
-            expected: (passed == Some(false))
-                .then(|| task.expected.clone().map(summarize))
-                .flatten(),
-            error: error.map(|e| clip(&e, 4000)),
-            tool_calls,
-            durations: Durations {
-                agent_seconds,
-                verify_seconds,
-                total_seconds: total,
             },
         }
     }
@@ -519,14 +623,15 @@ pub fn read_jsonl(path: &std::path::Path) -> Vec<Value> {
         .collect()
 }
 
-/// Runs `tasks` with a progress bar, writing each result to `out` (`-`: stdout) as it comes.
-/// Runs `tasks`, writing each result to `out` (`-`: stdout) as it finishes and keeping it in
-/// `finished`, so a caller that stops early (Ctrl-C) still has every rollout that finished.
+/// Runs `tasks` with a progress bar until `stop`, writing each result to `out` (`-`: stdout) as
+/// it finishes and keeping it in `finished`: one line for every task, those the stop cut short
+/// or never started as `cancelled` with why.
 pub async fn run_to_file(
     runner: &Runner,
     tasks: Vec<Task>,
     out: &std::path::Path,
     finished: &mut Vec<RolloutResult>,
+    stop: &Stop,
 ) -> anyhow::Result<()> {
     let mut sink: Box<dyn Write + Send> = if out.as_os_str() == "-" {
         Box::new(std::io::stdout())
@@ -539,7 +644,7 @@ pub async fn run_to_file(
     let mut progress = Progress::new(tasks.len());
     let mut write_error = None;
     runner
-        .run(tasks, |result| {
+        .run(tasks, stop, |result| {
             progress.record(result);
             finished.push(result.clone());
             if write_error.is_none() {

@@ -112,14 +112,28 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         args.embed_tool.clone(),
     );
     let mut results = Vec::new();
-    let ran = rollouts::run_to_file(&runner, tasks, &args.out, &mut results).await;
+    // Ctrl-C (or SIGTERM) stops the run: what runs ends as cancelled, and every task still gets
+    // its line.
+    let (stopper, stop) = rollouts::Stop::new();
+    let ran = {
+        let run = rollouts::run_to_file(&runner, tasks, &args.out, &mut results, &stop);
+        tokio::pin!(run);
+        tokio::select! {
+            ran = &mut run => ran,
+            () = nomad_rpc::shutdown_signal() => {
+                stopper.stop("the run was interrupted (Ctrl-C or SIGTERM) before this rollout finished");
+                run.await
+            }
+        }
+    };
     service.stop().await;
     ran?;
-    let failed = results.iter().filter(|r| r.status != "ok").count();
+    let failed = results.iter().filter(|r| r.status == "error").count();
+    let cancelled = results.iter().filter(|r| r.status == "cancelled").count();
     eprintln!(
-        "run {run_id}: {} ok, {failed} failed; results in {}",
-        total - failed,
+        "run {run_id}: {} ok, {failed} failed, {cancelled} cancelled; results in {}",
+        total - failed - cancelled,
         args.out.display()
     );
-    Ok(failed == 0)
+    Ok(failed + cancelled == 0)
 }

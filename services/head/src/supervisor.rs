@@ -1,6 +1,8 @@
 //! Child processes of `nomad up`: spawned with their output in the run directory, watched for
-//! exit, and stopped in reverse start order (SIGTERM, then SIGKILL after the grace period).
+//! exit, started again when one exits on its own (with backoff, until a crash loop), and stopped
+//! in reverse start order (SIGTERM, then SIGKILL after the grace period).
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
@@ -8,6 +10,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use serde::Deserialize;
 use tokio::sync::mpsc;
 
 /// One server to start.
@@ -24,13 +27,91 @@ pub struct ChildSpec {
     /// The child talks on the head's own stdin and stdout (an MCP server over stdio) instead of
     /// writing its stdout to `<name>.log`.
     pub stdio: bool,
+    /// Files the child writes once it listens (its address files): removed before it is started
+    /// again, so no one reads the last life's.
+    pub ready_files: Vec<PathBuf>,
+    /// Whether it may be started again (it comes back where the others find it).
+    pub restart: bool,
 }
 
-struct Running {
-    name: String,
+/// `supervise:`: when a child that exits on its own is started again.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RestartPolicy {
+    /// Start again a child that exits on its own with a failure (killed, crashed, exited
+    /// non-zero); off: its exit stops the fleet.
+    pub restart: bool,
+    /// The wait before a first restart, doubled for each further one within `window_seconds`.
+    pub backoff_seconds: f64,
+    /// The longest wait before a restart.
+    pub max_backoff_seconds: f64,
+    /// More restarts of one child than this within `window_seconds` is a crash loop: the fleet
+    /// stops, naming the child.
+    pub max_restarts: u32,
+    pub window_seconds: f64,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        Self {
+            restart: true,
+            backoff_seconds: 0.5,
+            max_backoff_seconds: 10.0,
+            max_restarts: 5,
+            window_seconds: 60.0,
+        }
+    }
+}
+
+/// The policy with its durations checked.
+#[derive(Debug, Clone, Copy)]
+pub struct Restarts {
+    pub restart: bool,
+    backoff: Duration,
+    max_backoff: Duration,
+    max_restarts: u32,
+    window: Duration,
+}
+
+impl RestartPolicy {
+    pub fn checked(&self) -> Result<Restarts, String> {
+        let seconds = |field: &str, v: f64| nomad_config::seconds(&format!("supervise.{field}"), v);
+        Ok(Restarts {
+            restart: self.restart,
+            backoff: seconds("backoff_seconds", self.backoff_seconds)?,
+            max_backoff: seconds("max_backoff_seconds", self.max_backoff_seconds)?,
+            max_restarts: self.max_restarts,
+            window: seconds("window_seconds", self.window_seconds)?,
+        })
+    }
+}
+
+#[cfg(test)]
+impl Restarts {
+    /// Never restart (a child's exit stops the fleet).
+    pub fn never() -> Self {
+        Self {
+            restart: false,
+            backoff: Duration::ZERO,
+            max_backoff: Duration::ZERO,
+            max_restarts: 0,
+            window: Duration::ZERO,
+        }
+    }
+}
+
+struct Child {
+    spec: ChildSpec,
     pid: u32,
     log: PathBuf,
+    /// Set once this life has exited (and until the next one starts).
     status: Option<ExitStatus>,
+    /// Which life of the child is running (exits of earlier ones are stale).
+    generation: u64,
+    /// When it was started again, within the policy's window.
+    recent: VecDeque<Instant>,
+    restarts: u32,
+    last_exit: Option<String>,
 }
 
 /// A child's exit.
@@ -43,25 +124,35 @@ pub struct Exit {
 /// Running children by server type.
 pub type ActiveCounts = Arc<std::sync::Mutex<Vec<(&'static str, Arc<AtomicI64>)>>>;
 
+/// `(name, pid)` of every running child, kept current across restarts (the memory profiler
+/// reads it).
+pub type Servers = Arc<std::sync::Mutex<Vec<(String, u32)>>>;
+
 pub struct Supervisor {
     dir: PathBuf,
-    children: Vec<Running>,
-    // One message per child, ever: the channel cannot grow past the fleet's size.
-    exits_tx: mpsc::UnboundedSender<(usize, ExitStatus)>,
-    exits_rx: mpsc::UnboundedReceiver<(usize, ExitStatus)>,
+    children: Vec<Child>,
+    policy: Restarts,
+    // At most one message per life of a child: lives are bounded by the restart policy.
+    exits_tx: mpsc::UnboundedSender<(usize, u64, ExitStatus)>,
+    exits_rx: mpsc::UnboundedReceiver<(usize, u64, ExitStatus)>,
     /// Running children, by server type (read by the `nomad.servers.active` instrument).
     pub active: ActiveCounts,
+    pub servers: Servers,
+    restarts: opentelemetry::metrics::Counter<u64>,
 }
 
 impl Supervisor {
-    pub fn new(dir: &Path) -> Self {
+    pub fn new(dir: &Path, policy: Restarts) -> Self {
         let (exits_tx, exits_rx) = mpsc::unbounded_channel();
         Self {
             dir: dir.to_owned(),
             children: Vec::new(),
+            policy,
             exits_tx,
             exits_rx,
             active: Default::default(),
+            servers: Default::default(),
+            restarts: nomad_telemetry::metrics::SERVERS_RESTARTS.u64_counter(),
         }
     }
 
@@ -78,10 +169,40 @@ impl Supervisor {
     /// Starts `spec` with its console telemetry in `<name>.jsonl` (which the child writes and
     /// rotates itself) and its stdout and stderr in `<name>.log`; returns its index.
     pub fn spawn(&mut self, spec: ChildSpec) -> anyhow::Result<usize> {
+        let index = self.children.len();
+        let log = self.dir.join(format!("{}.log", spec.name));
+        let pid = self.start(&spec, index, 0, false)?;
+        self.children.push(Child {
+            spec,
+            pid,
+            log,
+            status: None,
+            generation: 0,
+            recent: VecDeque::new(),
+            restarts: 0,
+            last_exit: None,
+        });
+        self.publish();
+        Ok(index)
+    }
+
+    /// Starts one life of `spec` as child `index`; a later life appends to the log.
+    fn start(
+        &self,
+        spec: &ChildSpec,
+        index: usize,
+        generation: u64,
+        again: bool,
+    ) -> anyhow::Result<u32> {
         let telemetry = self.dir.join(format!("{}.jsonl", spec.name));
         let log = self.dir.join(format!("{}.log", spec.name));
-        let stderr =
-            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(again)
+            .truncate(!again)
+            .open(&log)
+            .with_context(|| format!("creating {}", log.display()))?;
         let mut command = tokio::process::Command::new(&spec.program);
         let (stdin, stdout) = if spec.stdio {
             (Stdio::inherit(), Stdio::inherit())
@@ -116,7 +237,6 @@ impl Supervisor {
             .spawn()
             .with_context(|| format!("starting {} ({})", spec.name, spec.program.display()))?;
         let pid = child.id().context("a just-started child has a pid")?;
-        let index = self.children.len();
         let counter = self.active_counter(spec.server_type);
         counter.fetch_add(1, Ordering::Relaxed);
         let tx = self.exits_tx.clone();
@@ -127,24 +247,25 @@ impl Supervisor {
                 Err(_) => std::os::unix::process::ExitStatusExt::from_raw(libc::SIGKILL),
             };
             counter.fetch_sub(1, Ordering::Relaxed);
-            let _ = tx.send((index, status));
+            let _ = tx.send((index, generation, status));
         });
-        self.children.push(Running {
-            name: spec.name,
-            pid,
-            log,
-            status: None,
-        });
-        Ok(index)
+        Ok(pid)
     }
 
-    fn record(&mut self, (index, status): (usize, ExitStatus)) -> Exit {
+    /// Records an exit; `None` for one of an earlier life.
+    fn record(&mut self, (index, generation, status): (usize, u64, ExitStatus)) -> Option<Exit> {
         let child = &mut self.children[index];
-        child.status = Some(status);
-        Exit {
-            name: child.name.clone(),
-            status,
+        if generation != child.generation {
+            return None;
         }
+        child.status = Some(status);
+        child.last_exit = Some(status.to_string());
+        self.publish();
+        let child = &self.children[index];
+        Some(Exit {
+            name: child.spec.name.clone(),
+            status,
+        })
     }
 
     /// `(name, pid)` of each running child.
@@ -152,21 +273,135 @@ impl Supervisor {
         self.children
             .iter()
             .filter(|c| c.status.is_none())
-            .map(|c| (c.name.clone(), c.pid))
+            .map(|c| (c.spec.name.clone(), c.pid))
             .collect()
     }
 
     pub fn name(&self, index: usize) -> &str {
-        &self.children[index].name
+        &self.children[index].spec.name
     }
 
-    /// The next child to exit. Never resolves while every child is running.
+    /// The next exit the fleet must stop for. A child that exits on its own with a failure is
+    /// started again after its backoff while the policy allows, each restart logged, counted in
+    /// `nomad.servers.restarts` and written to `servers.json`; a crash loop, an exit with
+    /// restarts off, and a child that exits successfully (an MCP session over stdio that ended)
+    /// are returned. Never resolves while every child is running or being restarted.
     pub async fn next_exit(&mut self) -> Exit {
-        match self.exits_rx.recv().await {
-            Some(message) => self.record(message),
-            // The sender lives in self: unreachable, but never report an exit that did not happen.
-            None => std::future::pending().await,
+        loop {
+            let Some(message) = self.exits_rx.recv().await else {
+                // The sender lives in self: unreachable, but never report an exit that did not
+                // happen.
+                return std::future::pending().await;
+            };
+            let index = message.0;
+            let Some(exit) = self.record(message) else {
+                continue;
+            };
+            if exit.status.success() || !self.policy.restart || !self.children[index].spec.restart {
+                return exit;
+            }
+            let now = Instant::now();
+            let policy = self.policy;
+            let child = &mut self.children[index];
+            while child
+                .recent
+                .front()
+                .is_some_and(|t| now.duration_since(*t) > policy.window)
+            {
+                child.recent.pop_front();
+            }
+            if child.recent.len() >= policy.max_restarts as usize {
+                eprintln!(
+                    "nomad: {} exited ({}) after {} restarts within {} s \
+                     (supervise.max_restarts, supervise.window_seconds): a crash loop; not \
+                     starting it again",
+                    exit.name,
+                    exit.status,
+                    child.recent.len(),
+                    policy.window.as_secs()
+                );
+                return exit;
+            }
+            let backoff = policy
+                .backoff
+                .saturating_mul(1 << child.recent.len().min(16))
+                .min(policy.max_backoff);
+            eprintln!(
+                "nomad: {} exited ({}); starting it again in {:.1} s (restart {} within {} s)",
+                exit.name,
+                exit.status,
+                backoff.as_secs_f64(),
+                child.recent.len() + 1,
+                policy.window.as_secs()
+            );
+            tokio::time::sleep(backoff).await;
+            if let Err(e) = self.restart(index) {
+                eprintln!("nomad: starting {} again: {e:#}", exit.name);
+                return exit;
+            }
         }
+    }
+
+    /// Starts child `index` again with its spec, in the same place (its stop order is kept).
+    fn restart(&mut self, index: usize) -> anyhow::Result<()> {
+        let child = &self.children[index];
+        for file in &child.spec.ready_files {
+            let _ = std::fs::remove_file(file);
+        }
+        let generation = child.generation + 1;
+        let log = child.log.clone();
+        {
+            use std::io::Write as _;
+            let mut note = std::fs::OpenOptions::new()
+                .append(true)
+                .create(true)
+                .open(&log)?;
+            writeln!(
+                note,
+                "--- nomad: started again after it exited ({}) ---",
+                child.last_exit.as_deref().unwrap_or("?")
+            )?;
+        }
+        let pid = self.start(&child.spec.clone(), index, generation, true)?;
+        let child = &mut self.children[index];
+        child.pid = pid;
+        child.status = None;
+        child.generation = generation;
+        child.recent.push_back(Instant::now());
+        child.restarts += 1;
+        self.restarts.add(
+            1,
+            &[
+                opentelemetry::KeyValue::new("server.type", child.spec.server_type),
+                opentelemetry::KeyValue::new("nomad.server.name", child.spec.name.clone()),
+            ],
+        );
+        self.publish();
+        Ok(())
+    }
+
+    /// The running children's pids for the profiler, and `servers.json` (each server's pid,
+    /// restarts and last exit) for `nomad status`, `nomad top` and the report: written whole,
+    /// then renamed.
+    fn publish(&self) {
+        *self.servers.lock().unwrap_or_else(|e| e.into_inner()) = self.running();
+        let servers: Vec<serde_json::Value> = self
+            .children
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "name": c.spec.name,
+                    "type": c.spec.server_type,
+                    "pid": c.status.is_none().then_some(c.pid),
+                    "restarts": c.restarts,
+                    "last_exit": c.last_exit,
+                })
+            })
+            .collect();
+        let path = self.dir.join(SERVERS_FILE);
+        let partial = self.dir.join(format!("{SERVERS_FILE}.partial"));
+        let text = format!("{:#}\n", serde_json::json!({ "servers": servers }));
+        let _ = std::fs::write(&partial, text).and_then(|()| std::fs::rename(&partial, &path));
     }
 
     /// A child's exit with the last lines of its log, for the user.
@@ -174,7 +409,7 @@ impl Supervisor {
         let child = self
             .children
             .iter()
-            .find(|c| c.name == exit.name)
+            .find(|c| c.spec.name == exit.name)
             .expect("exits name our children");
         let text = std::fs::read_to_string(&child.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
@@ -207,24 +442,28 @@ impl Supervisor {
             {
                 return Ok(text.trim().to_owned());
             }
-            if let Ok(message) = self.exits_rx.try_recv() {
-                let exit = self.record(message);
+            if let Some(exit) = self.try_exit() {
                 anyhow::bail!("{}", self.report(&exit));
             }
             anyhow::ensure!(
                 Instant::now() < deadline,
                 "{} did not start listening within {timeout:?}; see {}",
-                self.children[index].name,
+                self.children[index].spec.name,
                 self.children[index].log.display()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
-    /// Any exit already reported, without waiting.
+    /// Any exit already reported, without waiting (and without restarting: at start-up an
+    /// exit is the fleet's failure to start).
     pub fn try_exit(&mut self) -> Option<Exit> {
-        let message = self.exits_rx.try_recv().ok()?;
-        Some(self.record(message))
+        while let Ok(message) = self.exits_rx.try_recv() {
+            if let Some(exit) = self.record(message) {
+                return Some(exit);
+            }
+        }
+        None
     }
 
     /// Stops every running child, the last started first (the gateway before the workers it
@@ -242,7 +481,7 @@ impl Supervisor {
             if self.children[index].status.is_some() {
                 continue;
             }
-            terminate(&self.children[index].name, self.children[index].pid);
+            terminate(&self.children[index].spec.name, self.children[index].pid);
             let deadline = tokio::time::Instant::now() + grace;
             let mut killed = false;
             while self.children[index].status.is_none() {
@@ -268,13 +507,16 @@ impl Supervisor {
             .iter()
             .filter_map(|c| {
                 c.status.map(|status| Exit {
-                    name: c.name.clone(),
+                    name: c.spec.name.clone(),
                     status,
                 })
             })
             .collect()
     }
 }
+
+/// Each server's pid, restarts and last exit, in the run directory.
+pub const SERVERS_FILE: &str = "servers.json";
 
 fn signal(pid: u32, signal: libc::c_int) {
     // SAFETY: kill has no memory preconditions; the pid is a child we have not yet reaped, so
@@ -296,6 +538,8 @@ mod tests {
             program: "sh".into(),
             args: vec!["-c".into(), script.into()],
             env: vec![],
+            ready_files: vec![],
+            restart: true,
         }
     }
 
@@ -305,7 +549,7 @@ mod tests {
     async fn a_child_is_told_its_own_telemetry_file_and_its_stdout_joins_its_log() {
         let dir = std::env::temp_dir().join(format!("nomad-sup-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut sup = Supervisor::new(&dir);
+        let mut sup = Supervisor::new(&dir, Restarts::never());
         sup.spawn(sh(
             "talker",
             "echo \"out $NOMAD_OTEL_CONSOLE_FILE\"; echo err >&2; exit 0",
@@ -324,7 +568,7 @@ mod tests {
     async fn a_dying_child_is_reported_with_its_log_and_the_rest_are_stopped() {
         let dir = std::env::temp_dir().join(format!("nomad-sup-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut sup = Supervisor::new(&dir);
+        let mut sup = Supervisor::new(&dir, Restarts::never());
         sup.spawn(sh("steady", "exec sleep 30")).unwrap();
         // Ignores SIGTERM: must be killed when the grace period ends.
         let trapped = dir.join("trapped");
@@ -372,6 +616,109 @@ mod tests {
         }
         let active = sup.active.lock().unwrap();
         assert_eq!(active[0].1.load(Ordering::Relaxed), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn quick(max_restarts: u32) -> Restarts {
+        RestartPolicy {
+            restart: true,
+            backoff_seconds: 0.01,
+            max_backoff_seconds: 0.05,
+            max_restarts,
+            window_seconds: 60.0,
+        }
+        .checked()
+        .unwrap()
+    }
+
+    fn servers_json(dir: &Path) -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(SERVERS_FILE)).unwrap()).unwrap()
+    }
+
+    /// A child killed from outside comes back in its place (a new pid, its log kept and marked,
+    /// its index kept: the stop order is the start order reversed), counted in `servers.json`;
+    /// the others are untouched.
+    #[tokio::test]
+    async fn a_child_that_dies_is_started_again_in_its_place() {
+        let dir = std::env::temp_dir().join(format!("nomad-sup-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut sup = Supervisor::new(&dir, quick(3));
+        let ready = dir.join("victim.addr");
+        sup.spawn(sh("first", "exec sleep 30")).unwrap();
+        let mut victim = sh(
+            "victim",
+            &format!(
+                "echo life >&2; echo here > {}; exec sleep 30",
+                ready.display()
+            ),
+        );
+        victim.ready_files = vec![ready.clone()];
+        sup.spawn(victim).unwrap();
+        sup.spawn(sh("last", "exec sleep 30")).unwrap();
+        let pid = |sup: &Supervisor, name: &str| {
+            sup.running()
+                .into_iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, p)| p)
+        };
+        while !ready.exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let first_life = pid(&sup, "victim").unwrap();
+        signal(first_life, libc::SIGKILL);
+        // The restart happens inside next_exit, which returns only for an exit that ends the
+        // fleet: none here.
+        let waited = tokio::time::timeout(Duration::from_secs(1), sup.next_exit()).await;
+        assert!(
+            waited.is_err(),
+            "a restartable death ended the fleet: {waited:?}"
+        );
+        let second_life = pid(&sup, "victim").expect("started again");
+        assert_ne!(second_life, first_life);
+        let servers = servers_json(&dir);
+        let victim = &servers["servers"][1];
+        assert_eq!(victim["name"], "victim");
+        assert_eq!(victim["restarts"], 1);
+        assert_eq!(victim["pid"], second_life);
+        assert!(
+            victim["last_exit"].as_str().unwrap().contains("SIGKILL"),
+            "{victim}"
+        );
+        let log = std::fs::read_to_string(dir.join("victim.log")).unwrap();
+        assert_eq!(log.matches("life").count(), 2, "{log}");
+        assert!(log.contains("started again after it exited"), "{log}");
+        let exits = sup.stop(Duration::from_secs(2)).await;
+        let order: Vec<&str> = exits.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(order, ["first", "victim", "last"]);
+        assert!(sup.running().is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A child that keeps dying is started again at most `max_restarts` times within the
+    /// window, with growing waits, and then ends the fleet; one that exits successfully is not
+    /// started again.
+    #[tokio::test]
+    async fn a_crash_loop_ends_the_fleet_and_a_clean_exit_is_not_restarted() {
+        let dir = std::env::temp_dir().join(format!("nomad-sup-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut sup = Supervisor::new(&dir, quick(2));
+        sup.spawn(sh("crasher", "echo 'bad weights' >&2; exit 3"))
+            .unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(5), sup.next_exit())
+            .await
+            .expect("a crash loop ends");
+        assert_eq!(exit.name, "crasher");
+        assert_eq!(exit.status.code(), Some(3));
+        assert_eq!(servers_json(&dir)["servers"][0]["restarts"], 2);
+        let log = std::fs::read_to_string(dir.join("crasher.log")).unwrap();
+        assert_eq!(log.matches("bad weights").count(), 3, "{log}");
+
+        sup.spawn(sh("done", "exit 0")).unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(5), sup.next_exit())
+            .await
+            .unwrap();
+        assert_eq!((exit.name.as_str(), exit.status.code()), ("done", Some(0)));
+        assert_eq!(servers_json(&dir)["servers"][1]["restarts"], 0);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

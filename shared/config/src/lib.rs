@@ -78,6 +78,7 @@ pub const SECTIONS: &[&str] = &[
     "search_tool",
     "servers",
     "sim",
+    "supervise",
     "telemetry",
     "tls",
     "tool_manager",

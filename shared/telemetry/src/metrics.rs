@@ -363,6 +363,12 @@ pub const SERVERS_ACTIVE: MetricDef = def(
     "{server}",
     "Servers of the fleet that are running, by server type.",
 );
+pub const SERVERS_RESTARTS: MetricDef = def(
+    "nomad.servers.restarts",
+    C,
+    "{restart}",
+    "Servers of the fleet started again after they exited on their own, by server name and type.",
+);
 
 /// The model-serving table, in the original's order.
 pub const MODEL_SERVING: &[MetricDef] = &[
@@ -524,7 +530,12 @@ pub const MEMORY: &[MetricDef] = &[
 ];
 
 /// The head, for runs.
-pub const RUN: &[MetricDef] = &[ROLLOUT_DURATION, VERIFY_DURATION, SERVERS_ACTIVE];
+pub const RUN: &[MetricDef] = &[
+    ROLLOUT_DURATION,
+    VERIFY_DURATION,
+    SERVERS_ACTIVE,
+    SERVERS_RESTARTS,
+];
 
 /// Every table, with its docs heading and intro.
 pub const TABLES: &[(&str, &str, &[MetricDef])] = &[

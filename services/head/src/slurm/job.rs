@@ -117,6 +117,10 @@ impl Steps {
             program: "srun".into(),
             args: srun,
             env: self.env.clone(),
+            ready_files: vec![],
+            // A worker step registers with the scheduler wherever it listens: it can be started
+            // again within the job. The others listen where the rest of the job found them.
+            restart: server_type == "device-worker",
         })
     }
 
@@ -182,6 +186,10 @@ pub async fn job(args: JobArgs) -> anyhow::Result<bool> {
         None => run_dir.join("nomad.yaml"),
     };
     let file = ConfigFile::load(Some(&config))?;
+    let restarts = file
+        .section::<crate::supervisor::RestartPolicy>("supervise")?
+        .checked()
+        .map_err(anyhow::Error::msg)?;
     nomad_rpc::tls::configure_from(&file, false)?;
     nomad_rpc::auth::install(nomad_rpc::auth::Auth::resolve(&file, &env)?)?;
     let tasks_text = std::fs::read_to_string(run_dir.join("tasks.jsonl"))
@@ -201,7 +209,7 @@ pub async fn job(args: JobArgs) -> anyhow::Result<bool> {
         env: step_env,
         nodes: HashMap::new(),
     };
-    let mut sup = Supervisor::new(&run_dir);
+    let mut sup = Supervisor::new(&run_dir, restarts);
     let layout = Layout {
         run_dir: &run_dir,
         config: &config,
@@ -271,23 +279,36 @@ pub async fn job(args: JobArgs) -> anyhow::Result<bool> {
     );
     let workers = nodes.len();
     let mut results = Vec::new();
-    let outcome = tokio::select! {
-        outcome = rollouts::run_to_file(&runner, tasks, &out, &mut results) => match outcome {
-            Ok(()) => {
-                let failed = results.iter().filter(|r| r.status != "ok").count();
-                crate::up::summarize(&results, &out);
-                json!({"status": if failed == 0 { "ok" } else { "failed" }, "exit_code": i32::from(failed > 0),
-                       "rollouts": results.len(), "failed": failed, "results": out})
+    // A stop ends what runs as cancelled, with why, and every task still gets its line.
+    let (stopper, run_stop) = rollouts::Stop::new();
+    let (ran, stopped) = {
+        let run = rollouts::run_to_file(&runner, tasks, &out, &mut results, &run_stop);
+        tokio::pin!(run);
+        tokio::select! {
+            ran = &mut run => (ran, None),
+            exit = fatal_exit(&mut sup, &steps, workers) => {
+                eprintln!("nomad: {exit}");
+                stopper.stop(format!("the job's fleet stopped before this rollout finished: {exit}"));
+                (run.await, Some(json!({"status": "failed", "exit_code": 1, "error": exit})))
             }
-            Err(e) => json!({"status": "failed", "exit_code": 2, "error": format!("{e:#}")}),
-        },
-        exit = fatal_exit(&mut sup, &steps, workers) => {
-            eprintln!("nomad: {exit}");
-            json!({"status": "failed", "exit_code": 1, "error": exit})
+            () = nomad_rpc::shutdown_signal() => {
+                eprintln!("nomad: job cancelled or out of time; stopping the steps");
+                stopper.stop("the job was cancelled or ran out of time before this rollout finished");
+                (run.await, Some(json!({"status": "cancelled", "exit_code": 1})))
+            }
         }
-        () = nomad_rpc::shutdown_signal() => {
-            eprintln!("nomad: job cancelled or out of time; stopping the steps");
-            json!({"status": "cancelled", "exit_code": 1})
+    };
+    let outcome = match (ran, stopped) {
+        (Err(e), _) => json!({"status": "failed", "exit_code": 2, "error": format!("{e:#}")}),
+        (Ok(()), Some(stopped)) => {
+            crate::up::summarize(&results, &out);
+            stopped
+        }
+        (Ok(()), None) => {
+            let failed = results.iter().filter(|r| r.status != "ok").count();
+            crate::up::summarize(&results, &out);
+            json!({"status": if failed == 0 { "ok" } else { "failed" }, "exit_code": i32::from(failed > 0),
+                   "rollouts": results.len(), "failed": failed, "results": out})
         }
     };
     write_outcome(&run_dir, &outcome)?;

@@ -159,8 +159,9 @@ pub(crate) async fn wait_described(
     }
 }
 
-/// A free loopback port for a child's Prometheus endpoint. Another process could take it
-/// before the child binds it; the child then fails at start-up, naming the address.
+/// A free loopback address for a child to listen on (gRPC, MCP, Prometheus), kept for its
+/// restarts. Another process could take it before the child binds it; the child then fails at
+/// start-up, naming the address.
 pub fn free_loopback_address() -> anyhow::Result<String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(listener.local_addr()?.to_string())
@@ -242,14 +243,19 @@ pub async fn start_fleet(
                 scrape.push((name.to_owned(), address));
             }
             let mut args = args;
+            // A fixed address, so that a server started again is found where it was.
             args.extend([
                 "--config".into(),
                 config.display().to_string(),
                 "--listen".into(),
-                "127.0.0.1:0".into(),
+                free_loopback_address()?,
                 "--addr-file".into(),
                 addr_file(name).display().to_string(),
             ]);
+            let mut ready_files = vec![addr_file(name)];
+            if server_type == "gateway" {
+                ready_files.push(run_dir.join("gateway-mcp.addr"));
+            }
             let child = ChildSpec {
                 name: name.into(),
                 server_type,
@@ -257,6 +263,8 @@ pub async fn start_fleet(
                 args,
                 env,
                 stdio,
+                ready_files,
+                restart: true,
             };
             Ok::<_, anyhow::Error>((child, phase))
         };
@@ -286,8 +294,9 @@ pub async fn start_fleet(
     }
     let mcp_addr_file = run_dir.join("gateway-mcp.addr");
     let mut args = vec!["--scheduler".into(), scheduler.clone()];
+    let code_listen = free_loopback_address()?;
     let listen = match front {
-        GatewayFront::Code => Some("127.0.0.1:0"),
+        GatewayFront::Code => Some(code_listen.as_str()),
         GatewayFront::ToolsHttp { listen } => Some(listen.as_str()),
         GatewayFront::ToolsStdio => None,
     };

@@ -116,6 +116,10 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
     nomad_rpc::auth::install(auth)?;
     phases.mark("config");
     let block: TelemetryBlock = file.section("telemetry")?;
+    let restarts = file
+        .section::<crate::supervisor::RestartPolicy>("supervise")?
+        .checked()
+        .map_err(anyhow::Error::msg)?;
     // Children get the block as NOMAD_OTEL_* variables (and read the same file), plus the
     // defaults; none of it replaces a variable of the user's.
     let defaults = env::telemetry_defaults(&block, &user_env);
@@ -226,7 +230,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
         if workers == 1 { "" } else { "s" },
         if gpus > 0 { "one per GPU" } else { "CPU" }
     );
-    let mut sup = Supervisor::new(&run_dir);
+    let mut sup = Supervisor::new(&run_dir, restarts);
     let active = sup.active.clone();
     let _servers_active = defs::SERVERS_ACTIVE.i64_observable_up_down_counter(move |o| {
         for (server_type, count) in active.lock().unwrap_or_else(|e| e.into_inner()).iter() {
@@ -361,7 +365,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
         let profiler = Arc::new(memory::Profiler::new());
         profiler
             .clone()
-            .run(servers.clone(), settings.memory_profiling_interval)
+            .run(sup.servers.clone(), settings.memory_profiling_interval)
     });
 
     let mut ok = true;
@@ -388,24 +392,39 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
                 options.concurrency
             );
             let mut finished = Vec::new();
-            tokio::select! {
-                outcome = rollouts::run_to_file(&runner, tasks, &out, &mut finished) => {
-                    outcome?;
-                    ok = finished.iter().all(|r| r.status == "ok");
+            // A stop (Ctrl-C, or a server the fleet cannot do without) ends the rollouts still
+            // running as cancelled, with why, and writes the ones not started as such: every
+            // task gets its line.
+            let (stopper, stop) = rollouts::Stop::new();
+            let outcome = {
+                let run = rollouts::run_to_file(&runner, tasks, &out, &mut finished, &stop);
+                tokio::pin!(run);
+                tokio::select! {
+                    outcome = &mut run => outcome,
+                    exit = sup.next_exit() => {
+                        eprintln!("nomad up: {}", sup.report(&exit));
+                        stopper.stop(format!(
+                            "the fleet stopped before this rollout finished: {} exited ({})",
+                            exit.name, exit.status
+                        ));
+                        run.await
+                    }
+                    () = nomad_rpc::shutdown_signal() => {
+                        interrupted = true;
+                        stopper.stop(
+                            "the run was interrupted (Ctrl-C or SIGTERM) before this rollout \
+                             finished",
+                        );
+                        run.await
+                    }
                 }
-                exit = sup.next_exit() => {
-                    eprintln!("nomad up: {}", sup.report(&exit));
-                    ok = false;
-                }
-                () = nomad_rpc::shutdown_signal() => {
-                    interrupted = true;
-                    ok = false;
-                }
-            }
-            if finished.len() < total {
+            };
+            outcome?;
+            ok = finished.iter().all(|r| r.status == "ok");
+            let cancelled = finished.iter().filter(|r| r.status == "cancelled").count();
+            if cancelled > 0 {
                 eprintln!(
-                    "nomad up: {} of {total} rollouts finished before the run {}",
-                    finished.len(),
+                    "nomad up: {cancelled} of {total} rollouts cancelled: the run {}",
                     if interrupted {
                         "was interrupted"
                     } else {
@@ -515,7 +534,8 @@ pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// Results by kind of verification: count, passed, mean reward.
 pub(crate) fn summarize(results: &[rollouts::RolloutResult], out: &Path) {
-    let failed = results.iter().filter(|r| r.status != "ok").count();
+    let failed = results.iter().filter(|r| r.status == "error").count();
+    let cancelled = results.iter().filter(|r| r.status == "cancelled").count();
     let passed = results.iter().filter(|r| r.passed == Some(true)).count();
     let rewards: Vec<f64> = results.iter().filter_map(|r| r.reward).collect();
     let mean = if rewards.is_empty() {
@@ -523,10 +543,16 @@ pub(crate) fn summarize(results: &[rollouts::RolloutResult], out: &Path) {
     } else {
         rewards.iter().sum::<f64>() / rewards.len() as f64
     };
+    let cancelled_note = if cancelled > 0 {
+        format!(", {cancelled} cancelled")
+    } else {
+        String::new()
+    };
     println!(
-        "{} rollouts: {} ok, {failed} failed; {passed} of {} verified passed; mean reward {mean:.3}",
+        "{} rollouts: {} ok, {failed} failed{cancelled_note}; {passed} of {} verified passed; \
+         mean reward {mean:.3}",
         results.len(),
-        results.len() - failed,
+        results.len() - failed - cancelled,
         rewards.len()
     );
     // Which ones, so a reader goes straight to them in the results and traces.
@@ -549,7 +575,15 @@ pub(crate) fn summarize(results: &[rollouts::RolloutResult], out: &Path) {
         "failed",
         results
             .iter()
-            .filter(|r| r.status != "ok")
+            .filter(|r| r.status == "error")
+            .map(|r| r.task_id.as_str())
+            .collect(),
+    );
+    named(
+        "cancelled",
+        results
+            .iter()
+            .filter(|r| r.status == "cancelled")
             .map(|r| r.task_id.as_str())
             .collect(),
     );
