@@ -194,7 +194,7 @@ async fn a_demo_job_on_two_nodes_is_one_trace_per_rollout_from_all_four_services
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_step_killed_mid_run_loses_no_request() {
+async fn a_worker_step_killed_mid_run_is_started_again_and_loses_no_request() {
     let _cluster = CLUSTER.lock().await;
     let dir = Fleet::new_dir();
     let submitted = submit(&dir, &["--nodes", "2", "--demo", "--concurrency", "4"]).await;
@@ -226,12 +226,22 @@ async fn a_worker_step_killed_mid_run_loses_no_request() {
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("driver.json")).unwrap())
             .unwrap();
     assert_eq!(driver["status"], "ok");
-    // The dead step is named with its node, and the run went on.
+    // The dead step was started again within the job, and the run went on.
     let output = std::fs::read_to_string(run_dir.join("job.out")).unwrap();
     assert!(
-        output.contains("step on node n2: worker-n2 exited") && output.contains("the run goes on"),
+        output.contains("worker-n2 exited") && output.contains("starting it again"),
         "{output}"
     );
+    let servers: Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("servers.json")).unwrap())
+            .unwrap();
+    let worker = servers["servers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "worker-n2")
+        .unwrap();
+    assert_eq!(worker["restarts"], 1, "{servers}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -38,6 +38,9 @@ pub struct GatewayConfig {
     pub record_tool_call_payloads: bool,
     /// Bounds of the HTTP listener (MCP and the OpenAI routes).
     pub http: HttpLimits,
+    /// How long a tool call waits for a scheduler it cannot reach (one starting again) before
+    /// it fails as UNAVAILABLE.
+    pub scheduler_wait_seconds: f64,
 }
 
 /// `gateway.http`: what callers may hold of the gateway's HTTP listener.
@@ -103,6 +106,7 @@ impl Default for GatewayConfig {
             record_tool_calls: false,
             record_tool_call_payloads: false,
             http: HttpLimits::default(),
+            scheduler_wait_seconds: 30.0,
         }
     }
 }

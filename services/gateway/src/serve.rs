@@ -52,6 +52,11 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
         upstream::nomad::Nomad::new(
             SchedulerClient::new(nomad_rpc::channel(&args.scheduler)?),
             tools_ttl,
+            nomad_config::seconds(
+                "gateway.scheduler_wait_seconds",
+                gateway_config.scheduler_wait_seconds,
+            )
+            .map_err(anyhow::Error::msg)?,
             changed.clone(),
         ),
         servers

@@ -117,6 +117,9 @@ pub fn status(runs: &Path, id: &str) -> Option<()> {
         );
     }
     println!("  run directory: {}", fleet.dir.display());
+    if let Some(restarts) = crate::supervisor::restarts_line(&fleet.dir) {
+        println!("  {restarts}");
+    }
     let results = crate::rollouts::read_jsonl(&fleet.dir.join("results.jsonl"));
     if !results.is_empty() {
         let failed = results.iter().filter(|r| r["status"] != "ok").count();

@@ -185,6 +185,31 @@ fn clip(text: &str, max: usize) -> String {
     format!("{}... [{} more bytes]", &text[..end], text.len() - end)
 }
 
+/// How long a rollout waits for a gateway that cannot be reached (one starting again) before
+/// it fails.
+const GATEWAY_RETURN_WITHIN: Duration = Duration::from_secs(60);
+
+/// Why a call to the gateway failed, naming the fault when the gateway itself was the fault: a
+/// call that never reached it is not run; one lost with it may have run in part, so it is not
+/// made again.
+fn gateway_failure(status: &tonic::Status) -> String {
+    if nomad_rpc::never_sent(status) {
+        format!(
+            "UNAVAILABLE: the gateway could not be reached within {} s: {}",
+            GATEWAY_RETURN_WITHIN.as_secs(),
+            status.message()
+        )
+    } else if nomad_rpc::peer_lost(status) && std::error::Error::source(status).is_some() {
+        format!(
+            "UNAVAILABLE: the connection to the gateway was lost during the call (it stopped or \
+             restarted); not made again, as its code may have run in part: {}",
+            status.message()
+        )
+    } else {
+        format!("{:?}: {}", status.code(), status.message())
+    }
+}
+
 pub struct Runner {
     pub gateway: GatewayClient<nomad_rpc::Channel>,
     pub run_id: String,
@@ -417,16 +442,17 @@ impl Runner {
     ) -> Result<Value, String> {
         match step {
             Step::Code(code) => {
-                let reply = self
-                    .gateway
-                    .clone()
-                    .execute_code(ExecuteCodeRequest {
-                        code: code.clone(),
-                        env: Default::default(),
-                    })
-                    .await
-                    .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
-                    .into_inner();
+                let request = ExecuteCodeRequest {
+                    code: code.clone(),
+                    env: Default::default(),
+                };
+                let reply = nomad_rpc::while_unreachable(GATEWAY_RETURN_WITHIN, || {
+                    let (mut gateway, request) = (self.gateway.clone(), request.clone());
+                    async move { gateway.execute_code(request).await }
+                })
+                .await
+                .map_err(|s| gateway_failure(&s))?
+                .into_inner();
                 if !reply.tool_calls.is_empty() {
                     *tool_calls = Some(reply.tool_calls.iter().map(call_json).collect());
                 }
@@ -450,16 +476,17 @@ impl Runner {
         tool: &str,
         arguments: &Value,
     ) -> Result<Value, String> {
-        let reply = self
-            .gateway
-            .clone()
-            .call_tool(GatewayCallToolRequest {
-                server: server.to_owned(),
-                tool: tool.to_owned(),
-                arguments_json: arguments.to_string(),
-            })
-            .await
-            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
+        let request = GatewayCallToolRequest {
+            server: server.to_owned(),
+            tool: tool.to_owned(),
+            arguments_json: arguments.to_string(),
+        };
+        let reply = nomad_rpc::while_unreachable(GATEWAY_RETURN_WITHIN, || {
+            let (mut gateway, request) = (self.gateway.clone(), request.clone());
+            async move { gateway.call_tool(request).await }
+        })
+        .await
+        .map_err(|s| gateway_failure(&s))?;
         serde_json::from_str(&reply.get_ref().result_json)
             .map_err(|e| format!("the gateway returned invalid JSON: {e}"))
     }

@@ -518,6 +518,31 @@ impl Supervisor {
 /// Each server's pid, restarts and last exit, in the run directory.
 pub const SERVERS_FILE: &str = "servers.json";
 
+/// What `servers.json` in `run_dir` says of restarts, in a line (`nomad status`, `nomad top`):
+/// `None` when there is no such file.
+pub fn restarts_line(run_dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(run_dir.join(SERVERS_FILE)).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let restarted: Vec<String> = json["servers"]
+        .as_array()?
+        .iter()
+        .filter(|s| s["restarts"].as_u64().is_some_and(|n| n > 0))
+        .map(|s| {
+            format!(
+                "{} {} (last exit: {})",
+                s["name"].as_str().unwrap_or("?"),
+                s["restarts"],
+                s["last_exit"].as_str().unwrap_or("?")
+            )
+        })
+        .collect();
+    Some(if restarted.is_empty() {
+        "restarts: none".to_owned()
+    } else {
+        format!("restarts: {}", restarted.join(", "))
+    })
+}
+
 fn signal(pid: u32, signal: libc::c_int) {
     // SAFETY: kill has no memory preconditions; the pid is a child we have not yet reaped, so
     // it cannot name another process.

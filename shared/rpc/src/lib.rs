@@ -190,6 +190,53 @@ pub fn peer_lost(status: &tonic::Status) -> bool {
     }
 }
 
+/// Whether a call failed before any of it reached the peer: no connection could be made (the
+/// peer is not listening, as while it starts again). Such a call is safe to send again, whatever
+/// it does; one that failed later may have run in part.
+pub fn never_sent(status: &tonic::Status) -> bool {
+    if status.code() != tonic::Code::Unavailable {
+        return false;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(error) = source {
+        if let Some(io) = error.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+            )
+        {
+            return true;
+        }
+        source = error.source();
+    }
+    false
+}
+
+/// Makes `call` again while it fails before reaching its peer ([`never_sent`]), waiting a little
+/// longer each time (100 ms, doubling to 1 s), for at most `within`: a peer that is starting
+/// again (the fleet restarts what dies) is waited for instead of failing every call meanwhile.
+/// Any other outcome, and the last refusal, is the call's.
+pub async fn while_unreachable<T, F, Fut>(
+    within: std::time::Duration,
+    mut call: F,
+) -> Result<T, tonic::Status>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, tonic::Status>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    let mut wait = std::time::Duration::from_millis(100);
+    loop {
+        match call().await {
+            Err(status) if never_sent(&status) && tokio::time::Instant::now() + wait < deadline => {
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(std::time::Duration::from_secs(1));
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
 /// The largest message on the scheduler-to-worker hop (a whole batch of inputs, or of outputs):
 /// above the scheduler's batch byte budget (`DEFAULT_MAX_BATCH_BYTES`, 16 MiB) with room for
 /// outputs and framing. Every other hop keeps tonic's 4 MiB.
@@ -344,5 +391,51 @@ mod peer_tests {
         let mut h2 = Status::internal("h2 protocol error: http2 error");
         h2.set_source(std::sync::Arc::new(std::io::Error::other("http2 error")));
         assert!(peer_lost(&h2));
+    }
+}
+
+#[cfg(test)]
+mod never_sent_tests {
+    use super::never_sent;
+
+    /// A call to a port no one listens on was never sent; a status a peer answered, or a
+    /// connection lost mid-call, is not "never sent".
+    #[tokio::test]
+    async fn a_refused_connection_is_never_sent_and_an_answer_is_not() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let channel = super::channel(&format!("127.0.0.1:{port}")).unwrap();
+        let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
+        let refused = client
+            .check(tonic_health::pb::HealthCheckRequest::default())
+            .await
+            .unwrap_err();
+        assert!(never_sent(&refused), "{refused:?}");
+        // Waited for, within its bound, then the refusal is the call's; a peer that comes up
+        // meanwhile answers.
+        let started = std::time::Instant::now();
+        let waited = super::while_unreachable(std::time::Duration::from_millis(500), || {
+            let mut client = client.clone();
+            async move {
+                client
+                    .check(tonic_health::pb::HealthCheckRequest::default())
+                    .await
+            }
+        })
+        .await
+        .unwrap_err();
+        assert!(never_sent(&waited));
+        assert!(started.elapsed() >= std::time::Duration::from_millis(300));
+        assert!(!never_sent(&tonic::Status::unavailable(
+            "the scheduler has no worker"
+        )));
+        let reset = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "connection reset by peer",
+        )));
+        assert!(!never_sent(&reset));
     }
 }

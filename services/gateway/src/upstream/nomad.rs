@@ -1,6 +1,7 @@
 //! The built-in `nomad` upstream: the scheduler's tools, called with JSON arguments.
 
 use std::collections::HashMap;
+use std::error::Error as _;
 
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{
@@ -160,6 +161,7 @@ pub struct Nomad {
     /// The scheduler's tools as last listed, kept for `ttl`.
     listing: tokio::sync::Mutex<Option<Listing>>,
     ttl: std::time::Duration,
+    scheduler_wait: std::time::Duration,
     /// Woken when the tools change: a tool described (its own schema) or failed.
     changed: std::sync::Arc<tokio::sync::Notify>,
     watching: std::sync::atomic::AtomicBool,
@@ -201,15 +203,19 @@ fn model_card_spec() -> ToolSpec {
 }
 
 impl Nomad {
+    /// `scheduler_wait`: how long a call waits for a scheduler that cannot be reached (one
+    /// starting again) before it fails as UNAVAILABLE.
     pub fn new(
         scheduler: SchedulerClient<nomad_rpc::Channel>,
         ttl: std::time::Duration,
+        scheduler_wait: std::time::Duration,
         changed: std::sync::Arc<tokio::sync::Notify>,
     ) -> Self {
         Self {
             scheduler,
             listing: tokio::sync::Mutex::new(None),
             ttl,
+            scheduler_wait,
             changed,
             watching: std::sync::atomic::AtomicBool::new(false),
         }
@@ -399,15 +405,29 @@ impl Nomad {
             tool: tool.to_owned(),
             input: Some(input),
         };
-        let mut scheduler = self.scheduler.clone();
+        // A scheduler starting again (the fleet restarts what dies) is waited for: a call that
+        // never reached it is made again.
+        let scheduler = &self.scheduler;
         let reply = match progress {
-            None => scheduler.call_tool(request).await.map(|r| r.into_inner()),
-            Some(progress) => match scheduler.call_tool_stream(request).await {
-                Ok(events) => streamed(events.into_inner(), progress).await,
-                Err(status) => Err(status),
-            },
+            None => nomad_rpc::while_unreachable(self.scheduler_wait, || {
+                let (mut scheduler, request) = (scheduler.clone(), request.clone());
+                async move { scheduler.call_tool(request).await }
+            })
+            .await
+            .map(|r| r.into_inner()),
+            Some(progress) => {
+                let opened = nomad_rpc::while_unreachable(self.scheduler_wait, || {
+                    let (mut scheduler, request) = (scheduler.clone(), request.clone());
+                    async move { scheduler.call_tool_stream(request).await }
+                })
+                .await;
+                match opened {
+                    Ok(events) => streamed(events.into_inner(), progress).await,
+                    Err(status) => Err(status),
+                }
+            }
         }
-        .map_err(|s| unreachable_scheduler(tool, s))?;
+        .map_err(|s| unreachable_scheduler(tool, s, self.scheduler_wait))?;
         let output = reply.output.ok_or_else(|| {
             ToolError::internal(format!("{NAME}.{tool}: the scheduler returned no output"))
         })?;
@@ -431,7 +451,7 @@ impl Nomad {
                 tool: tool.to_owned(),
             })
             .await
-            .map_err(|s| unreachable_scheduler(MODEL_CARD_TOOL, s))?;
+            .map_err(|s| unreachable_scheduler(MODEL_CARD_TOOL, s, self.scheduler_wait))?;
         Ok(Value::String(card.into_inner().text))
     }
 }
@@ -460,10 +480,28 @@ async fn streamed(
     ))
 }
 
-/// A connection that broke under the call reads as CANCELLED, UNKNOWN or INTERNAL; the caller did
-/// neither, so it gets UNAVAILABLE (the scheduler's own statuses keep their codes).
-fn unreachable_scheduler(tool: &str, status: tonic::Status) -> ToolError {
-    if status.code() != tonic::Code::Unavailable && nomad_rpc::peer_lost(&status) {
+/// A scheduler that could not be reached, or a connection that broke under the call (which reads
+/// as CANCELLED, UNKNOWN or INTERNAL; the caller did neither), is UNAVAILABLE, saying which; the
+/// scheduler's own statuses keep their codes.
+fn unreachable_scheduler(
+    tool: &str,
+    status: tonic::Status,
+    waited: std::time::Duration,
+) -> ToolError {
+    if nomad_rpc::never_sent(&status) {
+        ToolError::unavailable(format!(
+            "{NAME}.{tool}: the scheduler could not be reached within {:.1} s \
+             (gateway.scheduler_wait_seconds): {}",
+            waited.as_secs_f64(),
+            status.message()
+        ))
+    } else if nomad_rpc::peer_lost(&status) && status.source().is_some() {
+        ToolError::unavailable(format!(
+            "{NAME}.{tool}: the connection to the scheduler was lost during the call (the \
+             scheduler stopped or restarted): {}",
+            status.message()
+        ))
+    } else if status.code() != tonic::Code::Unavailable && nomad_rpc::peer_lost(&status) {
         ToolError::unavailable(format!(
             "{NAME}.{tool}: the scheduler is unreachable: {}",
             status.message()

@@ -26,6 +26,34 @@ pub struct About {
     /// `service.name` -> `service.version`.
     pub versions: BTreeMap<String, String>,
     pub config: Option<ConfigFile>,
+    /// Each server of the fleet, with how often it was started again and its last exit
+    /// (`servers.json`; none for a run that was not a `nomad up` fleet).
+    pub servers: Vec<ServerLife>,
+}
+
+pub struct ServerLife {
+    pub name: String,
+    pub restarts: u64,
+    pub last_exit: Option<String>,
+}
+
+/// The fleet's servers as the supervisor last wrote them.
+fn servers(dir: &Path) -> Vec<ServerLife> {
+    let text =
+        std::fs::read_to_string(dir.join(crate::supervisor::SERVERS_FILE)).unwrap_or_default();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    json["servers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| {
+            Some(ServerLife {
+                name: s["name"].as_str()?.to_owned(),
+                restarts: s["restarts"].as_u64().unwrap_or(0),
+                last_exit: s["last_exit"].as_str().map(str::to_owned),
+            })
+        })
+        .collect()
 }
 
 pub struct ConfigFile {
@@ -72,7 +100,11 @@ pub fn about(dir: &Path, spans: &[Span]) -> About {
                 text: hide_secrets(&text),
             })
         });
-    About { versions, config }
+    About {
+        versions,
+        config,
+        servers: servers(dir),
+    }
 }
 
 /// Each line with a secret word in its key keeps the key and loses the value, unless the value

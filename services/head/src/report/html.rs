@@ -221,6 +221,24 @@ fn about_section(out: &mut String, about: &About) {
         )),
         None => out.push_str("<p class=\"empty\">No config file in the run directory.</p>\n"),
     }
+    if !about.servers.is_empty() {
+        let restarted = about.servers.iter().filter(|s| s.restarts > 0).count();
+        out.push_str(&format!(
+            "<h3>Restarts</h3>\n<p>{restarted} of {} servers were started again after they \
+             exited on their own (supervise:).</p>\n<table id=\"restarts\">\n\
+             <tr><th>server</th><th>restarts</th><th>last exit</th></tr>\n",
+            about.servers.len()
+        ));
+        for server in &about.servers {
+            out.push_str(&format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td></tr>\n",
+                escape(&server.name),
+                server.restarts,
+                escape(server.last_exit.as_deref().unwrap_or("")),
+            ));
+        }
+        out.push_str("</table>\n");
+    }
 }
 
 fn figure(out: &mut String, id: &str, title: &str, note: &str, svg: Option<String>) {

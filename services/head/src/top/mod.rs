@@ -139,6 +139,11 @@ impl Sources {
             scheduler,
             gateway,
             rollouts: self.rollouts(),
+            restarts: self
+                .results
+                .as_ref()
+                .and_then(|r| r.parent())
+                .and_then(crate::supervisor::restarts_line),
             run_id: self.run_id.clone(),
         }
     }

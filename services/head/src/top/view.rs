@@ -24,6 +24,8 @@ pub struct View {
     /// `None` when no gateway was given.
     pub gateway: Option<Result<GatewayStatus, String>>,
     pub rollouts: Option<Rollouts>,
+    /// The fleet's restarts so far (`nomad up`'s `servers.json`), in a line.
+    pub restarts: Option<String>,
     pub run_id: Option<String>,
 }
 
@@ -159,6 +161,9 @@ pub fn draw(frame: &mut Frame, view: &View) {
             "rollouts: {} done, {} failed, {:.1}/s",
             r.done, r.failed, r.rate
         ));
+    }
+    if let Some(restarts) = &view.restarts {
+        lines.push(restarts.clone());
     }
     let text: Vec<Line> = lines.into_iter().map(Line::from).collect();
     frame.render_widget(

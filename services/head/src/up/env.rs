@@ -45,6 +45,10 @@ pub fn telemetry_defaults(block: &TelemetryBlock, env: &dyn Env) -> Vec<(String,
             "2",
             interval_set,
         ),
+        // Spans reach their file within a second (the SDK's default waits 5 s): what a server
+        // that is SIGKILLed loses of its spans is its last second, and writing a local file
+        // that often costs nothing measurable.
+        ("OTEL_BSP_SCHEDULE_DELAY", "1000", false),
     ]
     .into_iter()
     .filter(|(k, _, set)| !set && env.non_empty(k).is_none())
@@ -68,7 +72,7 @@ mod tests {
     fn defaults_apply_only_where_nothing_configures_telemetry() {
         let none = TelemetryBlock::default();
         let defaults = telemetry_defaults(&none, &env(&[]));
-        assert_eq!(defaults.len(), 4);
+        assert_eq!(defaults.len(), 5);
         let d = telemetry_defaults(&none, &env(&[("OTEL_METRIC_EXPORT_INTERVAL", "10000")]));
         assert!(
             !d.iter()
@@ -84,7 +88,7 @@ mod tests {
             !d.iter()
                 .any(|(k, _)| k == "NOMAD_OTEL_MEMORY_PROFILING_ENABLED")
         );
-        assert_eq!(d.len(), 3);
+        assert_eq!(d.len(), 4);
         for configured in [
             ("NOMAD_OTEL_ENABLED", "false"),
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
