@@ -28,6 +28,9 @@ pub(crate) mod env;
 pub(crate) mod fleet;
 pub(crate) mod fleet_file;
 pub(crate) mod models;
+mod summary;
+
+pub(crate) use summary::summarize;
 
 /// The bundled task set of `--demo` and the agent script its tasks run.
 pub(crate) const DEMO_TASKS: &str = include_str!("../../demo/tasks.jsonl");
@@ -530,72 +533,6 @@ pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .mode(0o600)
         .open(path)?;
     file.write_all(bytes)
-}
-
-/// Results by kind of verification: count, passed, mean reward.
-pub(crate) fn summarize(results: &[rollouts::RolloutResult], out: &Path) {
-    let failed = results.iter().filter(|r| r.status == "error").count();
-    let cancelled = results.iter().filter(|r| r.status == "cancelled").count();
-    let passed = results.iter().filter(|r| r.passed == Some(true)).count();
-    let rewards: Vec<f64> = results.iter().filter_map(|r| r.reward).collect();
-    let mean = if rewards.is_empty() {
-        0.0
-    } else {
-        rewards.iter().sum::<f64>() / rewards.len() as f64
-    };
-    let cancelled_note = if cancelled > 0 {
-        format!(", {cancelled} cancelled")
-    } else {
-        String::new()
-    };
-    println!(
-        "{} rollouts: {} ok, {failed} failed{cancelled_note}; {passed} of {} verified passed; \
-         mean reward {mean:.3}",
-        results.len(),
-        results.len() - failed - cancelled,
-        rewards.len()
-    );
-    // Which ones, so a reader goes straight to them in the results and traces.
-    let named = |label: &str, ids: Vec<&str>| {
-        if !ids.is_empty() {
-            const SHOWN: usize = 10;
-            let more = ids.len().saturating_sub(SHOWN);
-            let more = if more > 0 {
-                format!(" and {more} more")
-            } else {
-                String::new()
-            };
-            println!(
-                "  {label}: {}{more}",
-                ids[..ids.len().min(SHOWN)].join(", ")
-            );
-        }
-    };
-    named(
-        "failed",
-        results
-            .iter()
-            .filter(|r| r.status == "error")
-            .map(|r| r.task_id.as_str())
-            .collect(),
-    );
-    named(
-        "cancelled",
-        results
-            .iter()
-            .filter(|r| r.status == "cancelled")
-            .map(|r| r.task_id.as_str())
-            .collect(),
-    );
-    named(
-        "verified, not passed",
-        results
-            .iter()
-            .filter(|r| r.passed == Some(false))
-            .map(|r| r.task_id.as_str())
-            .collect(),
-    );
-    println!("Results: {}", out.display());
 }
 
 #[derive(clap::Args)]
