@@ -546,11 +546,16 @@ async fn nomad_up_demo_runs_the_bundled_tasks_on_the_default_models() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A server that dies is reported with its exit status and log, and takes the fleet down.
+/// With `supervise.restart: false`, a server that dies is reported with its exit status and log,
+/// and takes the fleet down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_server_is_reported_and_the_fleet_stops() {
+async fn a_dead_server_is_reported_and_the_fleet_stops_without_restarts() {
     let dir = Fleet::new_dir();
     let config = mlp_config(&dir);
+    // Restarts off: a server's exit ends the fleet (healing.rs covers them on).
+    let mut toml = std::fs::read_to_string(&config).unwrap();
+    toml.push_str("\n[supervise]\nrestart = false\n");
+    std::fs::write(&config, toml).unwrap();
     let runs = dir.join("runs");
     let up = clean("nomad")
         .arg("up")
