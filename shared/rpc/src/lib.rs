@@ -92,6 +92,7 @@ pub async fn shutdown_signal() {
 
 pub mod auth;
 pub mod bootstrap;
+pub mod incoming;
 pub mod tls;
 
 pub use bootstrap::{Service, ServiceArgs, StartOptions};
@@ -278,16 +279,33 @@ impl RpcServer {
         listener: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), RpcError> {
+        self.serve_within(listener, incoming::Bounds::default(), shutdown)
+            .await
+    }
+
+    /// [`Self::serve`] with the listener's `bounds` on connections that have not spoken yet.
+    pub async fn serve_within(
+        self,
+        listener: TcpListener,
+        bounds: incoming::Bounds,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), RpcError> {
         let health = self.health.clone();
-        // Nagle's algorithm meets the peer's delayed ACK on small responses and stalls each
-        // exchange ~40 ms; gRPC frames are already batched by HTTP/2.
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
-            conn.inspect(|stream| {
-                if let Err(e) = stream.set_nodelay(true) {
-                    tracing::debug!("TCP_NODELAY not set on an accepted connection: {e}");
+        let admission = incoming::Admission::new(bounds);
+        let incoming =
+            tokio_stream::wrappers::TcpListenerStream::new(listener).filter_map(move |conn| {
+                match conn {
+                    Ok(stream) => {
+                        // Nagle's algorithm meets the peer's delayed ACK on small responses and
+                        // stalls each exchange ~40 ms; gRPC frames are already batched by HTTP/2.
+                        if let Err(e) = stream.set_nodelay(true) {
+                            tracing::debug!("TCP_NODELAY not set on an accepted connection: {e}");
+                        }
+                        admission.admit(stream).map(Ok)
+                    }
+                    Err(e) => Some(Err(e)),
                 }
-            })
-        });
+            });
         let mut builder = Server::builder();
         if let Some(config) = &tls::installed().server {
             builder = builder.tls_config(config.clone())?;

@@ -89,7 +89,11 @@ pub fn configure(block: &TlsBlock, serves: bool) -> Result<bool, RpcError> {
     match (&block.cert, &block.key) {
         (Some(cert), Some(key)) => {
             let id = Identity::from_pem(read("tls.cert", cert)?, read("tls.key", key)?);
-            let mut server = ServerTlsConfig::new().identity(id.clone());
+            // A TLS handshake that does not finish in time is dropped, as a silent connection
+            // is (`incoming`).
+            let mut server = ServerTlsConfig::new()
+                .identity(id.clone())
+                .timeout(std::time::Duration::from_secs(10));
             if let Some(client_ca) = &block.client_ca {
                 server =
                     server.client_ca_root(Certificate::from_pem(read("tls.client_ca", client_ca)?));
