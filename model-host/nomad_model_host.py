@@ -176,6 +176,8 @@ def exception_text(exc: BaseException) -> str:
 
 def validation_text(exc: BaseException) -> str:
     """A pydantic ValidationError as `field.path: message; ...`; anything else as its text."""
+    if isinstance(exc, InvalidArguments):
+        return str(exc)
     errors = getattr(exc, "errors", None)
     if callable(errors):
         try:
@@ -216,18 +218,102 @@ def to_json(value):
     return value
 
 
+class InvalidArguments(ValueError):
+    """Arguments that do not fit the tool's JSON Schema; the message names each field."""
+
+
+# JSON Schema's types, as Python values (a bool is not a number, as JSON has it).
+_JSON_TYPES = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool)
+    or isinstance(v, float) and v.is_integer(),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+}
+
+
+def schema_errors(value, schema, where: str, root: dict, depth: int = 0) -> list:
+    """Where `value` breaks `schema` (the keywords tools' schemas use: types, enum and const,
+    anyOf/oneOf/allOf, `$ref` into `$defs`, items and prefixItems, properties, required and
+    additionalProperties, the bounds on numbers, lengths and counts), as `where: why` lines.
+    Keywords it does not know are not checked, nor anything deeper than 64 levels (a `$ref`
+    that refers to itself ends there)."""
+    if not isinstance(schema, dict) or depth > 64:
+        return []
+    depth += 1
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target = root
+        for part in ref[2:].split("/"):
+            target = target.get(part, {}) if isinstance(target, dict) else {}
+        return schema_errors(value, target, where, root, depth)
+    at = where or "(arguments)"
+    kinds = schema.get("type")
+    if kinds is not None:
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        if not any(_JSON_TYPES.get(k, lambda v: True)(value) for k in kinds):
+            return [f"{at}: expected {' or '.join(kinds)}, got {type(value).__name__} {value!r:.60}"]
+    if "enum" in schema and value not in schema["enum"]:
+        return [f"{at}: expected one of {schema['enum']!r:.120}"]
+    if "const" in schema and value != schema["const"]:
+        return [f"{at}: expected {schema['const']!r:.60}"]
+    for keyword in ("anyOf", "oneOf"):
+        options = schema.get(keyword)
+        if isinstance(options, list) and options:
+            if all(schema_errors(value, o, where, root, depth) for o in options):
+                return [f"{at}: matches none of the allowed forms"]
+    errors = []
+    for part in schema.get("allOf") or []:
+        errors += schema_errors(value, part, where, root, depth)
+    bounds = [("minimum", lambda v, b: v >= b, ">="), ("maximum", lambda v, b: v <= b, "<="),
+              ("exclusiveMinimum", lambda v, b: v > b, ">"),
+              ("exclusiveMaximum", lambda v, b: v < b, "<")]
+    if _JSON_TYPES["number"](value):
+        for keyword, holds, sign in bounds:
+            bound = schema.get(keyword)
+            if isinstance(bound, (int, float)) and not holds(value, bound):
+                errors.append(f"{at}: must be {sign} {bound}")
+    if isinstance(value, (str, list, dict)):
+        noun = {str: "characters", list: "items", dict: "properties"}[type(value)]
+        low, high = {str: ("minLength", "maxLength"), list: ("minItems", "maxItems"),
+                     dict: ("minProperties", "maxProperties")}[type(value)]
+        if isinstance(schema.get(low), int) and len(value) < schema[low]:
+            errors.append(f"{at}: at least {schema[low]} {noun}, got {len(value)}")
+        if isinstance(schema.get(high), int) and len(value) > schema[high]:
+            errors.append(f"{at}: at most {schema[high]} {noun}, got {len(value)}")
+    if isinstance(value, list):
+        prefix = schema.get("prefixItems") or []
+        for i, item in enumerate(value):
+            part = prefix[i] if i < len(prefix) else schema.get("items")
+            errors += schema_errors(item, part, f"{where}.{i}" if where else str(i), root, depth)
+    if isinstance(value, dict):
+        properties = schema.get("properties") or {}
+        for key in schema.get("required") or []:
+            if key not in value:
+                errors.append(f"{where + '.' if where else ''}{key}: Field required")
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            inner = f"{where}.{key}" if where else str(key)
+            if key in properties:
+                errors += schema_errors(item, properties[key], inner, root, depth)
+            elif extra is False:
+                errors.append(f"{inner}: Extra inputs are not permitted")
+            elif isinstance(extra, dict):
+                errors += schema_errors(item, extra, inner, root, depth)
+    return errors
+
+
 def check_object(item, schema: dict):
-    """A duck-typed model's JSON Schema, checked as far as the standard library can: an object
-    with the required keys. The model checks the rest."""
+    """Arguments checked against a tool's JSON Schema by the host itself, whatever the model's
+    environment holds: an object of the right fields, each of its declared form."""
     if not isinstance(item, dict):
-        raise ValueError("the arguments must be a JSON object")
-    missing = [k for k in schema.get("required", []) if k not in item]
-    if missing:
-        raise ValueError("; ".join(f"{k}: Field required" for k in missing))
-    if schema.get("additionalProperties") is False:
-        extra = [k for k in item if k not in schema.get("properties", {})]
-        if extra:
-            raise ValueError("; ".join(f"{k}: Extra inputs are not permitted" for k in extra))
+        raise InvalidArguments("(arguments): the arguments must be a JSON object")
+    errors = schema_errors(item, schema or {}, "", schema or {})
+    if errors:
+        raise InvalidArguments("; ".join(errors[:20]))
     return item
 
 
@@ -363,13 +449,20 @@ class Function:
         if not callable(fn):
             raise failed(f"{request['target']} is not callable")
         self.fn = fn
-        self.signature = inspect.signature(fn)
+        # Annotations written as strings (`from __future__ import annotations`) are resolved,
+        # so the schema has their types; a name that cannot be resolved leaves them as text.
+        try:
+            self.signature = inspect.signature(fn, eval_str=True)
+        except Exception:
+            self.signature = inspect.signature(fn)
         self.loop = None
         pydantic = optional("pydantic")
         self.arguments = None
         self.returns = None
         if pydantic is not None:
             self._pydantic_models(pydantic)
+        # Without pydantic, the host checks arguments against the schema the annotations give.
+        self.plain_input = plain_schema(self.signature)
 
     def _pydantic_models(self, pydantic) -> None:
         fields = {}
@@ -412,8 +505,7 @@ class Function:
                     validated = self.arguments.model_validate(item)
                     kwargs = {name: getattr(validated, name) for name in type(validated).model_fields}
                 else:
-                    if not isinstance(item, dict):
-                        raise TypeError("arguments must be a JSON object")
+                    check_object(item, self.plain_input)
                     self.signature.bind(**item)
                     kwargs = item
             except Exception as e:
@@ -440,13 +532,46 @@ class Function:
 
 
 PLAIN_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
-               dict: "object"}
+               dict: "object", tuple: "array", type(None): "null"}
 
 
 def plain_type(annotation) -> dict | None:
-    """The JSON Schema of a plain annotation (`int`, `list`, ...), else none."""
-    kind = PLAIN_TYPES.get(annotation) or PLAIN_TYPES.get(getattr(annotation, "__origin__", None))
-    return {"type": kind} if kind else None
+    """The JSON Schema of an annotation from the standard library's types (`float`,
+    `list[float]`, `dict[str, int]`, `tuple[int, int]`, `Optional[str]`, `Literal["a", "b"]`,
+    `Annotated[...]`), as far as it can be said; none for what cannot."""
+    import typing
+
+    if annotation is None:
+        return {"type": "null"}
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return plain_type(args[0])
+    if origin is typing.Literal:
+        return {"enum": list(args)}
+    if origin is typing.Union or type(annotation).__name__ == "UnionType":
+        options = [plain_type(a) for a in args]
+        return {"anyOf": options} if all(options) else None
+    kind = PLAIN_TYPES.get(annotation) or PLAIN_TYPES.get(origin)
+    if kind is None:
+        return None
+    schema = {"type": kind}
+    if origin in (list, set, frozenset) or str(origin) == "<class 'collections.abc.Sequence'>":
+        item = plain_type(args[0]) if args else None
+        if item:
+            schema["items"] = item
+    elif origin is tuple and args:
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = plain_type(args[0])
+            if item:
+                schema["items"] = item
+        else:
+            items = [plain_type(a) or {} for a in args]
+            schema.update(prefixItems=items, minItems=len(items), maxItems=len(items))
+    elif origin is dict and len(args) == 2:
+        value = plain_type(args[1])
+        if value:
+            schema["additionalProperties"] = value
+    return schema
 
 
 def plain_schema(signature: inspect.Signature) -> dict:
@@ -461,7 +586,9 @@ def plain_schema(signature: inspect.Signature) -> dict:
         else:
             schema["default"] = p.default
         properties[name] = schema
-    return {"type": "object", "properties": properties, "required": required}
+    extra = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+    return {"type": "object", "properties": properties, "required": required,
+            "additionalProperties": extra}
 
 
 class _nothing:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx2
 from mcp import Client
 from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
 from mcp.shared.exceptions import MCPError
@@ -20,8 +21,22 @@ from mcp.shared.exceptions import MCPError
 ERROR_CODE_META = "nomad/error_code"
 
 # JSON-RPC errors (a request the server refused outright: an unknown tool, arguments that are not
-# an object) as tool error codes.
-_JSONRPC_CODES = {-32602: "INVALID_ARGUMENT", -32601: "NOT_FOUND", -32603: "INTERNAL"}
+# an object; a missing or wrong token, no room for a session) as tool error codes.
+_JSONRPC_CODES = {
+    -32602: "INVALID_ARGUMENT",
+    -32601: "NOT_FOUND",
+    -32603: "INTERNAL",
+    -32001: "UNAUTHENTICATED",
+    -32002: "UNAVAILABLE",
+}
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The first leaf of an exception group (the transport's task groups wrap what failed; on
+    Python 3.10 the group is anyio's backport, which has the same `exceptions`)."""
+    while isinstance(getattr(error, "exceptions", None), tuple) and error.exceptions:
+        error = error.exceptions[0]
+    return error
 
 
 class ToolError(Exception):
@@ -32,6 +47,25 @@ class ToolError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+def _refused(error: MCPError) -> ToolError:
+    """A JSON-RPC error as a `ToolError`: the gateway's code when its `data` carries one (an
+    unknown tool is NOT_FOUND), else the code the JSON-RPC error's number stands for."""
+    data = error.data if isinstance(error.data, dict) else {}
+    code = data.get(ERROR_CODE_META) or _JSONRPC_CODES.get(error.code, "INTERNAL")
+    return ToolError(code, error.message)
+
+
+def _opening_error(url: str, error: BaseException) -> ToolError:
+    """Why a session could not be opened, as a `ToolError`: the server's refusal (a missing or
+    wrong token, no room) with its code and words, or the gateway not reached."""
+    cause = _innermost(error)
+    if isinstance(cause, MCPError):
+        return _refused(cause)
+    if isinstance(cause, (OSError, httpx2.TransportError)):
+        return ToolError("UNAVAILABLE", f"no gateway answers at {url} ({cause!r}): is the fleet running?")
+    return ToolError("INTERNAL", f"opening an MCP session to {url}: {cause!r}")
 
 
 @dataclass
@@ -148,8 +182,14 @@ class AsyncFleet:
                 if self._closing is None:
                     self._closing = asyncio.Event()
                 opened = asyncio.get_running_loop().create_future()
-                self._owners.append(asyncio.create_task(self._own(url, opened, self._closing)))
-                self._sessions[url] = await opened
+                owner = asyncio.create_task(self._own(url, opened, self._closing))
+                try:
+                    self._sessions[url] = await opened
+                except Exception as e:
+                    with contextlib.suppress(BaseException):
+                        await owner
+                    raise _opening_error(url, e) from e
+                self._owners.append(owner)
             return self._sessions[url]
 
     async def _call(self, url: str, tool: str, arguments: dict) -> Any:
@@ -157,7 +197,7 @@ class AsyncFleet:
         try:
             return await session.call_tool(tool, arguments, read_timeout_seconds=self.timeout)
         except MCPError as e:
-            raise ToolError(_JSONRPC_CODES.get(e.code, "INTERNAL"), e.message) from e
+            raise _refused(e) from e
 
     async def tools(self) -> list[dict]:
         """The fleet's tools: name, description, input and output schema."""

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -83,8 +84,36 @@ class SyncClient(unittest.TestCase):
             self.assertIn("6", wrong.exception.message)
             with self.assertRaises(ToolError) as unknown:
                 fleet.call("nope", text="x")
-            self.assertEqual(unknown.exception.code, "INVALID_ARGUMENT", unknown.exception)
+            self.assertEqual(unknown.exception.code, "NOT_FOUND", unknown.exception)
             self.assertIn("nope", unknown.exception.message)
+            self.assertIn("mlp", unknown.exception.message)
+
+    def test_a_wrong_or_missing_token_is_a_tool_error_with_the_servers_words(self):
+        described = json.loads(find_fleet(RUNS).read_text())
+        self.assertTrue(described.get("token"), "nomad up's fleet has a token")
+        for token, words in [
+            ("not-the-token", "the bearer token is not this fleet's token"),
+            (None, "send the header `Authorization: Bearer <token>`"),
+        ]:
+            with Fleet(described["gateway_mcp"], described["tools_mcp"], token) as fleet:
+                with self.assertRaises(ToolError) as refused:
+                    fleet.call("mlp", input=[0.5] * 6)
+                self.assertEqual(refused.exception.code, "UNAUTHENTICATED", refused.exception)
+                self.assertIn(words, refused.exception.message)
+                # Code mode's session is refused alike.
+                with self.assertRaises(ToolError) as refused:
+                    fleet.run("RESULT = 1")
+                self.assertEqual(refused.exception.code, "UNAUTHENTICATED", refused.exception)
+
+    def test_a_gateway_that_is_not_there_is_unavailable_naming_its_address(self):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{probe.getsockname()[1]}/mcp"
+        with Fleet(url, url, "t") as fleet:
+            with self.assertRaises(ToolError) as refused:
+                fleet.call("mlp", input=[0.5] * 6)
+        self.assertEqual(refused.exception.code, "UNAVAILABLE", refused.exception)
+        self.assertIn(url, refused.exception.message)
 
     def test_code_runs_in_the_sandbox_and_calls_tools(self):
         with Fleet.latest(RUNS) as fleet:

@@ -556,6 +556,59 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
         refused.message().contains("nomad-test-no-such-package"),
         "{refused:?}"
     );
+    // Through the gateway, the tool that cannot serve is named as such, never as unknown: as a
+    // direct MCP tool (a failed call with its code) and as an import in sandboxed code.
+    let tools_url = fleet.gateway_mcp_url().replace("/mcp", "/tools");
+    let replies = mcp_client(
+        &tools_url,
+        "auto",
+        Some(TEST_TOKEN),
+        &json!([
+            {"tool": "broken", "arguments": {"values": [1, 2, 3, 4]}},
+            {"tool": "execute_mcp_code", "arguments": {"code": "x = 1"}},
+        ]),
+    )
+    .await;
+    assert_eq!(replies[0]["is_error"], true, "{}", replies[0]);
+    assert_eq!(
+        replies[0]["meta"]["nomad/error_code"], "FAILED_PRECONDITION",
+        "{}",
+        replies[0]
+    );
+    assert!(
+        replies[0]["text"].as_str().is_some_and(
+            |t| t.contains("broken cannot serve") && t.contains("nomad-test-no-such-package")
+        ),
+        "{}",
+        replies[0]
+    );
+    // A name /tools does not have is MCP's invalid params, its code NOT_FOUND in the error's data.
+    assert!(
+        replies[1]["exception"]
+            .as_str()
+            .is_some_and(|e| e.contains("has no tool") && e.contains("execute_mcp_code")),
+        "{}",
+        replies[1]
+    );
+    let imported = mcp_client(
+        &fleet.gateway_mcp_url(),
+        "auto",
+        Some(TEST_TOKEN),
+        &json!([{"tool": "execute_mcp_code", "arguments": {"code":
+            "from mcp_tools import ToolError\n\
+             try:\n    from mcp_tools.nomad import broken\n\
+             except ToolError as e:\n    RESULT = [e.code, str(e)]"}}]),
+    )
+    .await;
+    let result = &imported[0]["structured"]["result"];
+    assert_eq!(result[0], "FAILED_PRECONDITION", "{}", imported[0]);
+    assert!(
+        result[1]
+            .as_str()
+            .is_some_and(|m| m.contains("nomad-test-no-such-package")),
+        "{}",
+        imported[0]
+    );
 
     // The numpy model at the tag (not the window committed after it), against numpy itself.
     let signals: Vec<Value> = (0..6)

@@ -132,6 +132,25 @@ async fn every_tool_is_an_mcp_tool_of_its_own_over_http_batched_and_cancellable(
         );
     }
 
+    // It speaks as itself, names the one MCP endpoint and where the token is (stderr is a file,
+    // not a private terminal, so never the token itself).
+    let said = std::fs::read_to_string(dir.join("serve.stderr")).unwrap();
+    assert!(
+        said.contains("nomad serve: run serve-http is ready"),
+        "{said}"
+    );
+    assert!(!said.contains("nomad up:"), "{said}");
+    assert!(said.contains(&format!("MCP (the tools) {url}")), "{said}");
+    assert!(!said.contains("tools (MCP)"), "{said}");
+    assert!(
+        said.contains(&format!(
+            "token           in {} as \"token\"",
+            run_dir.join("fleet.json").display()
+        )),
+        "{said}"
+    );
+    assert!(!said.contains(TEST_TOKEN), "{said}");
+
     // A built-in kind, a Python model, a callable and the model card, each called by name.
     let calls = json!([
         {"tool": "mlp", "arguments": {"input": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]}},

@@ -47,6 +47,11 @@ fn mlp_config(dir: &Path) -> PathBuf {
     config
 }
 
+/// The results file of the fleet whose `fleet.json` is at `fleet`.
+fn run_results(fleet: &Path) -> PathBuf {
+    fleet.parent().unwrap().join("results.jsonl")
+}
+
 fn alive(pid: u64) -> bool {
     // Reaped or never ours: gone. A zombie awaiting its reaper has no threads left to run.
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -700,17 +705,15 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
         assert!(out.status.success(), "{line}:\n{stdout}\n{stderr}");
         match words[1].as_str() {
             "run" => {
-                let results: Vec<Value> = stdout
+                // The results go with the fleet's run, not into the current directory.
+                assert!(!dir.join("results.jsonl").exists(), "{line}");
+                let results: Vec<Value> = std::fs::read_to_string(run_results(&fleet))
+                    .unwrap_or_default()
                     .lines()
-                    .chain(
-                        std::fs::read_to_string(dir.join("results.jsonl"))
-                            .unwrap_or_default()
-                            .lines(),
-                    )
                     .filter_map(|l| serde_json::from_str(l).ok())
                     .collect();
                 assert!(
-                    results.iter().filter(|r| r["passed"] == true).count() == 2,
+                    results.len() == 2 && results.iter().all(|r| r["passed"] == true),
                     "{line}:\n{stdout}\n{stderr}"
                 );
             }
@@ -719,7 +722,17 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
                 2,
                 "{line}:\n{stdout}"
             ),
-            "report" => assert!(dir.join(stdout.trim()).is_file(), "{line}: {stdout}"),
+            "report" => {
+                // Its summary counts the rollouts `nomad run` wrote.
+                let page = std::fs::read_to_string(dir.join(stdout.trim()))
+                    .unwrap_or_else(|e| panic!("{line}: {stdout}: {e}"));
+                assert!(
+                    page.contains("<th>rollouts</th><td>2 (2 ok, 0 failed)</td>"),
+                    "{line}: {}",
+                    &page[..page.len().min(4000)]
+                );
+                assert!(page.contains("2 of 2 passed"), "{line}");
+            }
             _ => {}
         }
     }
@@ -865,6 +878,59 @@ async fn ctrl_c_stops_the_run_with_130_and_every_task_gets_its_line() {
         status_of("slow-"),
         BTreeSet::from([("error".to_owned(), "cancelled".to_owned())]),
         "the interrupted rollouts: {rollouts:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A newcomer's mistakes, each named before anything starts: `nomad run` with no gateway at its
+/// address, and a typo inside a tool entry of `nomad up --config` (no run directory is left
+/// behind for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newcomers_mistakes_are_named_before_anything_starts() {
+    let dir = Fleet::new_dir();
+    write_tasks(
+        &dir.join("tasks.jsonl"),
+        &[serde_json::json!({"id": "a", "code": "RESULT = 1"})],
+    );
+    let nobody = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().to_string()
+    };
+    let started = Instant::now();
+    let out = clean("nomad")
+        .args(["run", "--tasks", "tasks.jsonl", "--gateway", &nobody])
+        .current_dir(&dir)
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains(&format!("no gateway at {nobody}")) && said.contains("--fleet"),
+        "{said}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10), "{said}");
+    assert!(!dir.join("results.jsonl").exists());
+
+    let config = mlp_config(&dir);
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("{text}batch_sise = 8\n")).unwrap();
+    let runs = dir.join("runs");
+    let out = clean("nomad")
+        .arg("up")
+        .arg("--config")
+        .arg(&config)
+        .arg("--runs-dir")
+        .arg(&runs)
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("batch_sise"), "{said}");
+    assert!(
+        !runs.exists() || std::fs::read_dir(&runs).unwrap().next().is_none(),
+        "a run directory was left for a config that cannot start: {said}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -171,8 +171,44 @@ class PlainHostTests(unittest.TestCase):
             results = host.call({"op": "batch", "items": [{"x": 1.5}, {"k": 3}, {"x": 1, "y": 2}],
                                  "trace": {}})["ok"]["results"]
             self.assertEqual(results[0], {"output": 3.0})
-            self.assertIn("missing a required argument: 'x'", results[1]["invalid"])
-            self.assertIn("unexpected keyword argument 'y'", results[2]["invalid"])
+            self.assertIn("x: Field required", results[1]["invalid"])
+            self.assertIn("y: Extra inputs are not permitted", results[2]["invalid"])
+        finally:
+            host.close()
+
+    def test_arguments_are_checked_against_the_declared_schema_without_pydantic(self):
+        host = Host(os.pathsep.join([os.path.join(FIXTURES, "no_pydantic"), FIXTURES]))
+        try:
+            reply = host.call({"op": "load", "entry": "callable", "target": "plain_tools.norm"})["ok"]
+            properties = reply["input_schema"]["properties"]
+            self.assertEqual(properties["values"], {"type": "array", "items": {"type": "number"}})
+            self.assertEqual(properties["weights"]["anyOf"],
+                             [{"type": "object", "additionalProperties": {"type": "number"}},
+                              {"type": "null"}])
+            results = host.call({"op": "batch", "trace": {}, "items": [
+                {"values": [3, 4]},
+                {"values": "abc"},
+                {"values": [1, "two"]},
+                {"values": [1], "weights": {"a": "heavy"}},
+                {"values": [1], "mode": 3},
+            ]})["ok"]["results"]
+            self.assertEqual(results[0], {"output": 5.0})
+            self.assertIn("values: expected array, got str 'abc'", results[1]["invalid"])
+            self.assertIn("values.1: expected number, got str 'two'", results[2]["invalid"])
+            self.assertIn("weights: matches none of the allowed forms", results[3]["invalid"])
+            self.assertIn("mode: expected string, got int 3", results[4]["invalid"])
+
+            # A model class's own JSON Schema object: its bounds hold too.
+            loaded = host.call({"op": "load", "entry": "model_class", "target": "plain_tools.Bounded",
+                                "source": FIXTURES})
+            self.assertIn("ok", loaded, loaded)
+            results = host.call({"op": "batch", "trace": {}, "items": [
+                {"values": [1, 2]}, {"values": []}, {"values": [1, 2, 3, 4]}, {"values": [1], "x": 1},
+            ]})["ok"]["results"]
+            self.assertEqual(results[0], {"output": 3})
+            self.assertIn("values: at least 1 items, got 0", results[1]["invalid"])
+            self.assertIn("values: at most 3 items, got 4", results[2]["invalid"])
+            self.assertIn("x: Extra inputs are not permitted", results[3]["invalid"])
         finally:
             host.close()
 

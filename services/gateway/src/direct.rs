@@ -95,15 +95,20 @@ impl ServerHandler for DirectTools {
         ));
         let specs = self.specs().await?;
         let Some(spec) = specs.iter().find(|t| t.name == request.name.as_ref()) else {
-            let names: Vec<&str> = specs.iter().map(|t| t.name.as_str()).collect();
-            return Err(McpError::invalid_params(
-                format!(
-                    "unknown tool {:?}; tools: {}",
-                    request.name,
-                    names.join(", ")
-                ),
-                None,
-            ));
+            let error = self
+                .gateway
+                .upstreams
+                .missing(nomad::NAME, &request.name)
+                .await;
+            // No such tool is a protocol error in MCP (invalid params); its code rides in
+            // `data`. A tool the fleet has but cannot serve is a failed call, named.
+            if error.code == crate::tool_error::ToolErrorCode::NotFound {
+                return Err(McpError::invalid_params(
+                    error.message,
+                    Some(json!({ERROR_CODE_META: error.code})),
+                ));
+            }
+            return Ok(CallToolResponse::Complete(error_result(&error)));
         };
         let arguments = Value::Object(request.arguments.clone().unwrap_or_default());
         let (progress, forwarding) = crate::mcp_call::progress(&request, &context);
@@ -137,20 +142,23 @@ impl ServerHandler for DirectTools {
                     value
                 })
             }
-            Err(error) => {
-                let mut result = CallToolResult::error(vec![ContentBlock::text(format!(
-                    "{}: {}",
-                    error.code.describe(),
-                    error.message
-                ))]);
-                // The code a program acts on (retry, fix the arguments), beside the words.
-                let mut meta = MetaObject::new();
-                meta.0.insert(ERROR_CODE_META.into(), json!(error.code));
-                result.meta = Some(meta);
-                result
-            }
+            Err(error) => error_result(&error),
         }))
     }
+}
+
+/// A failed call's result: its words, and its code in `_meta` for a program to act on (retry,
+/// fix the arguments).
+fn error_result(error: &crate::tool_error::ToolError) -> CallToolResult {
+    let mut result = CallToolResult::error(vec![ContentBlock::text(format!(
+        "{}: {}",
+        error.code.describe(),
+        error.message
+    ))]);
+    let mut meta = MetaObject::new();
+    meta.0.insert(ERROR_CODE_META.into(), json!(error.code));
+    result.meta = Some(meta);
+    result
 }
 
 #[cfg(test)]

@@ -101,21 +101,40 @@ async fn refuse_sessions_when_full(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    use axum::response::IntoResponse as _;
     let opens_session =
         request.method() == http::Method::POST && !request.headers().contains_key("mcp-session-id");
     if opens_session && sessions.full() {
         let why = crate::sessions::SessionError::Full {
             max: sessions.max(),
         };
-        return (
+        return refusal(
             http::StatusCode::SERVICE_UNAVAILABLE,
+            REFUSED_UNAVAILABLE,
+            &why.to_string(),
             [(http::header::RETRY_AFTER, "1")],
-            format!("{why}\n"),
-        )
-            .into_response();
+        );
     }
     next.run(request).await
+}
+
+/// JSON-RPC error codes (the implementation-defined server range) of the refusals the HTTP
+/// layer answers before MCP: clients (the official SDK among them) show a JSON-RPC error body's
+/// message, where a plain-text one reaches the user as "Server returned an error response".
+const REFUSED_UNAUTHENTICATED: i32 = -32001;
+const REFUSED_UNAVAILABLE: i32 = -32002;
+
+/// An HTTP refusal of an MCP request, its reason as a JSON-RPC error (`id` null: the request
+/// was not read).
+fn refusal<const N: usize>(
+    status: http::StatusCode,
+    code: i32,
+    why: &str,
+    headers: [(http::HeaderName, &'static str); N],
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let body = serde_json::json!({"jsonrpc": "2.0", "id": null,
+        "error": {"code": code, "message": why.trim_end()}});
+    (status, headers, axum::Json(body)).into_response()
 }
 
 /// 401 unless the request carries the fleet's `Authorization: Bearer <token>` (and the
@@ -158,15 +177,15 @@ async fn bearer_auth(
             )
                 .into_response();
         }
-        return (
+        return refusal(
             http::StatusCode::UNAUTHORIZED,
+            REFUSED_UNAUTHENTICATED,
+            why,
             [
                 (http::header::WWW_AUTHENTICATE, "Bearer"),
                 (http::header::CONNECTION, "close"),
             ],
-            why,
-        )
-            .into_response();
+        );
     }
     if let Some(connection) = request.extensions().get::<crate::connections::Connection>() {
         connection.authenticated();

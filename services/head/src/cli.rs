@@ -16,12 +16,14 @@ pub struct Cli {
 #[derive(Subcommand)]
 pub enum Command {
     /// Start the fleet as child processes; with --demo or --tasks, run a task set, then stop.
+    #[command(after_help = crate::tasks::FORMAT)]
     Up(up::UpArgs),
     /// List the fleets `nomad up` started under a runs directory (running ones; --all).
     Ps(fleets::PsArgs),
     /// Stop a fleet `nomad up` started (the one running, or the run id given).
     Down(fleets::DownArgs),
     /// Run every task of a tasks JSONL file as one rollout and write one result line per task.
+    #[command(after_help = crate::tasks::FORMAT)]
     Run(run::RunArgs),
     /// Serve a config's tools over MCP, each tool an MCP tool of its own (as the original
     /// Nomad's `nomad serve`): the scheduler and device workers start as children.

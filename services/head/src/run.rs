@@ -14,12 +14,14 @@ use crate::{run_id, tasks};
 
 #[derive(clap::Args)]
 pub struct RunArgs {
-    /// Tasks file: one JSON object per line ({"id", "tool", "arguments", "server"?}).
+    /// Tasks file: one JSON object per line (the format is below).
     #[arg(long)]
     pub tasks: PathBuf,
-    /// Results file (JSONL); `-` writes to stdout.
-    #[arg(long, default_value = "results.jsonl")]
-    pub out: PathBuf,
+    /// Results file (JSONL); `-` writes to stdout. Default: with --fleet, the fleet's run's
+    /// `results.jsonl` (appended to, so `nomad report` and `nomad top` count these rollouts);
+    /// else `results.jsonl` here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     /// The gateway to send rollouts to (default: the fleet's, else 127.0.0.1:7001).
     #[arg(long, env = "NOMAD_GATEWAY")]
     pub gateway: Option<String>,
@@ -69,6 +71,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         .clone()
         .or_else(|| fleet.as_ref().map(|f| f.gateway.clone()))
         .unwrap_or_else(|| "127.0.0.1:7001".to_owned());
+    if fleet.is_none() {
+        check_gateway(&gateway, args.gateway.is_some()).await?;
+    }
+    // A fleet's rollouts go with its run; a file named on the command line is written afresh.
+    let fleet_results = fleet
+        .as_ref()
+        .and_then(|f| f.run_dir.as_ref())
+        .map(|dir| dir.join("results.jsonl"));
+    let (out, append) = match (&args.out, fleet_results) {
+        (Some(out), _) => (out.clone(), false),
+        (None, Some(results)) => (results, true),
+        (None, None) => (PathBuf::from("results.jsonl"), false),
+    };
     let mut run_id = String::new();
     let mut options = StartOptions {
         serves: false,
@@ -116,7 +131,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
     // its line.
     let (stopper, stop) = rollouts::Stop::new();
     let ran = {
-        let run = rollouts::run_to_file(&runner, tasks, &args.out, &mut results, &stop);
+        let run = rollouts::run_to_file(&runner, tasks, &out, append, &mut results, &stop);
         tokio::pin!(run);
         tokio::select! {
             ran = &mut run => ran,
@@ -133,7 +148,28 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
     eprintln!(
         "run {run_id}: {} ok, {failed} failed, {cancelled} cancelled; results in {}",
         total - failed - cancelled,
-        args.out.display()
+        out.display()
     );
     Ok(failed + cancelled == 0)
+}
+
+/// Fails before any rollout when no gateway answers at `address`, naming it and how to point
+/// the run at a fleet: every rollout would otherwise wait for it and fail alike.
+async fn check_gateway(address: &str, named: bool) -> anyhow::Result<()> {
+    use crate::up::fleet_file::{Unanswered, gateway_answers};
+    let why = match gateway_answers(address).await {
+        Ok(()) => return Ok(()),
+        Err(Unanswered::Refused(e)) => format!("refuses connections ({e})"),
+        Err(Unanswered::Silent) => "did not accept a connection within 3 s".to_owned(),
+    };
+    let source = if named {
+        "--gateway (or NOMAD_GATEWAY)"
+    } else {
+        "the default, as neither --fleet nor --gateway was given"
+    };
+    anyhow::bail!(
+        "no gateway at {address} ({source}): it {why}. Start a fleet with `nomad up` and pass \
+         --fleet runs/<run id>/fleet.json (`nomad status` lists running fleets), or give the \
+         gateway's address with --gateway HOST:PORT"
+    )
 }

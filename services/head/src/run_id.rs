@@ -40,6 +40,32 @@ pub fn check(id: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The run a reading command names: `--from DIR` (its run id given, or `latest` for the
+/// directory's own name, as `nomad up` names it), else [`locate`] under `runs`.
+pub fn resolve(
+    runs: &Path,
+    from: Option<&Path>,
+    run_id: &str,
+) -> anyhow::Result<(String, PathBuf)> {
+    let Some(dir) = from else {
+        return locate(runs, run_id);
+    };
+    anyhow::ensure!(dir.is_dir(), "--from {}: no such directory", dir.display());
+    if run_id != "latest" {
+        check(run_id).map_err(|e| anyhow::anyhow!("run id {run_id:?}: {e}"))?;
+        return Ok((run_id.to_owned(), dir.to_owned()));
+    }
+    let absolute = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
+    match absolute.file_name().and_then(|n| n.to_str()) {
+        Some(name) if check(name).is_ok() => Ok((name.to_owned(), dir.to_owned())),
+        _ => anyhow::bail!(
+            "`latest` with --from {} takes the run id from the directory's name, which is not \
+             one; give the run id instead of `latest`",
+            dir.display()
+        ),
+    }
+}
+
 /// The directory of run `run_id` under `runs` (`latest`: the newest run there). An unknown run
 /// is refused naming where it looked and the runs that are there, newest first.
 pub fn locate(runs: &Path, run_id: &str) -> anyhow::Result<(String, PathBuf)> {
@@ -122,6 +148,27 @@ mod tests {
                 .to_string()
                 .contains("1 to 64")
         );
+        std::fs::remove_dir_all(&runs).unwrap();
+    }
+
+    #[test]
+    fn from_a_directory_latest_is_its_name_and_a_given_id_is_checked() {
+        let runs = std::env::temp_dir().join(format!("nomad-from-{}", std::process::id()));
+        let dir = runs.join("a1b2c3");
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(
+            resolve(Path::new("elsewhere"), Some(&dir), "latest").unwrap(),
+            ("a1b2c3".into(), dir.clone())
+        );
+        assert_eq!(resolve(&runs, Some(&dir), "mine").unwrap().0, "mine");
+        let said = resolve(&runs, Some(&dir), "../x").unwrap_err().to_string();
+        assert!(said.contains("1 to 64"), "{said}");
+        let said = resolve(&runs, Some(&runs.join("gone")), "latest")
+            .unwrap_err()
+            .to_string();
+        assert!(said.contains("no such directory"), "{said}");
+        // Without --from, the runs directory given is where `latest` is looked for.
+        assert_eq!(resolve(&runs, None, "latest").unwrap().0, "a1b2c3");
         std::fs::remove_dir_all(&runs).unwrap();
     }
 

@@ -4,6 +4,16 @@
 //! to the `--template` script as `TASK`), or `tool` + `arguments` (one direct tool call). An
 //! `expected` value and a `verify` kind make the rollout's reward.
 
+/// The tasks file's format, as `nomad run --help` and `nomad up --help` show it.
+pub const FORMAT: &str = "\
+Tasks file (--tasks): one JSON object per line, each with a unique \"id\" and one step:
+  {\"id\": \"a\", \"code\": \"RESULT = 6 * 7\"}                     Python run in the sandbox; RESULT is the output
+  {\"id\": \"b\", \"inputs\": {...}}                              given as TASK to the --template script
+  {\"id\": \"c\", \"tool\": \"embed\", \"arguments\": {\"text\": \"hi\"}}  one direct tool call (\"server\" defaults to nomad)
+For a reward add \"expected\" and \"verify\": \"exact\" (the default), {\"kind\": \"numeric\", \"tolerance\": 0.001}
+or {\"kind\": \"similarity\", \"threshold\": 0.8}. Every bad line is named before anything runs.
+Results: one JSON line per task (status ok, error or cancelled). More in docs/fleet.md.";
+
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -113,6 +123,17 @@ fn python_literal(value: &Value) -> String {
     format!("__import__('json').loads({text})")
 }
 
+/// A task's JSON error without serde's "at line 1": the label already names the file's line, so
+/// only the column is worth adding.
+fn json_error(error: &serde_json::Error) -> String {
+    let text = error.to_string();
+    let location = format!(" at line {} column {}", error.line(), error.column());
+    match text.strip_suffix(&location) {
+        Some(reason) => format!("{reason} (column {})", error.column()),
+        None => text,
+    }
+}
+
 /// Parses labelled task texts; on failure lists every bad one (label and reason), not just the
 /// first. Duplicate ids are refused: results are keyed by task id.
 pub fn parse_all<'a>(
@@ -124,7 +145,7 @@ pub fn parse_all<'a>(
     let mut ids = std::collections::HashSet::new();
     for (label, json) in items {
         let parsed = serde_json::from_str::<RawTask>(json)
-            .map_err(|e| e.to_string())
+            .map_err(|e| json_error(&e))
             .and_then(|raw| resolve(raw, template));
         match parsed {
             Ok(task) if !ids.insert(task.id.clone()) => {
@@ -247,6 +268,12 @@ mod tests {
         ] {
             assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
         }
+        // A line's own JSON error names the column, not serde's "line 1" inside the file's line.
+        assert!(
+            err.contains("t.jsonl:2: expected ident (column 2)"),
+            "{err}"
+        );
+        assert!(!err.contains("at line 1"), "{err}");
         assert!(
             parse("\n\n", "e.jsonl", None)
                 .unwrap_err()

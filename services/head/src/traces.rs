@@ -374,11 +374,15 @@ mod tests {
 
 #[derive(clap::Args)]
 pub struct TracesArgs {
-    /// The run id (`nomad.run.id`); `latest` is the newest run under runs/.
+    /// The run id (`nomad.run.id`); `latest` is the newest run under the runs directory.
     pub run_id: String,
-    /// A run directory of console-exporter files (default: runs/<RUN_ID>).
+    /// A run directory of console-exporter files (default: <runs dir>/<RUN_ID>); with
+    /// `latest`, its name is the run id.
     #[arg(long, conflicts_with = "jaeger")]
     pub from: Option<PathBuf>,
+    /// Where the run directories are.
+    #[arg(long, default_value = "runs", conflicts_with_all = ["from", "jaeger"])]
+    pub runs_dir: PathBuf,
     /// Query Jaeger's api_v3 gRPC QueryService at this address (e.g. 127.0.0.1:16685).
     #[arg(long)]
     pub jaeger: Option<String>,
@@ -409,14 +413,11 @@ pub async fn show(args: TracesArgs) -> anyhow::Result<bool> {
             anyhow::ensure!(args.search_depth > 0, "--search-depth must be at least 1");
             load_jaeger(url, &args.run_id, lookback, args.search_depth).await?
         }
-        None => match &args.from {
-            Some(dir) => load_dir(dir)?,
-            None => {
-                let (id, dir) = crate::run_id::locate(Path::new("runs"), &run_id)?;
-                run_id = id;
-                load_dir(&dir)?
-            }
-        },
+        None => {
+            let (id, dir) = crate::run_id::resolve(&args.runs_dir, args.from.as_deref(), &run_id)?;
+            run_id = id;
+            load_dir(&dir)?
+        }
     };
     let local = args.jaeger.is_none();
     let rollouts = rollouts(spans, &run_id);

@@ -27,9 +27,17 @@ enum Described {
     Failed(String),
 }
 
+/// How long a call to a tool not described yet waits for its description (a worker
+/// registering, a Python model's environment building) before it is refused as still starting.
+const CALL_WAITS_FOR_DESCRIPTION: Duration = Duration::from_secs(30);
+
 pub struct Catalog {
     tools: Vec<ToolConfig>,
     described: Mutex<Vec<Described>>,
+    /// Woken whenever a tool's description ends (ready or failed).
+    settled: tokio::sync::Notify,
+    /// [`CALL_WAITS_FOR_DESCRIPTION`], shorter in tests.
+    call_wait: Duration,
     deadline: Duration,
 }
 
@@ -39,6 +47,8 @@ impl Catalog {
         Self {
             tools,
             described,
+            settled: tokio::sync::Notify::new(),
+            call_wait: CALL_WAITS_FOR_DESCRIPTION,
             deadline,
         }
     }
@@ -91,6 +101,35 @@ impl Catalog {
                 info
             })
             .collect()
+    }
+
+    /// [`Self::check_call`], after waiting (at most [`CALL_WAITS_FOR_DESCRIPTION`]) for a tool
+    /// that is not described yet: a call made while the fleet starts is served once its tool
+    /// is, or refused as still starting, never as unknown.
+    pub async fn ready_for_call(&self, tool: &str, input: &ToolInput) -> Result<(), Status> {
+        let Some(index) = self.index(tool) else {
+            return Ok(()); // the driver answers unknown tools
+        };
+        let deadline = tokio::time::Instant::now() + self.call_wait;
+        loop {
+            // Registered before the state is read, so a description ending between the two
+            // still wakes this call.
+            let settled = self.settled.notified();
+            if !matches!(
+                self.lock()[index],
+                Described::Pending | Described::Describing
+            ) {
+                return self.check_call(tool, input);
+            }
+            if tokio::time::timeout_at(deadline, settled).await.is_err() {
+                return Err(Status::unavailable(format!(
+                    "tool {tool:?} is still starting: no worker has described it within {} s \
+                     (a Python model's environment is built once per host; the device worker's \
+                     log shows its progress); retry shortly",
+                    self.call_wait.as_secs()
+                )));
+            }
+        }
     }
 
     /// Refuses, before it is queued, a call the tool could only fail: its source or environment
@@ -212,12 +251,82 @@ impl Catalog {
                         .set_batch_size(&tool.name, description.batch_size)
                         .await;
                 }
-                self.lock()[index] = Described::Ready(description);
+                self.settle(index, Described::Ready(description));
             }
             Err(error) => {
                 tracing::error!(tool = %tool.name, worker = %worker.id, "tool cannot serve: {error}");
-                self.lock()[index] = Described::Failed(error);
+                self.settle(index, Described::Failed(error));
             }
         }
+    }
+
+    /// Ends a tool's description, waking the calls that wait for it.
+    fn settle(&self, index: usize, described: Described) {
+        self.lock()[index] = described;
+        self.settled.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn catalog() -> Arc<Catalog> {
+        let tool = ToolConfig {
+            name: "m".into(),
+            kind: "mlp".into(),
+            source: "/nowhere".into(),
+            base_dir: String::new(),
+            description: String::new(),
+            batch_size: 1,
+            batch_size_from_model: false,
+            max_devices: 1,
+            max_pending: 8,
+            execute_timeout: Duration::from_secs(1),
+            max_batch_bytes: 1 << 20,
+            max_batch_tokens: 0,
+            max_running: None,
+            kv_budget_bytes: 0,
+            dense_prefill: false,
+            continuous: false,
+            oom_regrow_after: 0,
+            python: None,
+        };
+        let mut catalog = Catalog::new(vec![tool], Duration::from_secs(1));
+        catalog.call_wait = Duration::from_secs(2);
+        Arc::new(catalog)
+    }
+
+    fn text() -> ToolInput {
+        ToolInput {
+            value: Some(tool_input::Value::Text("x".into())),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_waits_for_its_tools_description_then_is_served_or_told_why() {
+        let catalog = catalog();
+        // Described while the call waits: it goes on.
+        let waiting = tokio::spawn({
+            let catalog = catalog.clone();
+            async move { catalog.ready_for_call("m", &text()).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!waiting.is_finished());
+        catalog.settle(0, Described::Ready(ToolDescription::default()));
+        waiting.await.unwrap().unwrap();
+        // Failed: refused naming why.
+        catalog.settle(0, Described::Failed("no weights".into()));
+        let refused = catalog.ready_for_call("m", &text()).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+        assert!(refused.message().contains("no weights"), "{refused:?}");
+        // Never described: refused as starting once the wait is over, not as unknown.
+        catalog.settle(0, Described::Describing);
+        let refused = catalog.ready_for_call("m", &text()).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unavailable);
+        assert!(refused.message().contains("still starting"), "{refused:?}");
+        // A tool the catalog does not have is the driver's to answer.
+        assert!(catalog.ready_for_call("other", &text()).await.is_ok());
     }
 }

@@ -80,7 +80,7 @@ impl Scheduler for SchedulerService {
         request: Request<CallToolRequest>,
     ) -> Result<Response<CallToolResponse>, Status> {
         let (tool, input) = request_parts(request.into_inner())?;
-        self.catalog.check_call(&tool, &input)?;
+        self.catalog.ready_for_call(&tool, &input).await?;
         let served = self.driver.call(&tool, input).await?;
         Ok(Response::new(response(served)))
     }
@@ -94,7 +94,7 @@ impl Scheduler for SchedulerService {
     ) -> Result<Response<Self::CallToolStreamStream>, Status> {
         use opentelemetry::trace::FutureExt as _;
         let (tool, input) = request_parts(request.into_inner())?;
-        self.catalog.check_call(&tool, &input)?;
+        self.catalog.ready_for_call(&tool, &input).await?;
         let (text, texts) = tokio::sync::mpsc::channel(STREAM_BUFFER);
         let driver = self.driver.clone();
         // Dropping the stream drops the call, which cancels the request.

@@ -17,23 +17,26 @@ use nomad_proto::v1::scheduler_server::SchedulerServer;
 use nomad_rpc::{Service, ServiceArgs};
 use nomad_telemetry::ServerType;
 
+/// Nomad scheduler (tool manager)
 #[derive(Parser)]
-#[command(
-    name = "nomad-scheduler",
-    version,
-    about = "Nomad scheduler (tool manager)"
-)]
+#[command(name = "nomad-scheduler", version)]
 struct Args {
     #[command(flatten)]
     service: ServiceArgs,
     /// Address to serve gRPC on.
     #[arg(long, default_value = "127.0.0.1:7002")]
     listen: String,
+    /// Check the config's tools and exit (0, or 2 saying what is wrong); `nomad up` runs it.
+    #[arg(long)]
+    check: bool,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    nomad_rpc::bootstrap::main("nomad-scheduler", 1, || serve(args))
+    match args.check {
+        true => config::check(args.service.config.as_deref()),
+        false => nomad_rpc::bootstrap::main("nomad-scheduler", 1, || serve(args)),
+    }
 }
 
 async fn serve(args: Args) -> anyhow::Result<ExitCode> {
@@ -50,13 +53,9 @@ async fn serve(args: Args) -> anyhow::Result<ExitCode> {
         manager.heartbeat(),
     ));
     let catalog = Arc::new(catalog::Catalog::new(tools, deadlines.prepare));
-
+    let addr_file = args.service.addr_file.as_deref();
     let (listener, _) = service
-        .listen(
-            "nomad-scheduler",
-            &args.listen,
-            args.service.addr_file.as_deref(),
-        )
+        .listen("nomad-scheduler", &args.listen, addr_file)
         .await?;
     let mut server = nomad_rpc::RpcServer::new();
     server

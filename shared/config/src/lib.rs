@@ -65,6 +65,10 @@ pub enum ConfigError {
     },
 }
 
+/// The default models' directories (under the models directory, `models/` unless
+/// `NOMAD_MODELS_DIR` says otherwise), as `scripts/fetch-models` unpacks them.
+pub const DEFAULT_MODELS: [&str; 2] = ["all-minilm-l6-v2", "smollm2-135m-instruct"];
+
 /// Every top-level section a Nomad config may have (each read by the service that owns it);
 /// `search_tool` is the original Nomad's and is accepted so its configs load (Nomad's gateway
 /// always offers search).

@@ -222,6 +222,10 @@ fn logger_provider(
 
 /// Targets whose events must never reach the OTel log pipeline: they are the exporters' own
 /// transport, and exporting their logs would feed back into them.
+/// Logs shown when `RUST_LOG` is not set: the MCP library's INFO lines (three a session, one of
+/// them the client's whole request) are its own bookkeeping, kept to warnings.
+const DEFAULT_LOG_FILTER: &str = "info,rmcp=warn";
+
 fn is_exporter_internal(target: &str) -> bool {
     ["opentelemetry", "h2", "hyper", "tonic", "tower", "reqwest"]
         .iter()
@@ -284,12 +288,16 @@ pub fn init(
         // Colour codes only for a terminal: a log file (a run directory's) stays plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
-        .with_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_filter(
+            EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| EnvFilter::new(DEFAULT_LOG_FILTER)),
+        )
         .with_filter(export_log::ExportErrorsOnce);
     let otel_logs = logger.as_ref().map(|provider| {
         opentelemetry_appender_tracing::layer::OpenTelemetryTracingBridge::new(provider)
             .with_filter(tracing_subscriber::filter::filter_fn(|meta| {
                 !is_exporter_internal(meta.target())
+                    && (!meta.target().starts_with("rmcp") || *meta.level() <= tracing::Level::WARN)
             }))
             .with_filter(tracing_subscriber::filter::LevelFilter::INFO)
     });
@@ -300,13 +308,20 @@ pub fn init(
         .try_init();
 
     if settings.enabled {
+        // Where the export goes: an OTLP endpoint, or the console exporter's stream or file.
+        let to = match (settings.exporter, &options.console_sink) {
+            (ExporterKind::Otlp, _) => settings.traces.endpoint.to_string(),
+            (ExporterKind::Console, ConsoleSink::Stdout) => "stdout".to_owned(),
+            (ExporterKind::Console, ConsoleSink::Stderr) => "stderr".to_owned(),
+            (ExporterKind::Console, ConsoleSink::File(path)) => path.display().to_string(),
+        };
         tracing::info!(
             service.name = %service_name,
             traces = settings.traces_on(),
             metrics = settings.metrics_on(),
             logs = settings.logs_on(),
             exporter = settings.exporter.as_str(),
-            endpoint = %settings.traces.endpoint,
+            to = %to,
             "telemetry export on"
         );
     }

@@ -113,7 +113,7 @@ impl ExecLimits {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("model source {path}: not found (the default models come from scripts/fetch-models)")]
+    #[error("model source {path}: not found ({hint})", hint = source::missing_hint(&.path.to_string_lossy()))]
     NotFound { path: PathBuf },
     #[error("model source {path}: {reason}")]
     Invalid { path: PathBuf, reason: String },

@@ -10,7 +10,7 @@ const CLONE_TIMEOUT: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SourceError {
-    #[error("model source {0}: not found (the default models come from scripts/fetch-models)")]
+    #[error("model source {0}: not found ({hint})", hint = missing_hint(.0))]
     NotFound(String),
     #[error(
         "model source {spec:?}: unsupported scheme `{scheme}`; use a local path, file:, \
@@ -22,15 +22,34 @@ pub enum SourceError {
     #[error("model source {spec:?}: cloning failed: {reason}")]
     Clone { spec: String, reason: String },
     #[error(
-        "model source {spec:?}: {repo} is not in the local Hugging Face cache (looked in \
-         {looked}); Nomad does not download: fetch it on this host first (e.g. `hf download \
-         {repo}`) or set HF_HUB_CACHE"
+        "model source {spec:?}: {repo} at revision {revision} is not in the local Hugging Face \
+         cache (looked in {looked}); Nomad does not download: fetch it on this host first (e.g. \
+         `hf download {repo} --revision {revision}`) or set HF_HUB_CACHE"
     )]
     NotCached {
         spec: String,
         repo: String,
+        revision: String,
         looked: String,
     },
+}
+
+/// What to do about a model path that does not exist: the default models are fetched by a
+/// script; any other path is the user's to check.
+pub fn missing_hint(path: &str) -> String {
+    let name = Path::new(path.trim_end_matches('/'))
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    // The first words of a message that already names more than the path.
+    let name = name.split(' ').next().unwrap_or_default();
+    if nomad_config::DEFAULT_MODELS.contains(&name) {
+        "it is a default model: scripts/fetch-models fetches the default models".to_owned()
+    } else {
+        "check the path: a relative one is read from the config file's directory, then from \
+         the worker's working directory"
+            .to_owned()
+    }
 }
 
 /// A parsed model source.
@@ -254,7 +273,8 @@ fn hugging_face(
     if commit.contains('/') || !snapshot.is_dir() {
         return Err(SourceError::NotCached {
             spec: source.to_owned(),
-            repo: format!("{repo}@{revision}"),
+            repo: repo.to_owned(),
+            revision: revision.to_owned(),
             looked: dir.display().to_string(),
         });
     }
@@ -434,9 +454,19 @@ mod tests {
             .to_string();
         assert!(
             missing.contains("not in the local Hugging Face cache")
-                && missing.contains("models--org--other"),
+                && missing.contains("models--org--other")
+                && missing.contains("`hf download org/other --revision main`"),
             "{missing}"
         );
         std::fs::remove_dir_all(&cache).unwrap();
+    }
+
+    #[test]
+    fn a_missing_path_is_told_apart_from_a_missing_default_model() {
+        let own = SourceError::NotFound("/data/my-model".into()).to_string();
+        assert!(own.contains("check the path"), "{own}");
+        assert!(!own.contains("fetch-models"), "{own}");
+        let default = SourceError::NotFound("models/smollm2-135m-instruct/".into()).to_string();
+        assert!(default.contains("scripts/fetch-models"), "{default}");
     }
 }

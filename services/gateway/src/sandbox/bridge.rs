@@ -7,7 +7,8 @@
 //! the gateway sends the run ([`encode_run`]: length-prefixed text fields, so the runner decodes
 //! it without importing `json`); the runner says `ready` (once its imports are done) and then
 //! sends requests, each with an `id` that its JSON response repeats: `list_servers`,
-//! `list_tools {server}`, `call_tool {server, tool, arguments}`. Its last message is
+//! `list_tools {server}`, `call_tool {server, tool, arguments}`, `why_missing {server, tool}`
+//! (the error a name the server's module lacks raises). Its last message is
 //! `done {result | error}`.
 
 use crate::tool_error::ToolError;

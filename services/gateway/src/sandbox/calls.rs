@@ -239,6 +239,11 @@ async fn handle(host: &impl ToolHost, id: u64, method: &str, mut params: Value) 
             Ok(tools) => Response::ok(id, serde_json::to_value(tools).unwrap_or_default()),
             Err(e) => Response::error(id, e),
         },
+        "why_missing" => Response::error(
+            id,
+            host.missing(&text(&params, "server"), &text(&params, "tool"))
+                .await,
+        ),
         "call_tool" => {
             let (server, tool) = (text(&params, "server"), text(&params, "tool"));
             // Taken, not copied: the call holds the run's arguments once.

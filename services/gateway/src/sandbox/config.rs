@@ -10,6 +10,8 @@ use serde::Deserialize;
 pub struct SandboxConfig {
     /// Python interpreter (a path or a name on PATH).
     pub python: String,
+    /// A run's wall time: its tool calls' time waiting in their tools' queues counts too (a run
+    /// that calls a busy tool needs room for the queue as well as the model).
     pub timeout_seconds: f64,
     /// Bytes of stdout / stderr kept; the rest is read and dropped.
     pub stdout_limit: usize,

@@ -72,6 +72,11 @@ pub trait ToolHost: Send + Sync {
         tool: &str,
         arguments: Value,
     ) -> impl Future<Output = Result<Value, ToolError>> + Send;
+    /// Why `server.tool` is not among `tools(server)` (code imported a name the module lacks).
+    fn missing(&self, server: &str, tool: &str) -> impl Future<Output = ToolError> + Send {
+        let error = ToolError::not_found(format!("{server} has no tool {tool:?}"));
+        async move { error }
+    }
 }
 
 /// What to run.

@@ -294,6 +294,18 @@ class _ToolsImporter:
             setattr(module, sync.__name__, sync)
             setattr(module, asynchronous.__name__, asynchronous)
         module.ToolError = ToolError
+        bridge = self.bridge
+
+        def __getattr__(name):
+            # A name the server does not list: the gateway says why (a model that failed to
+            # load, not allowed, no such tool) as the ToolError a call would raise.
+            if name.startswith("__"):
+                raise AttributeError(name)
+            tool = name[: -len("_async")] if name.endswith("_async") else name
+            bridge.request("why_missing", {"server": server, "tool": tool})
+            raise AttributeError(name)
+
+        module.__getattr__ = __getattr__
 
 
 def _exit(code):

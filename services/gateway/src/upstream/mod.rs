@@ -108,6 +108,37 @@ impl Upstreams {
         }
     }
 
+    /// Why `server.tool` is not among the tools [`Self::tools`] lists: not allowed, a model that
+    /// failed to load (named), or no such tool (the ones there are named).
+    pub async fn missing(&self, server: &str, tool: &str) -> ToolError {
+        if !self.server_names().iter().any(|s| s == server) {
+            return ToolError::not_found(self.unknown_server(server));
+        }
+        if !self.policy.allows(server, tool) {
+            return ToolError::new(
+                ToolErrorCode::PermissionDenied,
+                format!("{server}:{tool} is not in the gateway's allowlist"),
+            );
+        }
+        if server == nomad::NAME {
+            match self.nomad.failed(tool).await {
+                Ok(Some(why)) => return nomad::cannot_serve(tool, &why),
+                Ok(None) => {}
+                Err(e) => return e,
+            }
+        }
+        match self.tools(server).await {
+            Ok(tools) => {
+                let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+                ToolError::not_found(format!(
+                    "{server} has no tool {tool:?}; its tools: {}",
+                    names.join(", ")
+                ))
+            }
+            Err(e) => e,
+        }
+    }
+
     fn unknown_server(&self, server: &str) -> String {
         format!(
             "unknown upstream server {server:?}; configured: {}",
@@ -201,6 +232,10 @@ impl ToolHost for RunTools<'_> {
 
     async fn tools(&self, server: &str) -> Result<Vec<ToolSpec>, ToolError> {
         self.upstreams.tools(server).await
+    }
+
+    async fn missing(&self, server: &str, tool: &str) -> ToolError {
+        self.upstreams.missing(server, tool).await
     }
 
     async fn call(&self, server: &str, tool: &str, arguments: Value) -> Result<Value, ToolError> {

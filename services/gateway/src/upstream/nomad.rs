@@ -137,12 +137,15 @@ const PENDING_WATCH: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// What one listing of the scheduler's tools gives: their specs, kinds and queue bounds, and
 /// whether any is still being described.
-type Listed = (
-    Vec<ToolSpec>,
-    HashMap<String, String>,
-    HashMap<String, u32>,
-    bool,
-);
+/// A listing of the scheduler's tools, as [`Nomad::list`] reads it.
+struct Listed {
+    tools: Vec<ToolSpec>,
+    kinds: HashMap<String, String>,
+    max_pending: HashMap<String, u32>,
+    /// The tools that cannot serve, with why (left out of `tools`).
+    failed: HashMap<String, String>,
+    pending: bool,
+}
 
 /// The scheduler's tools as listed at `at`.
 struct Listing {
@@ -152,6 +155,8 @@ struct Listing {
     kinds: HashMap<String, String>,
     /// Each tool's queue bound (`max_pending`): requests beyond it are refused as queue_full.
     max_pending: HashMap<String, u32>,
+    /// The tools that cannot serve, with why: a call to one is refused naming it.
+    failed: HashMap<String, String>,
     /// Some tool was not described yet: the listing is kept for [`PENDING_POLL`] only.
     pending: bool,
 }
@@ -288,7 +293,13 @@ impl Nomad {
                     ),
                 )
             })??;
-        let (tools, kinds, max_pending, pending) = tools;
+        let Listed {
+            tools,
+            kinds,
+            max_pending,
+            failed,
+            pending,
+        } = tools;
         if pending {
             self.watch_pending();
         }
@@ -297,9 +308,18 @@ impl Nomad {
             tools: tools.clone(),
             kinds: kinds.clone(),
             max_pending,
+            failed,
             pending,
         });
         Ok((tools, kinds))
+    }
+
+    /// Why `tool` cannot serve, when the scheduler has it and it failed to load (a listing kept
+    /// while fresh).
+    pub async fn failed(&self, tool: &str) -> Result<Option<String>, ToolError> {
+        self.listing().await?;
+        let listing = self.listing.lock().await;
+        Ok(listing.as_ref().and_then(|l| l.failed.get(tool).cloned()))
     }
 
     /// Each tool's name and kind (a listing kept while fresh); `get_model_card` is not a model.
@@ -328,7 +348,7 @@ impl Nomad {
             .is_some_and(|l| l.tools.iter().any(|t| t.name == tool))
     }
 
-    /// Tools that failed to load are left out (the scheduler's log says why); also each one's
+    /// Tools that failed to load are left out of the tools and kept with why; also each one's
     /// kind and queue bound, and whether any is still being described.
     async fn list(&self) -> Result<Listed, ToolError> {
         let listed = self
@@ -347,12 +367,12 @@ impl Nomad {
                     format!("listing the scheduler's tools: {}", s.message()),
                 )
             })?;
-        let tools: Vec<ToolInfo> = listed
+        let (failed, tools): (Vec<ToolInfo>, Vec<ToolInfo>) = listed
             .into_inner()
             .tools
             .into_iter()
-            .filter(|t| t.state() != ToolState::Failed)
-            .collect();
+            .partition(|t| t.state() == ToolState::Failed);
+        let failed = failed.into_iter().map(|t| (t.name, t.error)).collect();
         let pending = tools.iter().any(|t| t.state() == ToolState::Pending);
         let kinds = tools
             .iter()
@@ -366,7 +386,13 @@ impl Nomad {
         if !specs.iter().any(|t| t.name == MODEL_CARD_TOOL) {
             specs.push(model_card_spec());
         }
-        Ok((specs, kinds, max_pending, pending))
+        Ok(Listed {
+            tools: specs,
+            kinds,
+            max_pending,
+            failed,
+            pending,
+        })
     }
 
     /// Calls `tool`; the caller's context is current (the client layer injects it). With
@@ -379,6 +405,9 @@ impl Nomad {
         progress: Option<&tokio::sync::mpsc::Sender<String>>,
     ) -> Result<Value, ToolError> {
         let (_, kinds) = self.listing().await?;
+        if let Some(why) = self.failed(tool).await? {
+            return Err(cannot_serve(tool, &why));
+        }
         let kind = kinds.get(tool).map(String::as_str);
         if tool == MODEL_CARD_TOOL && kind.is_none() {
             return self.model_card(arguments).await;
@@ -540,4 +569,14 @@ mod tests {
             }
         }
     }
+}
+
+/// The refusal of a call to a tool whose model failed to load, naming why.
+pub fn cannot_serve(tool: &str, why: &str) -> ToolError {
+    ToolError::new(
+        ToolErrorCode::FailedPrecondition,
+        format!(
+            "{NAME}.{tool} cannot serve: {why} (`nomad status` and the device worker's log say more)"
+        ),
+    )
 }

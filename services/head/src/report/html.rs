@@ -22,6 +22,26 @@ fn plot_error(e: impl std::fmt::Display) -> anyhow::Error {
     anyhow::anyhow!("drawing a plot: {e}")
 }
 
+/// A number in three decimals at most, without trailing zeros (a reward: `0.151`, `1`).
+fn short(value: f64) -> String {
+    let text = format!("{value:.3}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    if text == "-0" {
+        "0".to_owned()
+    } else {
+        text.to_owned()
+    }
+}
+
+/// An axis label for counts: whole numbers only (no "0.2 rollouts" between 0 and 1).
+fn whole(value: &f64) -> String {
+    if value.fract() == 0.0 {
+        format!("{value:.0}")
+    } else {
+        String::new()
+    }
+}
+
 /// A histogram as SVG bars.
 fn histogram_svg(h: &Histogram, x_desc: &str) -> anyhow::Result<String> {
     let mut svg = String::new();
@@ -41,6 +61,7 @@ fn histogram_svg(h: &Histogram, x_desc: &str) -> anyhow::Result<String> {
             .configure_mesh()
             .x_desc(x_desc)
             .y_desc("rollouts")
+            .y_label_formatter(&whole)
             .draw()
             .map_err(plot_error)?;
         chart
@@ -65,6 +86,8 @@ fn series_svg(
 ) -> anyhow::Result<String> {
     let all = series.values().flatten();
     let x_max = all.clone().map(|p| p.0).fold(0.0, f64::max).max(1e-3) * 1.02;
+    // Counts (batch sizes, queue lengths) get whole-number labels only.
+    let counts = all.clone().all(|p| p.1.fract() == 0.0);
     let y_max = all.map(|p| p.1).fold(0.0, f64::max).max(1e-3) * 1.1;
     let mut svg = String::new();
     {
@@ -76,12 +99,12 @@ fn series_svg(
             .y_label_area_size(60)
             .build_cartesian_2d(0.0..x_max, 0.0..y_max)
             .map_err(plot_error)?;
-        chart
-            .configure_mesh()
-            .x_desc("seconds since the run began")
-            .y_desc(y_desc)
-            .draw()
-            .map_err(plot_error)?;
+        let mut mesh = chart.configure_mesh();
+        mesh.x_desc("seconds since the run began").y_desc(y_desc);
+        if counts {
+            mesh.y_label_formatter(&whole);
+        }
+        mesh.draw().map_err(plot_error)?;
         for (i, (name, points)) in series.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             if !points_only && points.len() < 2 {
@@ -295,17 +318,20 @@ fn summary_table(out: &mut String, s: &Summary) {
     if !s.tools.is_empty() {
         out.push_str(
             "<table id=\"tools\"><tr><th>tool</th><th>requests</th><th>errors</th>\
-             <th>p50</th><th>p99</th><th>tokens/s</th></tr>\n",
+             <th>p50</th><th>p99</th><th title=\"the median of each call's tokens per second, \
+             its queue wait left out\">tokens/s a call</th><th title=\"all tokens per second of \
+             the time the tool had a call running\">tokens/s in all</th></tr>\n",
         );
         for t in &s.tools {
             out.push_str(&format!(
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1} ms</td><td>{:.1} ms</td>\
-                 <td>{}</td></tr>\n",
+                 <td>{}</td><td>{}</td></tr>\n",
                 escape(&t.tool),
                 t.requests,
                 t.errors,
                 t.p50_ms,
                 t.p99_ms,
+                rate(t.tokens_per_second_per_call),
                 rate(t.tokens_per_second)
             ));
         }
@@ -321,7 +347,7 @@ fn summary_table(out: &mut String, s: &Summary) {
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td></tr>\n",
                 escape(&n.task_id),
                 n.outcome,
-                n.reward.map_or("-".to_owned(), |r| format!("{r}")),
+                n.reward.map_or("-".to_owned(), short),
                 escape(&n.why)
             ));
         }
@@ -432,4 +458,19 @@ pub fn render(
          <script type=\"application/json\" id=\"figures\">{data}</script>\n</body></html>\n",
         id = escape(run_id),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rewards_are_short_and_count_axes_whole() {
+        assert_eq!(short(0.1514520180257778), "0.151");
+        assert_eq!(short(1.0), "1");
+        assert_eq!(short(0.5), "0.5");
+        assert_eq!(short(-0.0001), "0");
+        assert_eq!(whole(&2.0), "2");
+        assert_eq!(whole(&0.2), "");
+    }
 }

@@ -18,9 +18,12 @@ use crate::traces;
 pub struct ReportArgs {
     /// The run id; `latest` is the newest run under runs/.
     pub run_id: String,
-    /// The run directory (default: runs/<RUN_ID>).
+    /// The run directory (default: <runs dir>/<RUN_ID>); with `latest`, its name is the run id.
     #[arg(long)]
     pub from: Option<PathBuf>,
+    /// Where the run directories are.
+    #[arg(long, default_value = "runs", conflicts_with = "from")]
+    pub runs_dir: PathBuf,
     /// Where to write the report (default: report.html in the run directory).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -58,9 +61,11 @@ pub fn write(dir: &Path, run_id: &str, out: &Path, waterfalls: usize) -> anyhow:
     let (spans, points) = telemetry(dir)?;
     let figures = data::figures(&results, &spans, &points);
     let about = about::about(dir, &spans);
+    let counted = summary::in_results(&results);
     let rollouts = traces::rollouts(spans, run_id);
     let slowest: Vec<String> = rollouts
         .iter()
+        .filter(|r| counted(&r.root))
         .take(waterfalls)
         .map(traces::waterfall)
         .collect();
@@ -69,14 +74,7 @@ pub fn write(dir: &Path, run_id: &str, out: &Path, waterfalls: usize) -> anyhow:
 }
 
 pub async fn report(args: ReportArgs) -> anyhow::Result<bool> {
-    let (run_id, dir) = match args.from {
-        Some(dir) => {
-            crate::run_id::check(&args.run_id)
-                .map_err(|e| anyhow::anyhow!("run id {:?}: {e}", args.run_id))?;
-            (args.run_id, dir)
-        }
-        None => crate::run_id::locate(Path::new("runs"), &args.run_id)?,
-    };
+    let (run_id, dir) = crate::run_id::resolve(&args.runs_dir, args.from.as_deref(), &args.run_id)?;
     let out = args.out.unwrap_or_else(|| dir.join("report.html"));
     write(&dir, &run_id, &out, args.waterfalls)?;
     println!("{}", out.display());

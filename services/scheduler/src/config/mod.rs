@@ -212,6 +212,26 @@ impl ToolConfigError {
     }
 }
 
+/// `nomad-scheduler --check`: loads the config's tools as serving would, says what is wrong
+/// on stderr, and exits 0 when nothing is (2 otherwise).
+pub fn check(path: Option<&std::path::Path>) -> std::process::ExitCode {
+    let checked = ConfigFile::load(path)
+        .map_err(anyhow::Error::from)
+        .and_then(|file| {
+            let manager: ToolManagerConfig = file.section("tool_manager")?;
+            manager.deadlines().map_err(anyhow::Error::msg)?;
+            load_tools(&file, &manager)?;
+            Ok(())
+        });
+    match checked {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
 /// Every tool of the config: the `tools:` entries in order (built-in kinds and Python callables),
 /// then the `fmod_models:` entries; names unique across both.
 pub fn load_tools(
