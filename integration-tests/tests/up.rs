@@ -705,6 +705,9 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
         assert!(out.status.success(), "{line}:\n{stdout}\n{stderr}");
         match words[1].as_str() {
             "run" => {
+                // Progress says what it counts, and a rate only once there is one to show.
+                assert!(stderr.contains("2/2 done, 0 failed"), "{line}:\n{stderr}");
+                assert!(!stderr.contains("rate after"), "{line}:\n{stderr}");
                 // The results go with the fleet's run, not into the current directory.
                 assert!(!dir.join("results.jsonl").exists(), "{line}");
                 let results: Vec<Value> = std::fs::read_to_string(run_results(&fleet))
@@ -739,6 +742,19 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
     // SAFETY: kill(2) on the child we spawned.
     unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
     assert!(up.wait().await.unwrap().success());
+    // The client's MCP sessions left no protocol bookkeeping in the gateway's log (the MCP
+    // library's INFO lines, one of them a dump of the client's request).
+    let log = std::fs::read_to_string(fleet.parent().unwrap().join("gateway.log")).unwrap();
+    for noise in [
+        "Service initialized as server",
+        "serve finished",
+        "client initialized",
+    ] {
+        assert!(
+            !log.contains(noise),
+            "{noise:?} in the gateway's log:\n{log}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -932,5 +948,30 @@ async fn a_newcomers_mistakes_are_named_before_anything_starts() {
         !runs.exists() || std::fs::read_dir(&runs).unwrap().next().is_none(),
         "a run directory was left for a config that cannot start: {said}"
     );
+
+    // A fleet none of whose tools can serve is not ready (strict or not), and a path of the
+    // user's own that is not there is not sent to the default models' script.
+    std::fs::write(
+        &config,
+        "[[tools]]\nname = \"mlp\"\nkind = \"mlp\"\nsource = \"/nowhere/my-mlp\"\n",
+    )
+    .unwrap();
+    let out = clean("nomad")
+        .arg("up")
+        .arg("--config")
+        .arg(&config)
+        .arg("--runs-dir")
+        .arg(&runs)
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(said.contains("none of the 1 tools can serve"), "{said}");
+    assert!(
+        said.contains("/nowhere/my-mlp") && said.contains("check the path"),
+        "{said}"
+    );
+    assert!(!said.contains("is ready"), "{said}");
     let _ = std::fs::remove_dir_all(&dir);
 }

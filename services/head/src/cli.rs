@@ -79,6 +79,21 @@ impl Command {
 mod tests {
     use clap::CommandFactory as _;
 
+    /// `nomad run --help` and `nomad up --help` show the tasks file's format.
+    #[test]
+    fn the_tasks_format_is_in_the_help() {
+        let mut cli = super::Cli::command();
+        for name in ["run", "up"] {
+            let help = cli
+                .find_subcommand_mut(name)
+                .unwrap()
+                .render_long_help()
+                .to_string();
+            assert!(help.contains("Tasks file (--tasks)"), "{name}: {help}");
+            assert!(help.contains("\"similarity\""), "{name}: {help}");
+        }
+    }
+
     /// Every visible argument of every command says what it is, and a client command does not
     /// offer a server's flags.
     #[test]

@@ -291,6 +291,11 @@ pub async fn start_fleet(
         spawning.end();
         addresses.push((index, address));
     }
+    // `nomad serve -t http` listens only once every tool is described, so that a client's
+    // first call finds its tool (a Python model's environment may take minutes to build).
+    if matches!(front, GatewayFront::ToolsHttp { .. }) {
+        wait_described(sup, &scheduler, super::DESCRIBED_WITHIN).await?;
+    }
     let mcp_addr_file = run_dir.join("gateway-mcp.addr");
     let mut args = vec!["--scheduler".into(), scheduler.clone()];
     let code_listen = free_loopback_address()?;
