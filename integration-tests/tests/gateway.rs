@@ -645,13 +645,14 @@ async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist(
         "{}",
         replies[0]
     );
-    // echo_http is configured but not in the allowlist: its tools are not even listed...
+    // echo_http is configured but not in the allowlist: its tools are not even listed, and
+    // importing one says why (as calling it would)...
     assert_eq!(replies[1]["is_error"], true);
     let error = replies[1]["structured"]["error"]
         .as_str()
         .unwrap_or_default();
     assert!(
-        error.contains("ImportError") && error.contains("shout"),
+        error.contains("ToolError: echo_http:shout is not in the gateway's allowlist"),
         "{error}"
     );
     // ...and a direct call is refused too.

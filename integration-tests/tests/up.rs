@@ -932,15 +932,13 @@ async fn a_newcomers_mistakes_are_named_before_anything_starts() {
     let text = std::fs::read_to_string(&config).unwrap();
     std::fs::write(&config, format!("{text}batch_sise = 8\n")).unwrap();
     let runs = dir.join("runs");
-    let out = clean("nomad")
-        .arg("up")
-        .arg("--config")
-        .arg(&config)
-        .arg("--runs-dir")
-        .arg(&runs)
-        .output()
-        .await
-        .unwrap();
+    let up = || {
+        let mut command = clean("nomad");
+        command.arg("up").arg("--config").arg(&config);
+        command.arg("--runs-dir").arg(&runs);
+        async move { command.output().await }
+    };
+    let out = up().await.unwrap();
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("batch_sise"), "{said}");
@@ -956,15 +954,7 @@ async fn a_newcomers_mistakes_are_named_before_anything_starts() {
         "[[tools]]\nname = \"mlp\"\nkind = \"mlp\"\nsource = \"/nowhere/my-mlp\"\n",
     )
     .unwrap();
-    let out = clean("nomad")
-        .arg("up")
-        .arg("--config")
-        .arg(&config)
-        .arg("--runs-dir")
-        .arg(&runs)
-        .output()
-        .await
-        .unwrap();
+    let out = up().await.unwrap();
     let said = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{said}");
     assert!(said.contains("none of the 1 tools can serve"), "{said}");

@@ -34,6 +34,76 @@ pub struct Metadata {
     pub bos: Option<(u32, String)>,
     /// Token ids that end a generation.
     pub stop: Vec<u32>,
+    /// The sampling the files recommend for a request that names none.
+    pub sampling: SamplingDefaults,
+}
+
+/// The sampling a model's files recommend, used for each setting a request leaves out (as
+/// transformers' `generate` and llama.cpp do): a directory's `generation_config.json` (its
+/// temperature, top_p and top_k when it samples, `do_sample`, with transformers' defaults for
+/// those it leaves out; its repetition_penalty either way), or a GGUF's `general.sampling.*`.
+/// Values are kept within the `generate` options' ranges. None named: greedy, as before.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<u64>,
+    pub repeat_penalty: Option<f64>,
+}
+
+impl SamplingDefaults {
+    /// From a transformers `generation_config.json`.
+    pub fn from_generation_config(config: &Value) -> Self {
+        let number = |key: &str| config[key].as_f64();
+        let repeat_penalty = number("repetition_penalty").filter(|p| *p != 1.0);
+        if config["do_sample"] != true {
+            return Self {
+                repeat_penalty,
+                ..Self::default()
+            }
+            .bounded();
+        }
+        Self {
+            temperature: Some(number("temperature").unwrap_or(1.0)),
+            top_p: number("top_p"),
+            top_k: Some(config["top_k"].as_u64().unwrap_or(50)),
+            repeat_penalty,
+        }
+        .bounded()
+    }
+
+    /// From a GGUF's `general.sampling.temp`, `.top_p`, `.top_k` and `.penalty_repeat`.
+    pub fn from_gguf(ct: &gguf_file::Content) -> Self {
+        let number = |key: &str| {
+            let v = ct.metadata.get(key)?;
+            v.to_f32().map(f64::from).or_else(|_| v.to_f64()).ok()
+        };
+        let top_k = ct.metadata.get("general.sampling.top_k").and_then(|v| {
+            v.to_u32()
+                .map(u64::from)
+                .or_else(|_| v.to_i32().map(|k| k.max(0) as u64))
+                .ok()
+        });
+        Self {
+            temperature: number("general.sampling.temp"),
+            top_p: number("general.sampling.top_p"),
+            top_k,
+            repeat_penalty: number("general.sampling.penalty_repeat").filter(|p| *p != 1.0),
+        }
+        .bounded()
+    }
+
+    /// Each value within its `generate` option's range (a file's 0 top_k means "all", as ours).
+    fn bounded(self) -> Self {
+        let within =
+            |x: Option<f64>, lo: f64, hi: f64| x.filter(|x| x.is_finite()).map(|x| x.clamp(lo, hi));
+        Self {
+            temperature: within(self.temperature, 0.0, 2.0),
+            top_p: within(self.top_p, 0.01, 1.0),
+            top_k: self.top_k.map(|k| k.min(1000)),
+            repeat_penalty: within(self.repeat_penalty, 0.5, 2.0),
+        }
+    }
 }
 
 impl Metadata {
@@ -84,6 +154,7 @@ impl Metadata {
         if !add_bos {
             metadata.bos = None;
         }
+        metadata.sampling = SamplingDefaults::from_gguf(ct);
         Ok(metadata)
     }
 
@@ -150,6 +221,7 @@ impl Metadata {
         };
         let mut metadata = parts.finish("tokenizer.json")?;
         metadata.bos = None;
+        metadata.sampling = SamplingDefaults::from_generation_config(&generation);
         Ok(metadata)
     }
 }
@@ -223,6 +295,7 @@ impl Parts<'_> {
             template,
             bos: bos.and_then(|(id, text)| Some((id?, text))),
             stop,
+            sampling: SamplingDefaults::default(),
         })
     }
 }
@@ -230,4 +303,48 @@ impl Parts<'_> {
 /// A special token's text, or nothing.
 fn text_of(token: &Option<(Option<u32>, String)>) -> &str {
     token.as_ref().map_or("", |(_, text)| text.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::SamplingDefaults;
+
+    #[test]
+    fn a_generation_config_that_samples_gives_its_settings_and_transformers_defaults() {
+        let qwen = json!({"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                          "repetition_penalty": 1.05});
+        assert_eq!(
+            SamplingDefaults::from_generation_config(&qwen),
+            SamplingDefaults {
+                temperature: Some(0.7),
+                top_p: Some(0.8),
+                top_k: Some(20),
+                repeat_penalty: Some(1.05),
+            }
+        );
+        // Sampling with nothing else said: transformers' temperature 1 and top_k 50.
+        let bare = SamplingDefaults::from_generation_config(&json!({"do_sample": true}));
+        assert_eq!(
+            (bare.temperature, bare.top_k, bare.top_p),
+            (Some(1.0), Some(50), None)
+        );
+        // Greedy (no do_sample): nothing but a repetition penalty, within its range.
+        let greedy = json!({"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 9.0});
+        assert_eq!(
+            SamplingDefaults::from_generation_config(&greedy),
+            SamplingDefaults {
+                repeat_penalty: Some(2.0),
+                ..SamplingDefaults::default()
+            }
+        );
+        assert_eq!(
+            SamplingDefaults::from_generation_config(&json!({})),
+            SamplingDefaults::default()
+        );
+        let hot = json!({"do_sample": true, "temperature": 5.0, "top_k": 100000});
+        let hot = SamplingDefaults::from_generation_config(&hot);
+        assert_eq!((hot.temperature, hot.top_k), (Some(2.0), Some(1000)));
+    }
 }

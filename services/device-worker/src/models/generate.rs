@@ -15,7 +15,7 @@ use tokenizers::Tokenizer;
 
 use super::chat_template::ChatTemplate;
 use super::decoder::{Bounds, Decoder, Engine, Event, Finished, Params};
-use super::decoder_files::Metadata;
+use super::decoder_files::{Metadata, SamplingDefaults};
 use super::gguf::{gguf_path, load_error, requantized};
 use super::llama::Llama;
 use super::options::{Message, Options};
@@ -58,6 +58,8 @@ pub struct Generator {
     context_length: usize,
     /// Token ids that end a generation.
     stop: Vec<u32>,
+    /// The sampling the model's files recommend, for what a request leaves out.
+    sampling: SamplingDefaults,
     /// Bytes of KV cache one token occupies (all layers, keys and values).
     kv_bytes_per_token: u64,
     bytes: u64,
@@ -154,6 +156,7 @@ impl Generator {
             template,
             bos,
             stop,
+            sampling,
         } = metadata;
         // candle's attention on an accelerator has no sliding window: the context ends at it.
         let arch = if loading.device.is_cpu() {
@@ -174,6 +177,7 @@ impl Generator {
             bos,
             context_length: arch.context_length,
             stop,
+            sampling,
             kv_bytes_per_token: arch.kv_bytes_per_token(),
             bytes,
             config: loading.config,
@@ -299,12 +303,21 @@ impl Generator {
         let prompt = self
             .encode(&prompt, rendered)
             .map_err(|e| invalid(index, e))?;
+        // What the request leaves out, the model's files may recommend.
+        let defaults = &self.sampling;
+        let number = |name: &str, default: Option<f64>| match default {
+            Some(x) if !opts.given(name) => x,
+            _ => opts.number(name),
+        };
         let params = Params {
             max_tokens: opts.integer("max_tokens") as usize,
-            temperature: opts.number("temperature"),
-            top_p: opts.number("top_p"),
-            top_k: opts.integer("top_k") as usize,
-            repeat_penalty: opts.number("repeat_penalty") as f32,
+            temperature: number("temperature", defaults.temperature),
+            top_p: number("top_p", defaults.top_p),
+            top_k: match defaults.top_k {
+                Some(k) if !opts.given("top_k") => k as usize,
+                _ => opts.integer("top_k") as usize,
+            },
+            repeat_penalty: number("repeat_penalty", defaults.repeat_penalty) as f32,
             seed: opts.integer("seed"),
             stop: opts.strings("stop").to_vec(),
         };

@@ -13,6 +13,8 @@ use super::invalid;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Options {
     values: HashMap<&'static str, Checked>,
+    /// The options the request set (the rest hold the kind's defaults).
+    given: Vec<&'static str>,
 }
 
 /// One message of a chat.
@@ -148,8 +150,9 @@ impl Options {
             .iter()
             .map(|o| (o.name, Checked::default_of(o)))
             .collect();
+        let mut given = Vec::new();
         if json.trim().is_empty() {
-            return Ok(Self { values });
+            return Ok(Self { values, given });
         }
         let value: Value = serde_json::from_str(json)
             .map_err(|e| invalid(index, format!("options are not valid JSON: {e}")))?;
@@ -229,8 +232,14 @@ impl Options {
                 ));
             }
             values.insert(spec.name, checked);
+            given.push(spec.name);
         }
-        Ok(Self { values })
+        Ok(Self { values, given })
+    }
+
+    /// Whether the request set `name` itself (else it holds the kind's default).
+    pub fn given(&self, name: &str) -> bool {
+        self.given.contains(&name)
     }
 
     pub fn flag(&self, name: &str) -> bool {
@@ -310,6 +319,9 @@ mod tests {
             (8, 0.5)
         );
         assert!(!some.flag("chat"));
+        // What the request set is told apart from a default.
+        assert!(some.given("temperature") && !some.given("top_p"));
+        assert!(!none.given("max_tokens"));
         for (json, expected) in [
             (r#"{"max_tokens": 0}"#, "between 1 and 2048"),
             (r#"{"max_tokens": 1.5}"#, "whole number"),
