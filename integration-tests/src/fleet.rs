@@ -144,9 +144,11 @@ fn clean_at(program: &Path) -> Command {
 }
 
 /// `nomad up` with the default models, running in the background under `run_id` with its runs
-/// in `dir/runs`; returns it and its `fleet.json` once that is written (at most 150 s).
+/// in `dir/runs`, as a newcomer starts it (no `RUST_LOG`: the fleet's own default); returns it
+/// and its `fleet.json` once that is written (at most 150 s).
 pub async fn nomad_up(dir: &Path, run_id: &str) -> (tokio::process::Child, PathBuf) {
     let mut up = clean("nomad")
+        .env_remove("RUST_LOG")
         .args(["up", "--ready-timeout", "120", "--runs-dir"])
         .arg(dir.join("runs"))
         .arg("--models-dir")

@@ -111,11 +111,29 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
         .spawn()
         .expect("Debian's prometheus package (apt-get install prometheus)");
 
+    // Prometheus scrapes the fleet before the run starts, so that the runner's /metrics, which
+    // lives only as long as the run, is scraped several times (two at concurrency 2 keeps the
+    // demo's tasks running for seconds on a fast build).
+    wait_for(
+        "Prometheus listening",
+        Duration::from_secs(60),
+        async || {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        },
+    )
+    .await;
+    wait_for("every target up", Duration::from_secs(60), async || {
+        let up = query(&prometheus, "up{job!=\"runner\"} == 1").await;
+        up.len() == 4
+    })
+    .await;
     // Load: the demo's tasks through the fleet's gateway.
     let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../services/head/demo");
     let run = clean("nomad")
         .env("NOMAD_OTEL_PROMETHEUS_LISTEN", &runner)
-        .args(["run", "--fleet"])
+        .args(["run", "--concurrency", "2", "--fleet"])
         .arg(&fleet_path)
         .arg("--tasks")
         .arg(demo.join("tasks.jsonl"))
@@ -132,11 +150,6 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
         String::from_utf8_lossy(&run.stderr)
     );
 
-    wait_for("every target up", Duration::from_secs(60), async || {
-        let up = query(&prometheus, "up{job!=\"runner\"} == 1").await;
-        up.len() == 4
-    })
-    .await;
     // The scheduler's request counter reaches what the run sent (scraped after it ended).
     wait_for(
         "the run's requests in Prometheus",

@@ -71,9 +71,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         .clone()
         .or_else(|| fleet.as_ref().map(|f| f.gateway.clone()))
         .unwrap_or_else(|| "127.0.0.1:7001".to_owned());
-    if fleet.is_none() {
-        check_gateway(&gateway, args.gateway.is_some()).await?;
-    }
     // A fleet's rollouts go with its run; a file named on the command line is written afresh.
     let fleet_results = fleet
         .as_ref()
@@ -115,6 +112,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         run_id = run_id::assign(settings, &nomad_config::ProcessEnv)?;
         Ok(())
     })?;
+    // After the config is read (a bad one is named first), before any rollout: a gateway that
+    // is not there is named once.
+    if fleet.is_none()
+        && let Err(e) = check_gateway(&gateway, args.gateway.is_some()).await
+    {
+        service.stop().await;
+        return Err(e);
+    }
     let total = tasks.len();
     eprintln!(
         "run {run_id}: {total} tasks, concurrency {}",

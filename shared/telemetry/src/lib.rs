@@ -224,7 +224,7 @@ fn logger_provider(
 /// transport, and exporting their logs would feed back into them.
 /// Logs shown when `RUST_LOG` is not set: the MCP library's INFO lines (three a session, one of
 /// them the client's whole request) are its own bookkeeping, kept to warnings.
-const DEFAULT_LOG_FILTER: &str = "info,rmcp=warn";
+pub const DEFAULT_LOG_FILTER: &str = "info,rmcp=warn";
 
 fn is_exporter_internal(target: &str) -> bool {
     ["opentelemetry", "h2", "hyper", "tonic", "tower", "reqwest"]

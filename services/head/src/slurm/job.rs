@@ -201,7 +201,10 @@ pub async fn job(args: JobArgs) -> anyhow::Result<bool> {
 
     let mut step_env = vec![("NOMAD_OTEL_RUN_ID".to_owned(), job_id.clone())];
     if env.non_empty("RUST_LOG").is_none() {
-        step_env.push(("RUST_LOG".into(), "info".into()));
+        step_env.push((
+            "RUST_LOG".into(),
+            nomad_telemetry::DEFAULT_LOG_FILTER.into(),
+        ));
     }
     let mut steps = Steps {
         job: job_id.clone(),

@@ -148,7 +148,10 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
         child_env.push(("NOMAD_OTEL_RUN_ID".into(), run_id.clone()));
     }
     if user_env.non_empty("RUST_LOG").is_none() {
-        child_env.push(("RUST_LOG".into(), "info".into()));
+        child_env.push((
+            "RUST_LOG".into(),
+            nomad_telemetry::DEFAULT_LOG_FILTER.into(),
+        ));
     }
     if generated && let Some(token) = &token {
         child_env.push(("NOMAD_AUTH_TOKEN".into(), token.to_string()));
