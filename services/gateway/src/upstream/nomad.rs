@@ -540,6 +540,16 @@ fn unreachable_scheduler(
     }
 }
 
+/// The refusal of a call to a tool whose model failed to load, naming why.
+pub fn cannot_serve(tool: &str, why: &str) -> ToolError {
+    ToolError::new(
+        ToolErrorCode::FailedPrecondition,
+        format!(
+            "{NAME}.{tool} cannot serve: {why} (`nomad status` and the device worker's log say more)"
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use nomad_proto::v1::{Tensor, ToolOutput, tool_output};
@@ -569,14 +579,4 @@ mod tests {
             }
         }
     }
-}
-
-/// The refusal of a call to a tool whose model failed to load, naming why.
-pub fn cannot_serve(tool: &str, why: &str) -> ToolError {
-    ToolError::new(
-        ToolErrorCode::FailedPrecondition,
-        format!(
-            "{NAME}.{tool} cannot serve: {why} (`nomad status` and the device worker's log say more)"
-        ),
-    )
 }
