@@ -215,6 +215,13 @@ async fn a_restarted_scheduler_gets_its_workers_and_gateway_back_and_a_call_wait
     reply.expect("the fleet serves before the outage");
 
     fleet.kill_scheduler().await;
+    // A call sent in the instant before the gateway sees the connection close goes out on it
+    // and is lost with it: UNAVAILABLE, naming the lost scheduler (it may have run, so it is
+    // not sent again).
+    let (reply, _) = call(gateway.clone()).await;
+    let status = reply.expect_err("no scheduler, no answer");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("scheduler"), "{status:?}");
     // No scheduler for longer than the wait: UNAVAILABLE once the wait is over, naming it.
     for _ in 0..2 {
         let (reply, took) = call(gateway.clone()).await;

@@ -13,9 +13,10 @@ use nomad_proto::v1::{ItemResult, ToolInput, ToolOutput, item_result, tool_input
 use serde_json::json;
 use tokenizers::{EncodeInput, Tokenizer};
 
-use super::embed::{Row, pools, tokenizer, weight_bytes};
+use super::embed::{pools, tokenizer, weight_bytes};
 use super::encoder::Encoder;
 use super::options::Options;
+use super::row::Row;
 use super::{ExecError, ExecLimits, LoadError, Model, invalid};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -16,6 +16,7 @@ use tokenizers::{Tokenizer, TruncationParams};
 use super::encoder::Encoder;
 use super::length_groups::Pools;
 use super::options::Options;
+use super::row::Row;
 use super::sentence::{Pooling, SentenceConfig};
 use super::{ExecError, ExecLimits, LoadError, Model, invalid};
 use nomad_proto::kinds;
@@ -74,61 +75,6 @@ pub(crate) fn pools(dir: &Path, device: &Device, name: &str) -> Result<Pools, Lo
         0
     };
     Pools::new(cores, name).map_err(|e| load_error(dir, format!("starting compute threads: {e}")))
-}
-
-/// One tokenized sequence: its ids and their token types (all 0 but for a pair's second text).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Row {
-    pub ids: Vec<u32>,
-    pub types: Vec<u32>,
-}
-
-impl Row {
-    pub fn of(encoding: &tokenizers::Encoding) -> Self {
-        Self {
-            ids: encoding.get_ids().to_vec(),
-            types: encoding.get_type_ids().to_vec(),
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.ids.len()
-    }
-}
-
-/// The rows' ids padded with `pad` to the longest, their types, and the mask of real tokens
-/// (`[n, len]` each).
-pub(crate) fn padded(
-    rows: &[Row],
-    pad: u32,
-    device: &Device,
-) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-    let n = rows.len();
-    let len = rows.iter().map(Row::len).max().unwrap_or(0);
-    let mut ids = Vec::with_capacity(n * len);
-    let mut types = Vec::with_capacity(n * len);
-    let mut mask = Vec::with_capacity(n * len);
-    for row in rows {
-        let fill = len - row.len();
-        ids.extend(
-            row.ids
-                .iter()
-                .copied()
-                .chain(std::iter::repeat_n(pad, fill)),
-        );
-        types.extend(
-            row.types
-                .iter()
-                .copied()
-                .chain(std::iter::repeat_n(0, fill)),
-        );
-        mask.extend((0..len).map(|i| u32::from(i < row.len())));
-    }
-    Ok((
-        Tensor::from_vec(ids, (n, len), device)?,
-        Tensor::from_vec(types, (n, len), device)?,
-        Tensor::from_vec(mask, (n, len), device)?,
-    ))
 }
 
 /// The sentence vectors `[n, hidden * modes]` of `hidden` (`[n, len, hidden]`) over the real

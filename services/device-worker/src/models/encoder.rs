@@ -14,7 +14,7 @@ use candle_transformers::models::{bert, distilbert, modernbert, xlm_roberta};
 use serde::Deserialize;
 
 use super::bert_cpu::BertCpu;
-use super::embed::{Row, padded};
+use super::row::Row;
 
 /// The families, as `model_type` names them.
 pub const FAMILIES: &[&str] = &[
@@ -401,4 +401,39 @@ impl Encoder {
             }
         }
     }
+}
+
+/// The rows' ids padded with `pad` to the longest, their types, and the mask of real tokens
+/// (`[n, len]` each).
+fn padded(
+    rows: &[Row],
+    pad: u32,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let n = rows.len();
+    let len = rows.iter().map(Row::len).max().unwrap_or(0);
+    let mut ids = Vec::with_capacity(n * len);
+    let mut types = Vec::with_capacity(n * len);
+    let mut mask = Vec::with_capacity(n * len);
+    for row in rows {
+        let fill = len - row.len();
+        ids.extend(
+            row.ids
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(pad, fill)),
+        );
+        types.extend(
+            row.types
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(0, fill)),
+        );
+        mask.extend((0..len).map(|i| u32::from(i < row.len())));
+    }
+    Ok((
+        Tensor::from_vec(ids, (n, len), device)?,
+        Tensor::from_vec(types, (n, len), device)?,
+        Tensor::from_vec(mask, (n, len), device)?,
+    ))
 }

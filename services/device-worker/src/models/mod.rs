@@ -23,6 +23,7 @@ mod options;
 mod prefix_cache;
 pub mod python;
 mod rope_scaling;
+mod row;
 mod sentence;
 pub mod sim;
 pub mod source;

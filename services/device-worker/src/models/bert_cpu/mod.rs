@@ -17,7 +17,7 @@ use serde::Deserialize;
 pub use kernels::Activation;
 use kernels::{layer_norm, matmul, product, softmax_rows};
 
-use super::embed::Row;
+use super::row::Row;
 
 /// A linear layer: its weights transposed (`[in][out]`, so that `gemm` reads them as they lie
 /// whatever the number of tokens; as checkpoints store them, `[out][in]`, it copied all of them
