@@ -1,6 +1,8 @@
 //! A Python model's environment: its `env` requirements installed into a virtual environment
 //! named by what it holds (the requirements, Nomad's version, the interpreter), built once per
-//! host under a file lock and reused by every later start.
+//! host under a file lock and reused by every later start. Each build happens in a directory of
+//! its own and is renamed into place whole, so an interrupted build, or an installer that
+//! outlives a killed worker, never leaves the cache unusable.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -258,17 +260,45 @@ impl EnvCache {
             path: dir.display().to_string(),
             reason: e.to_string(),
         };
-        // A build that was interrupted left a partial environment: start it afresh.
-        if dir.exists() {
-            std::fs::remove_dir_all(dir).map_err(cache_error)?;
-        }
+        // Builders that died left their staging directories (an installer of theirs may still
+        // write into one): removed where it can be, never reused.
+        remove_leftovers(dir);
+        let staging = dir.with_extension(format!("build-{}", unique()));
         let log = dir.with_extension("log");
         let installer = Installer::find();
         tracing::info!(%tool, env = %dir.display(), installer = installer.name(), requirements = %listed, "building the model environment (once per host; later starts reuse it)");
         let started = Instant::now();
-        let python_in_env = dir.join("bin").join("python");
-        let steps = installer.steps(&interpreter.path, dir, &python_in_env, requirements);
-        let log_file = std::fs::File::create(&log).map_err(cache_error)?;
+        let python_in_env = staging.join("bin").join("python");
+        let steps = installer.steps(&interpreter.path, &staging, &python_in_env, requirements);
+        let built = self
+            .run_steps(steps, &listed, &installer, &log, deadline)
+            .await;
+        let published = built.and_then(|()| {
+            std::fs::write(staging.join(READY), requirements.join("\n")).map_err(cache_error)?;
+            publish(&staging, dir).map_err(cache_error)
+        });
+        if published.is_err() {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        published?;
+        tracing::info!(%tool, env = %dir.display(), seconds = started.elapsed().as_secs_f64(), "model environment built");
+        Ok(())
+    }
+
+    /// Runs the installer's steps in turn, each within what is left of `deadline`.
+    async fn run_steps(
+        &self,
+        steps: Vec<tokio::process::Command>,
+        listed: &str,
+        installer: &Installer,
+        log: &Path,
+        deadline: Instant,
+    ) -> Result<(), EnvError> {
+        let cache_error = |e: std::io::Error| EnvError::Cache {
+            path: log.display().to_string(),
+            reason: e.to_string(),
+        };
+        let log_file = std::fs::File::create(log).map_err(cache_error)?;
         for mut step in steps {
             let out = log_file.try_clone().map_err(cache_error)?;
             let err = log_file.try_clone().map_err(cache_error)?;
@@ -277,7 +307,7 @@ impl EnvCache {
                 .stderr(err)
                 .kill_on_drop(true);
             let mut child = step.spawn().map_err(|e| EnvError::Install {
-                requirements: listed.clone(),
+                requirements: listed.to_owned(),
                 installer: installer.name(),
                 status: String::new(),
                 tail: format!("cannot start it: {e}"),
@@ -289,24 +319,69 @@ impl EnvCache {
                 Err(_) => {
                     let _ = child.kill().await;
                     return Err(EnvError::Timeout {
-                        requirements: listed,
+                        requirements: listed.to_owned(),
                         timeout: self.timeout,
                     });
                 }
             };
             if !status.success() {
                 return Err(EnvError::Install {
-                    requirements: listed,
+                    requirements: listed.to_owned(),
                     installer: installer.name(),
                     status: format!(" ({status})"),
-                    tail: tail(&log, QUOTED_LINES),
+                    tail: tail(log, QUOTED_LINES),
                     log: log.display().to_string(),
                 });
             }
         }
-        std::fs::write(dir.join(READY), requirements.join("\n")).map_err(cache_error)?;
-        tracing::info!(%tool, env = %dir.display(), seconds = started.elapsed().as_secs_f64(), "model environment built");
         Ok(())
+    }
+}
+
+/// A name no other build on this host takes: this process and the moment.
+fn unique() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{}-{nanos}", std::process::id())
+}
+
+/// Puts the complete environment `staging` in place at `dir`: a complete one already there is
+/// kept (and `staging` dropped); anything else there (an older build's partial directory) is
+/// moved aside first, so nothing still writing into it can get in the way.
+fn publish(staging: &Path, dir: &Path) -> std::io::Result<()> {
+    if dir.join(READY).is_file() {
+        let _ = std::fs::remove_dir_all(staging);
+        return Ok(());
+    }
+    if dir.exists() {
+        let aside = dir.with_extension(format!("stale-{}", unique()));
+        std::fs::rename(dir, &aside)?;
+        let _ = std::fs::remove_dir_all(&aside);
+    }
+    std::fs::rename(staging, dir)
+}
+
+/// Removes, as far as it can, what earlier builds of `dir` left beside it: their staging and
+/// moved-aside directories (an installer that outlived its worker may still be writing into
+/// one, which then stays until a later start).
+fn remove_leftovers(dir: &Path) {
+    let (Some(parent), Some(name)) = (dir.parent(), dir.file_name().and_then(|n| n.to_str()))
+    else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let other = entry.file_name();
+        let other = other.to_string_lossy();
+        let leftover = other
+            .strip_prefix(name)
+            .is_some_and(|rest| rest.starts_with(".build-") || rest.starts_with(".stale-"));
+        if leftover {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 
@@ -356,8 +431,10 @@ impl Installer {
         match self {
             Installer::Uv(uv) => {
                 let mut venv = command(uv);
+                // Relocatable: its scripts keep working once it is renamed into place.
                 venv.arg("venv")
                     .arg("--quiet")
+                    .arg("--relocatable")
                     .arg("--python")
                     .arg(python)
                     .arg(dir);
@@ -480,6 +557,56 @@ mod tests {
             .to_string();
         assert!(missing.contains("cannot run it"), "{missing}");
         std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn a_build_goes_in_whole_past_a_partial_one_that_something_still_writes_into() {
+        let root = std::env::temp_dir().join(format!("nomad-env-{}", unique()));
+        let dir = root.join("envs").join("abc");
+        std::fs::create_dir_all(dir.join("lib")).unwrap();
+        // A killed build's installer, still writing into the partial environment.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let orphan = {
+            let (lib, stop) = (dir.join("lib"), stop.clone());
+            std::thread::spawn(move || {
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = std::fs::write(lib.join(format!("f{n}")), b"x");
+                    n += 1;
+                }
+            })
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        let staging = dir.with_extension(format!("build-{}", unique()));
+        std::fs::create_dir_all(staging.join("bin")).unwrap();
+        std::fs::write(staging.join(READY), "numpy").unwrap();
+        publish(&staging, &dir).unwrap();
+        assert!(dir.join(READY).is_file() && dir.join("bin").is_dir());
+        assert!(!staging.exists());
+        // A second complete build keeps the first in place and drops its own.
+        let again = dir.with_extension(format!("build-{}", unique()));
+        std::fs::create_dir_all(&again).unwrap();
+        std::fs::write(again.join(READY), "numpy").unwrap();
+        std::fs::write(again.join("marker"), "second").unwrap();
+        publish(&again, &dir).unwrap();
+        assert!(!dir.join("marker").exists() && !again.exists());
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        orphan.join().unwrap();
+        // What dead builders left beside it goes; the environment, its lock and log stay.
+        for leftover in ["abc.build-1-2", "abc.stale-3-4"] {
+            std::fs::create_dir_all(root.join("envs").join(leftover).join("x")).unwrap();
+        }
+        std::fs::write(root.join("envs").join("abc.lock"), "").unwrap();
+        remove_leftovers(&dir);
+        let mut left: Vec<String> = std::fs::read_dir(root.join("envs"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.starts_with("abc.stale-"))
+            .collect();
+        left.sort();
+        assert_eq!(left, ["abc", "abc.lock"]);
+        let _ = std::fs::remove_dir_all(&root);
     }
 
     #[test]
