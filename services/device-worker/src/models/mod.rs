@@ -215,7 +215,11 @@ pub fn check(kind: &str, path: &Path) -> Result<(), LoadError> {
         "rerank" => cross::Scorer::check(path, cross::Task::Rerank).map_err(refused),
         "classify" => cross::Scorer::check(path, cross::Task::Classify).map_err(refused),
         "generate" => generate::Generator::check(path),
-        _ => Ok(()),
+        // An MLP is its weights file alone: reading it is loading it.
+        "mlp" => Ok(()),
+        // Every kind has its arm: one added to the kinds table without it fails here, in its
+        // first test, rather than going unchecked.
+        other => Err(LoadError::UnknownKind(other.to_owned())),
     }
 }
 
@@ -273,4 +277,28 @@ pub(crate) fn test_device() -> Device {
         .parse()
         .expect("NOMAD_TEST_DEVICE");
     spec.open().expect("opening NOMAD_TEST_DEVICE")
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every built-in kind of the kinds table has its start-up check (a Python model is
+    /// described by its host instead); an unknown kind is refused by name.
+    #[test]
+    fn every_built_in_kind_is_checked_at_start_up() {
+        let missing = std::path::Path::new("/nonexistent/model");
+        for kind in nomad_proto::kinds::names() {
+            if kind == nomad_proto::kinds::PYTHON.name {
+                continue;
+            }
+            let checked = super::check(kind, missing);
+            assert!(
+                !matches!(checked, Err(super::LoadError::UnknownKind(_))),
+                "{kind} has no start-up check"
+            );
+        }
+        assert!(matches!(
+            super::check("nope", missing),
+            Err(super::LoadError::UnknownKind(_))
+        ));
+    }
 }
