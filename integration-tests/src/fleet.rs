@@ -143,6 +143,18 @@ fn clean_at(program: &Path) -> Command {
     cmd
 }
 
+/// A small MLP model (`nomad-device-worker make-mlp --layers LAYERS`) in `dir/mlp`; its path.
+pub fn make_mlp(dir: &Path, layers: &str) -> PathBuf {
+    let out = dir.join("mlp");
+    let made = std::process::Command::new(binary("nomad-device-worker"))
+        .args(["make-mlp", "--layers", layers, "--out"])
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(made.success(), "make-mlp failed");
+    out
+}
+
 /// `nomad up` with the default models, running in the background under `run_id` with its runs
 /// in `dir/runs`, as a newcomer starts it (no `RUST_LOG`: the fleet's own default); returns it
 /// and its `fleet.json` once that is written (at most 150 s).

@@ -17,12 +17,7 @@ use serde_json::{Value, json};
 /// A small `mlp` model in `dir` and a config serving it, with quick heartbeats (a restarted
 /// scheduler is found again within a few of them) and `extra` appended.
 fn mlp_config(dir: &Path, extra: &str) -> PathBuf {
-    let made = std::process::Command::new(binary("nomad-device-worker"))
-        .args(["make-mlp", "--layers", "6,4", "--out"])
-        .arg(dir.join("mlp"))
-        .status()
-        .unwrap();
-    assert!(made.success());
+    nomad_integration_tests::fleet::make_mlp(dir, "6,4");
     let config = dir.join("nomad.yaml");
     std::fs::write(
         &config,

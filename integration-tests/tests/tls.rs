@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{binary, clean, mlp_tasks};
+use nomad_integration_tests::fleet::{clean, mlp_tasks};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use serde_json::Value;
 
@@ -33,12 +33,7 @@ async fn a_tls_fleet_serves_rollouts_and_refuses_plaintext_and_strangers() {
     let dir = Fleet::new_dir();
     make_certificates(&dir, "fleet");
     make_certificates(&dir, "stranger");
-    let made = std::process::Command::new(binary("nomad-device-worker"))
-        .args(["make-mlp", "--layers", "6,4", "--out"])
-        .arg(dir.join("mlp"))
-        .status()
-        .unwrap();
-    assert!(made.success());
+    nomad_integration_tests::fleet::make_mlp(&dir, "6,4");
     let config = dir.join("nomad.yaml");
     std::fs::write(
         &config,

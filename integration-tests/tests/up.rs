@@ -29,12 +29,7 @@ fn records(dir: &Path, file: &str, signal: &str) -> Vec<Value> {
 
 /// A small `mlp` model in `dir` and a TOML config serving it as the one tool.
 fn mlp_config(dir: &Path) -> PathBuf {
-    let made = std::process::Command::new(binary("nomad-device-worker"))
-        .args(["make-mlp", "--layers", "6,4", "--out"])
-        .arg(dir.join("mlp"))
-        .status()
-        .unwrap();
-    assert!(made.success());
+    nomad_integration_tests::fleet::make_mlp(dir, "6,4");
     let config = dir.join("nomad.toml");
     std::fs::write(
         &config,

@@ -134,7 +134,7 @@ impl Catalog {
 
     /// Refuses, before it is queued, a call the tool could only fail: its source or environment
     /// failed (named), or its input is of the wrong form for its kind.
-    pub fn check_call(&self, tool: &str, input: &ToolInput) -> Result<(), Status> {
+    fn check_call(&self, tool: &str, input: &ToolInput) -> Result<(), Status> {
         let Some(index) = self.index(tool) else {
             return Ok(()); // the driver answers unknown tools
         };

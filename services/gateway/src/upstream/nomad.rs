@@ -318,8 +318,13 @@ impl Nomad {
     /// while fresh).
     pub async fn failed(&self, tool: &str) -> Result<Option<String>, ToolError> {
         self.listing().await?;
+        Ok(self.kept_failure(tool).await)
+    }
+
+    /// Why `tool` cannot serve, from the kept listing alone (never lists).
+    async fn kept_failure(&self, tool: &str) -> Option<String> {
         let listing = self.listing.lock().await;
-        Ok(listing.as_ref().and_then(|l| l.failed.get(tool).cloned()))
+        listing.as_ref().and_then(|l| l.failed.get(tool).cloned())
     }
 
     /// Each tool's name and kind (a listing kept while fresh); `get_model_card` is not a model.
@@ -405,7 +410,7 @@ impl Nomad {
         progress: Option<&tokio::sync::mpsc::Sender<String>>,
     ) -> Result<Value, ToolError> {
         let (_, kinds) = self.listing().await?;
-        if let Some(why) = self.failed(tool).await? {
+        if let Some(why) = self.kept_failure(tool).await {
             return Err(cannot_serve(tool, &why));
         }
         let kind = kinds.get(tool).map(String::as_str);

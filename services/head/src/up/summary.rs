@@ -43,29 +43,22 @@ pub(crate) fn summarize(results: &[rollouts::RolloutResult], out: &Path) {
             );
         }
     };
-    named(
-        "failed",
-        results
-            .iter()
-            .filter(|r| r.status == "error")
-            .map(|r| r.task_id.as_str())
-            .collect(),
-    );
-    named(
-        "cancelled",
-        results
-            .iter()
-            .filter(|r| r.status == "cancelled")
-            .map(|r| r.task_id.as_str())
-            .collect(),
-    );
-    named(
-        "verified, not passed",
-        results
-            .iter()
-            .filter(|r| r.passed == Some(false))
-            .map(|r| r.task_id.as_str())
-            .collect(),
-    );
+    for (label, which) in [
+        (
+            "failed",
+            (|r| r.status == "error") as fn(&rollouts::RolloutResult) -> bool,
+        ),
+        ("cancelled", |r| r.status == "cancelled"),
+        ("verified, not passed", |r| r.passed == Some(false)),
+    ] {
+        named(
+            label,
+            results
+                .iter()
+                .filter(|r| which(r))
+                .map(|r| r.task_id.as_str())
+                .collect(),
+        );
+    }
     println!("Results: {}", out.display());
 }
