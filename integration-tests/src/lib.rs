@@ -9,6 +9,7 @@ pub mod model_host;
 pub mod peers;
 pub mod receiver;
 pub mod reference;
+pub mod registry;
 pub mod sandbox_gateway;
 pub mod spans;
 pub mod users;

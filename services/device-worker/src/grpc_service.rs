@@ -45,6 +45,20 @@ fn load_status(e: LoadError) -> Status {
             Status::not_found(e.to_string())
         }
         LoadError::Source(SourceError::NotCached { .. }) => Status::not_found(e.to_string()),
+        LoadError::Source(SourceError::Registry { failure, .. }) => {
+            use models::source::RegistryFailure;
+            let message = e.to_string();
+            match failure {
+                RegistryFailure::NotFound => Status::not_found(message),
+                RegistryFailure::Denied => Status::permission_denied(message),
+                // Not UNAVAILABLE: that says the worker itself is gone.
+                RegistryFailure::Unreachable
+                | RegistryFailure::Digest
+                | RegistryFailure::Artifact
+                | RegistryFailure::Other => Status::failed_precondition(message),
+            }
+        }
+        LoadError::Source(SourceError::Cache { .. }) => Status::internal(e.to_string()),
         LoadError::Environment { .. } | LoadError::Host { .. } => {
             Status::failed_precondition(e.to_string())
         }

@@ -50,17 +50,6 @@ pub struct ServeArgs {
     env_timeout_seconds: f64,
 }
 
-/// The default cache: `$XDG_CACHE_HOME/nomad`, else `~/.cache/nomad`, else one in the temp dir.
-fn default_cache_dir() -> std::path::PathBuf {
-    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
-        return std::path::PathBuf::from(dir).join("nomad");
-    }
-    match std::env::var_os("HOME").filter(|d| !d.is_empty()) {
-        Some(home) => std::path::PathBuf::from(home).join(".cache/nomad"),
-        None => std::env::temp_dir().join("nomad-cache"),
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum BackendKind {
     Candle,
@@ -133,7 +122,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let registering = tokio::spawn(registration.run());
 
     let python_settings = models::python::PythonSettings {
-        cache: args.cache_dir.clone().unwrap_or_else(default_cache_dir),
+        cache: args
+            .cache_dir
+            .clone()
+            .unwrap_or_else(nomad_sources::default_cache_dir),
         python: args.python.clone(),
         env_timeout: nomad_config::seconds("--env-timeout-seconds", args.env_timeout_seconds)
             .map_err(anyhow::Error::msg)?,

@@ -3,7 +3,9 @@
 use clap::{Parser, Subcommand};
 
 use crate::exit::Exit;
-use crate::{collect, fleets, head_api, health, report, run, serve, slurm, top, traces, up};
+use crate::{
+    collect, export, fleets, head_api, health, report, run, serve, slurm, top, traces, up,
+};
 
 /// Nomad head: start a fleet, run rollouts against it, and read their traces.
 #[derive(Parser)]
@@ -28,6 +30,9 @@ pub enum Command {
     /// Serve a config's tools over MCP, each tool an MCP tool of its own (as the original
     /// Nomad's `nomad serve`): the scheduler and device workers start as children.
     Serve(serve::ServeArgs),
+    /// Copy every model of a config into a directory, or push each to an OCI registry, and
+    /// write the config that names them there (by digest), with their cards and a report.
+    Export(export::ExportArgs),
     /// Serve the Head gRPC API: start runs of rollouts and report on them.
     Head(head_api::HeadArgs),
     /// Show a run's rollouts as waterfall trees of their spans, slowest first.
@@ -61,6 +66,7 @@ impl Command {
             Command::Down(args) => fleets::down(args).await,
             Command::Run(args) => run::run(args).await,
             Command::Serve(args) => return serve::serve(args).await,
+            Command::Export(args) => export::export(args).await,
             Command::Head(args) => head_api::serve(args).await.map(|()| true),
             Command::Traces(args) => traces::show(args).await,
             Command::Report(args) => report::report(args).await,

@@ -4,6 +4,7 @@
 mod cli;
 mod collect;
 mod exit;
+mod export;
 mod fleets;
 mod grpc_service;
 mod head_api;

@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 
 mod explain;
 mod interpolate;
+pub mod requirements;
 pub use explain::{explain, suggest};
 /// A config value before it is typed: what a section of several shapes is read as first.
 pub use figment::value::Value;

@@ -26,7 +26,7 @@ mod rope_scaling;
 mod row;
 mod sentence;
 pub mod sim;
-pub mod source;
+pub use nomad_sources as source;
 mod swiglu;
 mod weights;
 

@@ -28,7 +28,7 @@ pub(crate) mod env;
 pub(crate) mod fleet;
 pub(crate) mod fleet_file;
 pub(crate) mod models;
-mod ready;
+pub(crate) mod ready;
 mod summary;
 
 pub(crate) use summary::summarize;

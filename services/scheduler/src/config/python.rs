@@ -17,7 +17,8 @@ pub struct ModelHostConfig {
     pub python: Option<String>,
 }
 
-/// `env`: one PEP 508 requirement or a list of them.
+/// `env`: one PEP 508 requirement, a list of them, or a requirements file (`requirements.txt`,
+/// `pyproject.toml`).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(untagged)]
 enum Requirements {
@@ -46,7 +47,8 @@ struct FmodModel {
     tool_name: Option<String>,
     /// Inputs one batch holds at most (default: the model's own `batch_size`).
     batch_size: Option<u32>,
-    /// The model's environment: PEP 508 requirements installed into a cached virtualenv.
+    /// The model's environment: PEP 508 requirements (or a requirements file) installed into a
+    /// cached virtualenv.
     env: Option<Requirements>,
     /// The interpreter of that environment (or of the host, without `env`).
     python: Option<String>,
@@ -161,7 +163,13 @@ fn python_tool(
         ));
     }
     let limits = parts.limits.check(at, context.manager)?;
-    let requirements = parts.env.map(Requirements::into_vec).unwrap_or_default();
+    let requirements = match parts.env {
+        Some(Requirements::One(file)) if nomad_config::requirements::is_file(&file) => {
+            nomad_config::requirements::read(&file, context.base_dir)
+                .map_err(|e| ToolConfigError::entry(at, e))?
+        }
+        env => env.map(Requirements::into_vec).unwrap_or_default(),
+    };
     if requirements.iter().any(|r| r.trim().is_empty()) {
         return Err(ToolConfigError::entry(
             at,
