@@ -4,6 +4,7 @@
 pub mod catalog;
 pub mod encoders;
 pub mod fleet;
+pub mod hub;
 pub mod jaeger;
 pub mod model_host;
 pub mod peers;

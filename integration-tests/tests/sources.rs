@@ -3,12 +3,14 @@
 //! as the same files from a path do; a digest of another artifact refused; a second start with
 //! the registry stopped served from the cache; `nomad export --to oras --pin` read back by
 //! oras-py file for file, and its written config serving the same answers; `nomad export --to
-//! disk`.
+//! disk`; `hf://` downloaded from a stand-in for the Hub (which the tests cannot reach) into the
+//! cache layout the Hub's own library reads, pinned in the run's kept config, served offline.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use nomad_integration_tests::fleet::{binary, models_dir};
+use nomad_integration_tests::fleet::{binary, clean, models_dir};
+use nomad_integration_tests::hub::{HubDouble, read_with_huggingface_hub};
 use nomad_integration_tests::model_host::described_tools;
 use nomad_integration_tests::registry::Registry;
 use nomad_integration_tests::{Fleet, FleetOptions};
@@ -438,5 +440,125 @@ async fn nomad_export_pushes_every_model_and_its_pinned_config_serves_the_same_a
         "{}",
         String::from_utf8_lossy(&checked.stderr)
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn copy_model(from: &Path, to: &Path) {
+    for (name, bytes) in files(from) {
+        let target = to.join(name);
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        std::fs::write(target, bytes).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hub_models_download_into_the_shared_cache_are_pinned_and_serve_offline() {
+    let dir = Fleet::new_dir();
+    let minilm = models_dir().join("all-minilm-l6-v2");
+    copy_model(&minilm, &dir.join("hub/org/minilm"));
+    let mut hub = HubDouble::start(&dir.join("hub"), &dir);
+    let hf_cache = dir.join("hf-cache");
+    let config = dir.join("nomad.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "tools:\n  - {{name: embed_hub, kind: embed, source: 'hf://org/minilm'}}\n{MANAGER}"
+        ),
+    )
+    .unwrap();
+
+    // `nomad up` downloads it and keeps the config it ran pinned to the commit it served.
+    let mut up = clean("nomad")
+        .args(["up", "--ready-timeout", "120", "--config"])
+        .arg(&config)
+        .arg("--runs-dir")
+        .arg(dir.join("runs"))
+        .env("NOMAD_OTEL_RUN_ID", "hub-run")
+        .env("NOMAD_CACHE_DIR", dir.join("cache"))
+        .env("HF_ENDPOINT", &hub.endpoint)
+        .env("HF_HUB_CACHE", &hf_cache)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.join("up.stderr")).unwrap())
+        .spawn()
+        .unwrap();
+    let run = dir.join("runs/hub-run");
+    let deadline = std::time::Instant::now() + Duration::from_secs(150);
+    while !run.join("fleet.json").is_file() {
+        if let Some(status) = up.try_wait().unwrap() {
+            panic!(
+                "nomad up exited ({status}): {}",
+                std::fs::read_to_string(dir.join("up.stderr")).unwrap()
+            );
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nomad up did not start in 150 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // SAFETY: kill(2) on the child we spawned.
+    unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
+    assert!(up.wait().await.unwrap().success());
+
+    // The Hub's own library reads what Nomad wrote: the ref, the snapshot, the files.
+    let read = read_with_huggingface_hub(&hf_cache, "org/minilm");
+    let commit = read["refs"]["main"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{read}"))
+        .to_owned();
+    let snapshot = PathBuf::from(read["snapshot"].as_str().unwrap());
+    assert_eq!(
+        snapshot,
+        hf_cache.join("models--org--minilm/snapshots").join(&commit)
+    );
+    assert_eq!(files(&snapshot), files(&minilm));
+    let kept = std::fs::read_to_string(run.join("config.yml")).unwrap();
+    assert!(
+        kept.contains(&format!("hf://org/minilm@{commit}")),
+        "{kept}"
+    );
+
+    // Served as the same files from a path are, by the Hub's ref, by the pinned commit, and
+    // with the Hub gone.
+    let tools = format!(
+        "tools:\n\
+         \x20 - {{name: embed_file, kind: embed, source: {minilm}, batch_size: 4}}\n\
+         \x20 - {{name: embed_hub, kind: embed, source: 'hf://org/minilm', batch_size: 4}}\n\
+         \x20 - {{name: embed_pinned, kind: embed, source: 'hf://org/minilm@{commit}', batch_size: 4}}\n\
+         {MANAGER}",
+        minilm = minilm.display(),
+    );
+    let (endpoint, hf_cache_text) = (hub.endpoint.clone(), hf_cache.display().to_string());
+    let with_hub = move |options: FleetOptions| {
+        options
+            .env("HF_ENDPOINT", endpoint.clone())
+            .env("HF_HUB_CACHE", hf_cache_text.clone())
+    };
+    let mut fleet = Fleet::start(with_hub(options(
+        &dir.join("first"),
+        &dir.join("cache"),
+        tools.clone(),
+    )))
+    .await;
+    let from_file = embeddings(&fleet, "embed_file").await;
+    assert_eq!(embeddings(&fleet, "embed_hub").await, from_file);
+    assert_eq!(embeddings(&fleet, "embed_pinned").await, from_file);
+    fleet.terminate().await;
+    hub.stop();
+    let asked = hub.requests();
+    let mut offline = Fleet::start(with_hub(options(
+        &dir.join("second"),
+        &dir.join("cache"),
+        tools,
+    )))
+    .await;
+    let tools_now = tool_states(&offline).await;
+    for name in ["embed_hub", "embed_pinned"] {
+        let (_, state, error) = state(&tools_now, name);
+        assert_eq!(*state, ToolState::Ready, "{name}: {error}");
+    }
+    assert_eq!(embeddings(&offline, "embed_hub").await, from_file);
+    assert_eq!(hub.requests(), asked);
+    offline.terminate().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,6 +3,7 @@
 
 mod cli;
 mod collect;
+mod config_sources;
 mod exit;
 mod export;
 mod fleets;

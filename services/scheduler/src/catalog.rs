@@ -76,6 +76,7 @@ impl Catalog {
                     max_devices: t.max_devices,
                     max_pending: t.max_pending,
                     max_running: t.max_running.unwrap_or(0),
+                    source: t.source.clone(),
                     ..Default::default()
                 };
                 match d {
@@ -96,6 +97,7 @@ impl Catalog {
                         }
                         info.input_schema_json = desc.input_schema_json.clone();
                         info.output_schema_json = desc.output_schema_json.clone();
+                        info.pinned_source = desc.pinned_source.clone();
                     }
                 }
                 info

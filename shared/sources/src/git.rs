@@ -9,8 +9,45 @@ use crate::SourceError;
 const CLONE_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A checkout of `url` at `reference` in the cache, cloned there once (under a lock, so workers
-/// sharing the cache clone it once).
+/// sharing the cache clone it once), and the commit it is at.
 pub(crate) async fn clone(
+    source: &str,
+    url: &str,
+    reference: Option<&str>,
+    cache: &Path,
+) -> Result<(PathBuf, String), SourceError> {
+    let checkout = checkout(source, url, reference, cache).await?;
+    let commit = head_commit(&checkout)
+        .await
+        .map_err(|reason| SourceError::Clone {
+            spec: source.to_owned(),
+            reason,
+        })?;
+    Ok((checkout, commit))
+}
+
+/// The commit `checkout` is at.
+async fn head_commit(checkout: &Path) -> Result<String, String> {
+    let output = tokio::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(checkout)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| format!("cannot run git: {e}"))?;
+    let commit = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    if output.status.success() && !commit.is_empty() {
+        Ok(commit)
+    } else {
+        Err(format!(
+            "git rev-parse HEAD in {}: {}",
+            checkout.display(),
+            String::from_utf8_lossy(&output.stderr).trim()
+        ))
+    }
+}
+
+async fn checkout(
     source: &str,
     url: &str,
     reference: Option<&str>,

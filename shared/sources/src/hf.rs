@@ -1,8 +1,16 @@
-//! Hugging Face sources read from the hub's local cache layout.
+//! Hugging Face sources: downloaded from the Hub (or `HF_ENDPOINT`) with Hugging Face's own
+//! client into the standard cache layout, so Nomad and the Python libraries share the files;
+//! read from that cache alone when offline (`HF_HUB_OFFLINE`, or the Hub unreachable).
 
 use std::path::{Path, PathBuf};
 
+use hf_hub::api::tokio::{ApiBuilder, ApiError};
+use hf_hub::{Repo, RepoType};
+
 use crate::SourceError;
+
+/// How long the Hub may take to say what a revision holds.
+const HUB_ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `org/name` when `text` has that shape (a bare repository id of the hub).
 pub(crate) fn repository_id(text: &str) -> Option<&str> {
@@ -28,13 +36,14 @@ pub(crate) fn hf_cache() -> PathBuf {
     PathBuf::from(home).join(".cache/huggingface/hub")
 }
 
-/// The snapshot of `repo` at `revision` (a branch or tag the cache has a ref for, or a commit).
-pub(crate) fn hugging_face(
+/// The snapshot of `repo` at `revision` in the cache (a branch or tag the cache has a ref for,
+/// or a commit), and its commit.
+pub(crate) fn cached(
     source: &str,
     repo: &str,
     revision: Option<&str>,
     cache: &Path,
-) -> Result<PathBuf, SourceError> {
+) -> Result<(PathBuf, String), SourceError> {
     let dir = cache.join(format!("models--{}", repo.replace('/', "--")));
     let revision = revision.unwrap_or("main");
     let commit = std::fs::read_to_string(dir.join("refs").join(revision))
@@ -47,9 +56,150 @@ pub(crate) fn hugging_face(
             repo: repo.to_owned(),
             revision: revision.to_owned(),
             looked: dir.display().to_string(),
+            hub: None,
         });
     }
-    Ok(snapshot)
+    Ok((snapshot, commit))
+}
+
+/// Whether the Hub must not be asked (`HF_HUB_OFFLINE` set true, as the Python libraries read it).
+fn offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on"
+        )
+    })
+}
+
+/// A full commit id: the cache's snapshot for it never changes, so no Hub is asked.
+fn is_commit(revision: &str) -> bool {
+    revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit())
+}
+
+/// The snapshot of `repo` at `revision` (default `main`) and its commit: from the cache when
+/// the revision is a commit it holds or the Hub may not be asked, else every file of the
+/// revision downloaded (each file once: what the cache holds is kept). An unreachable Hub falls
+/// back to the cache.
+pub(crate) async fn snapshot(
+    source: &str,
+    repo: &str,
+    revision: Option<&str>,
+    cache: &Path,
+) -> Result<(PathBuf, String), SourceError> {
+    if revision.is_some_and(is_commit) || offline() {
+        if let Ok(found) = cached(source, repo, revision, cache) {
+            return Ok(found);
+        }
+        if offline() {
+            return cached(source, repo, revision, cache);
+        }
+    }
+    match download(repo, revision.unwrap_or("main"), cache).await {
+        Ok(commit) => Ok((snapshot_dir(cache, repo, &commit), commit)),
+        Err(e) => {
+            let status = match &e {
+                ApiError::RequestError(r) => r.status(),
+                _ => None,
+            };
+            let endpoint = endpoint();
+            match status.map(|s| s.as_u16()) {
+                Some(401 | 403) => Err(SourceError::Invalid {
+                    spec: source.to_owned(),
+                    reason: format!(
+                        "{endpoint} refused access to {repo} ({e}): set HF_TOKEN to a token that \
+                         may read it"
+                    ),
+                }),
+                Some(404) => Err(SourceError::NotFound(format!(
+                    "{source}: {endpoint} has no repository {repo} at revision {}",
+                    revision.unwrap_or("main")
+                ))),
+                _ => {
+                    cached(source, repo, revision, cache).map_err(|cache_error| match cache_error {
+                        SourceError::NotCached {
+                            spec,
+                            repo,
+                            revision,
+                            looked,
+                            ..
+                        } => SourceError::NotCached {
+                            spec,
+                            repo,
+                            revision,
+                            looked,
+                            hub: Some(format!("{endpoint}: {e}")),
+                        },
+                        other => other,
+                    })
+                }
+            }
+        }
+    }
+}
+
+fn endpoint() -> String {
+    std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".to_owned())
+}
+
+fn snapshot_dir(cache: &Path, repo: &str, commit: &str) -> PathBuf {
+    cache
+        .join(format!("models--{}", repo.replace('/', "--")))
+        .join("snapshots")
+        .join(commit)
+}
+
+/// Downloads every file of `repo` at `revision` into `cache` and returns the commit; notes the
+/// revision's commit under refs/, as the Python libraries do.
+async fn download(repo: &str, revision: &str, cache: &Path) -> Result<String, ApiError> {
+    // rustls needs one process-wide provider; the gRPC stack's ring is it.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut builder = ApiBuilder::from_env()
+        .with_cache_dir(cache.to_owned())
+        .with_progress(false);
+    if let Ok(token) = std::env::var("HF_TOKEN") {
+        builder = builder.with_token(Some(token));
+    }
+    let api = builder.build()?;
+    // A Hub that never answers (a node whose packets to it are dropped) is an unreachable one.
+    let info = tokio::time::timeout(
+        HUB_ANSWER_TIMEOUT,
+        api.repo(Repo::with_revision(
+            repo.to_owned(),
+            RepoType::Model,
+            revision.to_owned(),
+        ))
+        .info(),
+    )
+    .await
+    .map_err(|_| {
+        ApiError::IoError(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer in {} s", HUB_ANSWER_TIMEOUT.as_secs()),
+        ))
+    })??;
+    // By commit, so a branch that moved is fetched anew, not read from the old commit's files.
+    let at_commit = api.repo(Repo::with_revision(
+        repo.to_owned(),
+        RepoType::Model,
+        info.sha.clone(),
+    ));
+    tracing::info!(%repo, %revision, commit = %info.sha, files = info.siblings.len(), "fetching the model from the Hugging Face Hub (files the cache holds are kept)");
+    for (done, sibling) in info.siblings.iter().enumerate() {
+        let path = at_commit.get(&sibling.rfilename).await?;
+        let bytes = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        tracing::info!(%repo, file = %sibling.rfilename, bytes, done = done + 1, of = info.siblings.len(), "model file in the Hugging Face cache");
+    }
+    let refs = cache
+        .join(format!("models--{}", repo.replace('/', "--")))
+        .join("refs");
+    if revision != info.sha {
+        std::fs::create_dir_all(&refs)?;
+        std::fs::write(refs.join(revision), &info.sha)?;
+    }
+    // The client notes a ref named by the commit itself; the Python libraries keep none.
+    let _ = std::fs::remove_file(refs.join(&info.sha));
+    Ok(info.sha)
 }
 
 #[cfg(test)]
@@ -64,14 +214,14 @@ mod tests {
         std::fs::create_dir_all(repo.join("snapshots/abc123")).unwrap();
         std::fs::write(repo.join("refs/main"), "abc123\n").unwrap();
         assert_eq!(
-            hugging_face("hf://org/tiny", "org/tiny", None, &cache).unwrap(),
-            repo.join("snapshots/abc123")
+            cached("hf://org/tiny", "org/tiny", None, &cache).unwrap(),
+            (repo.join("snapshots/abc123"), "abc123".to_owned())
         );
         assert_eq!(
-            hugging_face("hf://org/tiny@abc123", "org/tiny", Some("abc123"), &cache).unwrap(),
-            repo.join("snapshots/abc123")
+            cached("hf://org/tiny@abc123", "org/tiny", Some("abc123"), &cache).unwrap(),
+            (repo.join("snapshots/abc123"), "abc123".to_owned())
         );
-        let missing = hugging_face("hf://org/other", "org/other", None, &cache)
+        let missing = cached("hf://org/other", "org/other", None, &cache)
             .unwrap_err()
             .to_string();
         assert!(

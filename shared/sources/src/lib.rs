@@ -11,8 +11,7 @@ mod parse;
 
 use std::path::{Path, PathBuf};
 
-use git::clone;
-use hf::{hf_cache, hugging_face, repository_id};
+use hf::{hf_cache, repository_id};
 pub use oras::RegistryFailure;
 pub use parse::{Artifact, Source, digest};
 
@@ -32,14 +31,18 @@ pub enum SourceError {
     Clone { spec: String, reason: String },
     #[error(
         "model source {spec:?}: {repo} at revision {revision} is not in the local Hugging Face \
-         cache (looked in {looked}); Nomad does not download: fetch it on this host first (e.g. \
-         `hf download {repo} --revision {revision}`) or set HF_HUB_CACHE"
+         cache (looked in {looked}){hub}: fetch it on a host that reaches the Hub (e.g. `hf \
+         download {repo} --revision {revision}`, or start there once), or set HF_HUB_CACHE \
+         (HF_ENDPOINT for a mirror)",
+        hub = hub.as_ref().map(|h| format!(" and the Hub could not be asked ({h})")).unwrap_or_default()
     )]
     NotCached {
         spec: String,
         repo: String,
         revision: String,
         looked: String,
+        /// Why the Hub was not asked (offline) or did not answer.
+        hub: Option<String>,
     },
     #[error("model source {spec:?}: {detail} ({advice})", advice = failure.advice())]
     Registry {
@@ -80,66 +83,83 @@ pub fn missing_hint(path: &str) -> String {
     }
 }
 
-/// The local directory or file `text` names, cloning a git source or pulling an artifact into
-/// `cache` first. A relative path is found from `base_dir` (the config file's directory), else as
-/// given; one
-/// shaped `org/name` that is neither is looked up in the Hugging Face cache, as the original
-/// Nomad reads a bare repository id.
-pub async fn resolve(text: &str, base_dir: &str, cache: &Path) -> Result<PathBuf, SourceError> {
-    let path = match Source::parse(text)? {
+/// A source found on this host: where its files are, and the source as it is pinned (a tag,
+/// branch or Hub revision replaced by the digest or commit it named; a path as it was given).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolved {
+    pub path: PathBuf,
+    pub pinned: String,
+}
+
+fn with_subdir(path: PathBuf, subdir: &Option<String>) -> PathBuf {
+    match subdir {
+        Some(sub) => path.join(sub),
+        None => path,
+    }
+}
+
+fn subdir_suffix(subdir: &Option<String>) -> String {
+    subdir.as_ref().map(|s| format!("#{s}")).unwrap_or_default()
+}
+
+/// The local directory or file `text` names, cloning a git source, pulling an artifact or
+/// downloading from the Hugging Face Hub into the caches first. A relative path is found from
+/// `base_dir` (the config file's directory), else as given; one shaped `org/name` that is
+/// neither is looked up in the Hugging Face cache, as the original Nomad reads a bare
+/// repository id.
+pub async fn resolve(text: &str, base_dir: &str, cache: &Path) -> Result<Resolved, SourceError> {
+    let (path, pinned) = match Source::parse(text)? {
         Source::Local(path) if path.is_relative() => {
             let from_base = Path::new(base_dir).join(&path);
-            if !base_dir.is_empty() && from_base.exists() {
+            let path = if !base_dir.is_empty() && from_base.exists() {
                 from_base
             } else if path.exists() {
                 path
             } else if let Some(repo) = repository_id(text) {
-                hugging_face(text, repo, None, &hf_cache()).map_err(|_| {
-                    SourceError::NotFound(format!(
-                        "{} (nor the Hugging Face repository {repo} in the local cache, {})",
-                        from_base.display(),
-                        hf_cache().display()
-                    ))
-                })?
+                hf::cached(text, repo, None, &hf_cache())
+                    .map(|(path, _)| path)
+                    .map_err(|_| {
+                        SourceError::NotFound(format!(
+                            "{} (nor the Hugging Face repository {repo} in the local cache, {})",
+                            from_base.display(),
+                            hf_cache().display()
+                        ))
+                    })?
             } else {
                 from_base
-            }
+            };
+            (path, text.to_owned())
         }
-        Source::Local(path) => path,
+        Source::Local(path) => (path, text.to_owned()),
         Source::Git {
             url,
             reference,
             subdir,
         } => {
-            let checkout = clone(text, &url, reference.as_deref(), cache).await?;
-            match subdir {
-                Some(sub) => checkout.join(sub),
-                None => checkout,
-            }
+            let (checkout, commit) = git::clone(text, &url, reference.as_deref(), cache).await?;
+            let pinned = format!("git+{url}@{commit}{}", subdir_suffix(&subdir));
+            (with_subdir(checkout, &subdir), pinned)
         }
         Source::Oras { artifact, subdir } => {
-            let dir = oras::pull(text, &artifact, cache).await?;
-            match subdir {
-                Some(sub) => dir.join(sub),
-                None => dir,
-            }
+            let (dir, digest) = oras::pull(text, &artifact, cache).await?;
+            let pinned = format!("{}{}", artifact.pinned(&digest), subdir_suffix(&subdir));
+            (with_subdir(dir, &subdir), pinned)
         }
         Source::HuggingFace {
             repo,
             revision,
             subdir,
         } => {
-            let snapshot = hugging_face(text, &repo, revision.as_deref(), &hf_cache())?;
-            match subdir {
-                Some(sub) => snapshot.join(sub),
-                None => snapshot,
-            }
+            let (snapshot, commit) =
+                hf::snapshot(text, &repo, revision.as_deref(), &hf_cache()).await?;
+            let pinned = format!("hf://{repo}@{commit}{}", subdir_suffix(&subdir));
+            (with_subdir(snapshot, &subdir), pinned)
         }
     };
     if !path.exists() {
         return Err(SourceError::NotFound(path.display().to_string()));
     }
-    Ok(path)
+    Ok(Resolved { path, pinned })
 }
 
 #[cfg(test)]

@@ -23,8 +23,8 @@ pub async fn open(
         if spec.kind == nomad_proto::kinds::PYTHON.name {
             return Ok(Arc::new(python::load(&spec, settings).await?));
         }
-        let path = source::resolve(&spec.source, &spec.base_dir, &settings.cache).await?;
-        spec.source = path.to_string_lossy().into_owned();
+        let resolved = source::resolve(&spec.source, &spec.base_dir, &settings.cache).await?;
+        spec.source = resolved.path.to_string_lossy().into_owned();
     }
     tokio::task::spawn_blocking(move || super::load(&spec, &backend))
         .await
@@ -45,10 +45,11 @@ pub async fn describe(
     if matches!(backend, Backend::Sim(_)) {
         return Ok(ToolDescription::default());
     }
-    let (description, dir) = if spec.kind == nomad_proto::kinds::PYTHON.name {
+    let (description, resolved) = if spec.kind == nomad_proto::kinds::PYTHON.name {
         python::describe(spec, settings).await?
     } else {
-        let path = source::resolve(&spec.source, &spec.base_dir, &settings.cache).await?;
+        let resolved = source::resolve(&spec.source, &spec.base_dir, &settings.cache).await?;
+        let path = resolved.path.clone();
         // Off the async threads: a decoder's check reads its file and builds its tokenizer.
         let (kind, checked) = (spec.kind.clone(), path.clone());
         tokio::task::spawn_blocking(move || super::check(&kind, &checked))
@@ -57,14 +58,15 @@ pub async fn describe(
                 tool: String::new(),
                 reason: format!("the checking task failed: {e}"),
             })??;
-        (python::Description::default(), Some(path))
+        (python::Description::default(), Some(resolved))
     };
     Ok(ToolDescription {
         description: description.description,
         input_schema_json: description.input_schema,
         output_schema_json: description.output_schema,
         batch_size: description.batch_size,
-        model_card: dir.as_deref().and_then(model_card),
+        model_card: resolved.as_ref().and_then(|r| model_card(&r.path)),
+        pinned_source: resolved.map(|r| r.pinned).unwrap_or_default(),
     })
 }
 

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use nomad_sources::Artifact;
 
+use crate::config_sources::{SOURCE_KEYS, set_value};
 use crate::up::ready;
 
 /// Where the models go.
@@ -52,19 +53,14 @@ pub struct ExportArgs {
     pub bin_dir: Option<PathBuf>,
 }
 
-/// The config's entries that name a model: the section, the key holding the source, the key
-/// holding the tool's name.
-const SOURCE_KEYS: [(&str, &str, &str); 2] = [
-    ("fmod_models", "name_or_path", "tool_name"),
-    ("tools", "source", "name"),
-];
-
 /// One model as exported.
 pub struct Exported {
     /// The tool's name (or the entry's place when it names none).
     pub tool: String,
     pub section: &'static str,
     pub original: String,
+    /// The source as found (a tag or branch replaced by what it named).
+    pub pinned: String,
     pub written: String,
     pub digest: Option<String>,
     pub files: usize,
@@ -135,9 +131,10 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<bool> {
                 .and_then(|n| n.as_str())
                 .map_or_else(|| format!("{section}[{index}]"), str::to_owned);
             eprintln!("nomad export: {tool}: reading {source}");
-            let path = nomad_sources::resolve(source, &base_dir.to_string_lossy(), &cache)
+            let resolved = nomad_sources::resolve(source, &base_dir.to_string_lossy(), &cache)
                 .await
                 .with_context(|| format!("{section}[{index}] ({tool})"))?;
+            let path = resolved.path;
             let (written, digest) = match &registry {
                 None => (bundle.copy(&tool, &path)?, None),
                 Some(repository) => {
@@ -150,7 +147,7 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<bool> {
                 "nomad export: {tool}: {files} files, {} -> {written}",
                 report::human_bytes(bytes)
             );
-            set(&mut document, section, index, key, &written)?;
+            set_value(&mut document, section, index, key, written.as_str().into())?;
             let requirements = requirements(entry, &base_dir)
                 .with_context(|| format!("{section}[{index}] ({tool}): env"))?;
             if !requirements.is_empty() {
@@ -163,6 +160,7 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<bool> {
                 tool,
                 section,
                 original: source.to_owned(),
+                pinned: resolved.pinned,
                 written,
                 digest,
                 files,
@@ -224,30 +222,4 @@ fn requirements(entry: &serde_json::Value, base_dir: &Path) -> anyhow::Result<Ve
         }
         _ => Ok(Vec::new()),
     }
-}
-
-fn set(
-    document: &mut serde_yaml::Value,
-    section: &str,
-    index: usize,
-    key: &str,
-    text: &str,
-) -> anyhow::Result<()> {
-    set_value(document, section, index, key, text.into())
-}
-
-fn set_value(
-    document: &mut serde_yaml::Value,
-    section: &str,
-    index: usize,
-    key: &str,
-    value: serde_yaml::Value,
-) -> anyhow::Result<()> {
-    let entry = document
-        .get_mut(section)
-        .and_then(|s| s.get_mut(index))
-        .and_then(|e| e.as_mapping_mut())
-        .with_context(|| format!("{section}[{index}] is not a mapping in the file"))?;
-    entry.insert(key.into(), value);
-    Ok(())
 }

@@ -76,12 +76,16 @@ pub fn write(
     for e in exported {
         let card_name = format!("{}.md", e.tool.replace(['/', '\\'], "-"));
         std::fs::write(cards.join(&card_name), &e.card)?;
+        let from = if e.pinned == e.original {
+            format!("`{}`", e.original)
+        } else {
+            format!("`{}` (`{}`)", e.original, e.pinned)
+        };
         let _ = writeln!(
             readme,
-            "| [{}](cards/{card_name}) | {} | `{}` | `{}` | {} | {} | {} |",
+            "| [{}](cards/{card_name}) | {} | {from} | `{}` | {} | {} | {} |",
             e.tool,
             e.section,
-            e.original,
             e.written,
             e.files,
             human_bytes(e.bytes),

@@ -105,13 +105,21 @@ pub(crate) async fn wait_ready(
     }
 }
 
+/// The tools once described: those that cannot serve (with why), how many there are, and each
+/// source that was pinned (its text as the config wrote it, and the digest or commit it named).
+pub(crate) struct Described {
+    pub failed: Vec<(String, String)>,
+    pub total: usize,
+    pub pins: Vec<(String, String)>,
+}
+
 /// Waits until the scheduler has described every tool (a Python model's environment may be
-/// building); returns those that cannot serve, with why, and how many tools there are.
+/// building).
 pub(crate) async fn wait_described(
     sup: &mut Supervisor,
     scheduler: &str,
     timeout: Duration,
-) -> anyhow::Result<(Vec<(String, String)>, usize)> {
+) -> anyhow::Result<Described> {
     use nomad_proto::v1::{ListToolsRequest, ToolState};
     let started = tokio::time::Instant::now();
     let deadline = started + timeout;
@@ -130,12 +138,21 @@ pub(crate) async fn wait_described(
             .collect();
         if pending.is_empty() {
             let total = tools.len();
+            let pins = tools
+                .iter()
+                .filter(|t| !t.pinned_source.is_empty() && t.pinned_source != t.source)
+                .map(|t| (t.source.clone(), t.pinned_source.clone()))
+                .collect();
             let failed = tools
                 .into_iter()
                 .filter(|t| t.state() == ToolState::Failed)
                 .map(|t| (t.name, t.error))
                 .collect();
-            return Ok((failed, total));
+            return Ok(Described {
+                failed,
+                total,
+                pins,
+            });
         }
         // Only worth saying when it takes a while (an environment being built).
         if !told && started.elapsed() > Duration::from_secs(3) {

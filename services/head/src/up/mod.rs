@@ -184,7 +184,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
         std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("making {} private", run_dir.display()))?;
     }
-    let config = match user_config {
+    let (config, kept_config) = match user_config {
         Some(path) => {
             // Kept with the run, so the run is found again with what it ran on; the fleet reads
             // the original, whose relative paths are relative to where it is.
@@ -192,7 +192,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
             let copy = run_dir.join(format!("config.{ext}"));
             std::fs::copy(&path, &copy)
                 .with_context(|| format!("copying {} to {}", path.display(), copy.display()))?;
-            path
+            (path, Some(copy))
         }
         None => {
             let models = absolute(&options.models_dir)?;
@@ -203,7 +203,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
             let path = run_dir.join("nomad.yaml");
             std::fs::write(&path, models::default_config(&models))
                 .with_context(|| format!("writing {}", path.display()))?;
-            path
+            (path, None)
         }
     };
 
@@ -274,7 +274,12 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
     // Every tool's source and environment is checked now, not at its first call.
     if let Ok(addresses) = &started {
         match fleet::wait_described(&mut sup, &addresses.scheduler, DESCRIBED_WITHIN).await {
-            Ok((failed, total)) => {
+            Ok(fleet::Described {
+                failed,
+                total,
+                pins,
+            }) => {
+                pin_kept_config(kept_config.as_deref(), &config, pins);
                 for (tool, error) in &failed {
                     eprintln!("nomad: tool {tool} cannot serve: {error}");
                 }
@@ -531,6 +536,23 @@ pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .mode(0o600)
         .open(path)?;
     file.write_all(bytes)
+}
+
+/// The run's copy of a YAML config, each source a tag, branch or Hub revision named rewritten to
+/// the digest or commit it served (best effort: the run goes on if it cannot be written).
+fn pin_kept_config(kept: Option<&Path>, config: &Path, pins: Vec<(String, String)>) {
+    let Some(kept) = kept else { return };
+    let yaml = matches!(
+        kept.extension().and_then(|e| e.to_str()),
+        Some("yml" | "yaml")
+    );
+    if pins.is_empty() || !yaml {
+        return;
+    }
+    let pins = pins.into_iter().collect();
+    if let Err(e) = crate::config_sources::pin_file(kept, config, &pins) {
+        eprintln!("nomad: cannot pin the sources in {}: {e:#}", kept.display());
+    }
 }
 
 #[derive(clap::Args)]

@@ -259,13 +259,18 @@ fn record_seen(cache: &Path, digest: &str, repository: &str) {
     }
 }
 
-/// The local directory holding `artifact` (pulled into `cache` unless it is there already).
-pub async fn pull(spec: &str, artifact: &Artifact, cache: &Path) -> Result<PathBuf, SourceError> {
+/// The local directory holding `artifact` (pulled into `cache` unless it is there already),
+/// and the manifest digest it is.
+pub async fn pull(
+    spec: &str,
+    artifact: &Artifact,
+    cache: &Path,
+) -> Result<(PathBuf, String), SourceError> {
     let repository = artifact.repository_ref();
     if let Some(digest) = &artifact.digest {
         let dir = digest_dir(cache, digest);
         if dir.is_dir() && seen_in(cache, digest, &repository) {
-            return Ok(dir);
+            return Ok((dir, digest.clone()));
         }
     }
     let client = client(artifact);
@@ -302,7 +307,7 @@ pub async fn pull(spec: &str, artifact: &Artifact, cache: &Path) -> Result<PathB
     if artifact.digest.is_none() {
         remember_tag(cache, artifact, &digest);
     }
-    Ok(dir)
+    Ok((dir, digest))
 }
 
 /// Notes which digest the tag named, for a later start without the registry (best effort: a

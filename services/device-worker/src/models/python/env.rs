@@ -306,6 +306,17 @@ impl EnvCache {
                 .stdout(out)
                 .stderr(err)
                 .kill_on_drop(true);
+            // An installer dies with its worker (a worker SIGKILLed mid-build leaves no writer
+            // behind, so the next build can clear what it left).
+            // SAFETY: prctl is async-signal-safe and touches only the child being started.
+            unsafe {
+                step.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
             let mut child = step.spawn().map_err(|e| EnvError::Install {
                 requirements: listed.to_owned(),
                 installer: installer.name(),

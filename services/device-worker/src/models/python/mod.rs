@@ -94,7 +94,7 @@ fn host_file(cache: &Path) -> Result<PathBuf, LoadError> {
 /// Everything a host of `spec` needs before it starts: its source, environment and program.
 struct Prepared {
     launch: Launch,
-    source: Option<PathBuf>,
+    source: Option<super::source::Resolved>,
 }
 
 async fn prepare(
@@ -182,10 +182,14 @@ async fn start(
 pub async fn describe(
     spec: &ModelSpec,
     settings: &PythonSettings,
-) -> Result<(Description, Option<PathBuf>), LoadError> {
+) -> Result<(Description, Option<super::source::Resolved>), LoadError> {
     let python = spec_of(spec)?;
     let prepared = prepare(spec, python, settings).await?;
-    let frame = load_frame(python, prepared.source.as_deref(), false);
+    let frame = load_frame(
+        python,
+        prepared.source.as_ref().map(|r| r.path.as_path()),
+        false,
+    );
     let (host, described) = start(spec, &prepared, frame, settings.env_timeout).await?;
     drop(host);
     Ok((described.into_description(), prepared.source))
@@ -195,7 +199,11 @@ pub async fn describe(
 pub async fn load(spec: &ModelSpec, settings: &PythonSettings) -> Result<PythonModel, LoadError> {
     let python = spec_of(spec)?;
     let prepared = prepare(spec, python, settings).await?;
-    let frame = load_frame(python, prepared.source.as_deref(), true);
+    let frame = load_frame(
+        python,
+        prepared.source.as_ref().map(|r| r.path.as_path()),
+        true,
+    );
     let (host, described) = start(spec, &prepared, frame.clone(), settings.env_timeout).await?;
     tracing::info!(tool = %spec.tool, pid = host.pid, python = %prepared.launch.python.display(), name = %described.name, bytes = described.bytes, "model host ready");
     Ok(PythonModel {
