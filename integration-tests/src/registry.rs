@@ -38,6 +38,17 @@ impl Registry {
     /// Starts a registry storing under `dir`; with `htpasswd`, every request must carry one of
     /// its users (basic auth).
     pub fn start(dir: &Path, htpasswd: Option<&str>) -> Registry {
+        Self::start_on(dir, &dir.join("storage"), htpasswd)
+    }
+
+    /// Another registry serving the same storage as this one, on an address of its own (e.g.
+    /// one that requires a login beside an open one that a client without login support
+    /// pushes to).
+    pub fn beside(&self, dir: &Path, htpasswd: Option<&str>) -> Registry {
+        Self::start_on(dir, &self.dir.join("storage"), htpasswd)
+    }
+
+    fn start_on(dir: &Path, storage: &Path, htpasswd: Option<&str>) -> Registry {
         std::fs::create_dir_all(dir).unwrap();
         let port = free_port();
         let auth = match htpasswd {
@@ -57,7 +68,7 @@ impl Registry {
             format!(
                 "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
                  http:\n  addr: 127.0.0.1:{port}\n{auth}",
-                dir.join("storage").display()
+                storage.display()
             ),
         )
         .unwrap();
@@ -103,6 +114,22 @@ impl Registry {
     pub fn restart(&mut self) {
         self.stop();
         self.run(&self.dir.join("config.yml"));
+    }
+
+    /// An htpasswd line for `user` with `password` (bcrypt, by Python's bcrypt package).
+    pub fn htpasswd_line(user: &str, password: &str) -> String {
+        let output = oras_python()
+            .arg("-c")
+            .arg("import sys, bcrypt\nprint(sys.argv[1] + ':' + bcrypt.hashpw(sys.argv[2].encode(), bcrypt.gensalt()).decode())")
+            .args([user, password])
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "bcrypt: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
     /// Pushes the top-level entries of `model` (each file a layer, each directory a tar.gz

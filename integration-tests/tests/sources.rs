@@ -192,6 +192,7 @@ async fn models_from_a_registry_answer_as_their_files_and_start_again_without_th
          \x20 - {{name: embed_file, kind: embed, source: {minilm}, batch_size: 4}}\n\
          \x20 - {{name: embed_oras, kind: embed, source: 'oras://{addr}/models/minilm:v1', batch_size: 4}}\n\
          \x20 - {{name: embed_pinned_elsewhere, kind: embed, source: 'oras://{addr}/models/minilm@{scale_digest}'}}\n\
+         \x20 - {{name: embed_missing_tag, kind: embed, source: 'oras://{addr}/models/minilm:v9'}}\n\
          fmod_models:\n\
          \x20 - {{model_class: scale.Scale, name_or_path: {scale}, tool_name: scale_file}}\n\
          \x20 - {{model_class: scale.Scale, name_or_path: 'oras://{addr}/models/scale@{scale_digest}', tool_name: scale_oras}}\n\
@@ -207,13 +208,23 @@ async fn models_from_a_registry_answer_as_their_files_and_start_again_without_th
     }
     // A digest that is not an artifact of that repository is refused, naming the source and
     // what to do.
-    let (_, refused, error) = state(&tools_now, "embed_pinned_elsewhere");
-    assert_eq!(*refused, ToolState::Failed);
-    assert!(
-        error.contains(&format!("oras://{addr}/models/minilm@{scale_digest}"))
-            && error.contains("check the repository, tag or digest"),
-        "{error}"
-    );
+    for (name, source) in [
+        (
+            "embed_pinned_elsewhere",
+            format!("oras://{addr}/models/minilm@{scale_digest}"),
+        ),
+        (
+            "embed_missing_tag",
+            format!("oras://{addr}/models/minilm:v9"),
+        ),
+    ] {
+        let (_, refused, error) = state(&tools_now, name);
+        assert_eq!(*refused, ToolState::Failed, "{name}");
+        assert!(
+            error.contains(&source) && error.contains("check the repository, tag or digest"),
+            "{name}: {error}"
+        );
+    }
 
     let from_file = embeddings(&fleet, "embed_file").await;
     assert_eq!(from_file[0].len(), 384);
@@ -560,5 +571,112 @@ async fn hub_models_download_into_the_shared_cache_are_pinned_and_serve_offline(
     assert_eq!(embeddings(&offline, "embed_hub").await, from_file);
     assert_eq!(hub.requests(), asked);
     offline.terminate().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Docker auth file (config.json in its own directory, as DOCKER_CONFIG names it) holding
+/// `user:password` for `registry`.
+fn docker_config(dir: &Path, registry: &str, user: &str, password: &str) -> PathBuf {
+    use base64::Engine as _;
+    std::fs::create_dir_all(dir).unwrap();
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    std::fs::write(
+        dir.join("config.json"),
+        json!({"auths": {registry: {"auth": auth}}}).to_string(),
+    )
+    .unwrap();
+    dir.to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_that_requires_a_login_is_read_with_the_users_credentials_only() {
+    let dir = Fleet::new_dir();
+    let password = "a-password-for-tests";
+    // oras-py cannot answer a registry's basic-auth challenge: it pushes to an open registry,
+    // and the fleet reads the same storage through one that requires a login.
+    let open = Registry::start(&dir.join("open-registry"), None);
+    let scale = scale_model(&dir);
+    open.oras_push(&scale, "team/scale:v1");
+    let registry = open.beside(
+        &dir.join("registry"),
+        Some(&Registry::htpasswd_line("scientist", password)),
+    );
+    let addr = registry.addr.clone();
+    let tools = format!(
+        "fmod_models:\n\
+         \x20 - {{model_class: scale.Scale, name_or_path: 'oras://{addr}/team/scale:v1', tool_name: scale}}\n\
+         {MANAGER}"
+    );
+    let start = |name: &str, docker: PathBuf| {
+        let fleet_dir = fleet_dir(&dir, name);
+        let cache = dir.join(format!("{name}-cache"));
+        let options = options(&fleet_dir, &cache, tools.clone())
+            .env("DOCKER_CONFIG", docker.display().to_string())
+            .env("HOME", dir.display().to_string());
+        Fleet::start(options)
+    };
+
+    // No credentials, then the wrong password: refused, saying how to log in.
+    for (name, docker) in [
+        ("anonymous", dir.join("no-docker-config")),
+        (
+            "wrong",
+            docker_config(&dir.join("wrong"), &addr, "scientist", "not-it"),
+        ),
+    ] {
+        let mut fleet = start(name, docker).await;
+        let tools_now = tool_states(&fleet).await;
+        let (_, refused, error) = state(&tools_now, "scale");
+        assert_eq!(*refused, ToolState::Failed, "{name}");
+        assert!(
+            error.contains(&format!("oras://{addr}/team/scale:v1"))
+                && error.contains("log in (`oras login` or `docker login`"),
+            "{name}: {error}"
+        );
+        fleet.terminate().await;
+    }
+    // The auth file `docker login` writes: served.
+    let mut fleet = start(
+        "logged-in",
+        docker_config(&dir.join("right"), &addr, "scientist", password),
+    )
+    .await;
+    let tools_now = tool_states(&fleet).await;
+    let (_, ready, error) = state(&tools_now, "scale");
+    assert_eq!(*ready, ToolState::Ready, "{error}");
+    assert_eq!(scaled(&fleet, "scale").await, scale_reference());
+    fleet.terminate().await;
+
+    // `nomad export` pushes with the credentials of the environment.
+    let source = fleet_dir(&dir, "export-source");
+    std::fs::write(
+        source.join("nomad.yml"),
+        format!(
+            "fmod_models:\n  - {{model_class: scale.Scale, name_or_path: {}, tool_name: scale}}\n",
+            scale.display()
+        ),
+    )
+    .unwrap();
+    let exported = std::process::Command::new(binary("nomad"))
+        .arg("export")
+        .arg(source.join("nomad.yml"))
+        .arg(dir.join("exported"))
+        .args([
+            "--to",
+            "oras",
+            "--oras-registry",
+            &format!("{addr}/team/exported"),
+        ])
+        .env("NOMAD_CACHE_DIR", dir.join("export-cache"))
+        .env("DOCKER_CONFIG", dir.join("no-docker-config"))
+        .env("NOMAD_REGISTRY_USERNAME", "scientist")
+        .env("NOMAD_REGISTRY_PASSWORD", password)
+        .output()
+        .unwrap();
+    assert!(
+        exported.status.success(),
+        "{}",
+        String::from_utf8_lossy(&exported.stderr)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
