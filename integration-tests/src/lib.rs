@@ -19,6 +19,13 @@ pub use fleet::{Fleet, FleetOptions, HeadRun, Service};
 pub use receiver::OtlpReceiver;
 pub use spans::SpanRecord;
 
+/// An HTTP client for tests and benches: the process's TLS provider installed first (the
+/// workspace's reqwest has rustls without a provider of its own).
+pub fn http() -> reqwest::ClientBuilder {
+    nomad_rpc::install_crypto_provider();
+    reqwest::Client::builder()
+}
+
 /// Checks a bench's command line: `--help` (or `-h`) prints `usage` and exits; an argument that
 /// is none of the options (`values` take the argument after them, `switches` none) or an option
 /// missing its value is refused, naming it, with the usage (exit status 2).

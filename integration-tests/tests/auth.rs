@@ -350,7 +350,7 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
             .unwrap();
         wait_for_file(&addr_file, &mut scraped, "nomad-scheduler", &log).await;
         let url = format!("http://127.0.0.1:{port}/metrics");
-        let client = reqwest::Client::new();
+        let client = nomad_integration_tests::http().build().unwrap();
         for (authorization, expected) in [
             (None, if open { 200 } else { 401 }),
             (
@@ -480,7 +480,7 @@ async fn the_collector_writes_only_what_the_token_holder_exports() {
         port(wait_for_file(&http_file, &mut collector, "nomad collect", &log).await)
     );
 
-    let client = reqwest::Client::new();
+    let client = nomad_integration_tests::http().build().unwrap();
     for (token, name, expected) in [
         (None, "forged.http.none", 401),
         (Some(WRONG), "forged.http.wrong", 401),

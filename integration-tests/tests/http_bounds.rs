@@ -47,7 +47,9 @@ async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
 /// and how long it took.
 async fn authorised(addr: &str) -> (u16, Duration) {
     let started = Instant::now();
-    let response = reqwest::Client::new()
+    let response = nomad_integration_tests::http()
+        .build()
+        .unwrap()
         .post(format!("http://{addr}/mcp"))
         .bearer_auth(TEST_TOKEN)
         .header("accept", "application/json, text/event-stream")
@@ -155,7 +157,7 @@ async fn slow_callers_without_the_token_cannot_hold_the_gateway() {
 async fn mcp_sessions_are_bounded_in_number_and_idle_time() {
     let gateway = gateway("    max_sessions: 8\n    session_idle_seconds: 3\n").await;
     let url = format!("http://{}/mcp", gateway.mcp_addr);
-    let client = reqwest::Client::new();
+    let client = nomad_integration_tests::http().build().unwrap();
     let post = |session: Option<&str>, body: serde_json::Value| {
         let mut request = client
             .post(&url)

@@ -21,7 +21,13 @@ fn free_port() -> u16 {
 }
 
 async fn get(url: &str) -> Value {
-    let response = reqwest::get(url).await.unwrap();
+    let response = nomad_integration_tests::http()
+        .build()
+        .unwrap()
+        .get(url)
+        .send()
+        .await
+        .unwrap();
     let text = response.text().await.unwrap();
     serde_json::from_str(&text).unwrap_or_else(|_| panic!("{url} answered {text}"))
 }
@@ -239,7 +245,11 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     assert!(status.success());
     for address in targets.values() {
         assert!(
-            reqwest::get(format!("http://{}/metrics", address.as_str().unwrap()))
+            nomad_integration_tests::http()
+                .build()
+                .unwrap()
+                .get(format!("http://{}/metrics", address.as_str().unwrap()))
+                .send()
                 .await
                 .is_err(),
             "{address} still serves after the fleet stopped"

@@ -296,7 +296,7 @@ impl LlamaServer {
             child,
             url: format!("http://127.0.0.1:{port}"),
         };
-        let http = reqwest::Client::new();
+        let http = nomad_integration_tests::http().build().unwrap();
         for _ in 0..600 {
             if let Ok(r) = http.get(format!("{}/health", server.url)).send().await
                 && r.status().is_success()
@@ -362,7 +362,7 @@ async fn bench(llama: Option<String>, levels: Vec<usize>) {
     let mut fleet = Fleet::start(options).await;
     let client = SchedulerClient::new(fleet::rpc_channel(&fleet.scheduler_addr));
     let gateway = fleet.gateway_mcp_url().replace("/mcp", "");
-    let http = reqwest::Client::new();
+    let http = nomad_integration_tests::http().build().unwrap();
     let nomad = |i| -> futures::future::BoxFuture<'static, Sample> {
         if openai {
             Box::pin(chat_request(
@@ -387,7 +387,7 @@ async fn bench(llama: Option<String>, levels: Vec<usize>) {
             let server = LlamaServer::start(binary, &llama_model, c, openai).await;
             // A new connection per request: llama-server closes a streamed response's
             // connection, and reusing it from the pool fails the next request at random.
-            let http = reqwest::Client::builder()
+            let http = nomad_integration_tests::http()
                 .pool_max_idle_per_host(0)
                 .build()
                 .expect("an HTTP client");

@@ -46,7 +46,7 @@ async fn main() {
     )
     .await;
     let url = fleet.gateway_mcp_url().replace("/mcp", "/v1/embeddings");
-    let http = reqwest::Client::new();
+    let http = nomad_integration_tests::http().build().unwrap();
     let body = serde_json::json!({"model": "embed", "input": TEXT}).to_string();
     let over_http = || async {
         let started = Instant::now();

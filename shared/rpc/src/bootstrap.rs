@@ -223,6 +223,7 @@ pub fn main<F>(name: &str, failure: u8, body: impl FnOnce() -> F) -> ExitCode
 where
     F: Future<Output = anyhow::Result<ExitCode>>,
 {
+    crate::install_crypto_provider();
     let result = crate::runtime()
         .map_err(|e| anyhow::anyhow!("starting the runtime: {e}"))
         .and_then(|rt| rt.block_on(body()));

@@ -457,3 +457,10 @@ mod never_sent_tests {
         assert!(!never_sent(&reset));
     }
 }
+
+/// Makes ring the process's TLS provider: the HTTP clients (the registry client, the OTLP HTTP
+/// exporter, MCP upstreams) are built on rustls without a provider of their own and panic
+/// without one. Every service does this first (`bootstrap::main`); a second call is a no-op.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}

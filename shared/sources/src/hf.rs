@@ -152,8 +152,6 @@ fn snapshot_dir(cache: &Path, repo: &str, commit: &str) -> PathBuf {
 /// Downloads every file of `repo` at `revision` into `cache` and returns the commit; notes the
 /// revision's commit under refs/, as the Python libraries do.
 async fn download(repo: &str, revision: &str, cache: &Path) -> Result<String, ApiError> {
-    // rustls needs one process-wide provider; the gRPC stack's ring is it.
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let mut builder = ApiBuilder::from_env()
         .with_cache_dir(cache.to_owned())
         .with_progress(false);

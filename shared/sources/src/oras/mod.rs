@@ -141,10 +141,8 @@ fn failed(spec: &str, error: &OciDistributionError) -> SourceError {
 
 /// A client for `artifact`'s registry: plain HTTP on this host (as a local registry listens),
 /// else HTTPS, unless NOMAD_REGISTRY_PLAIN_HTTP names the registry (comma-separated host:port).
+/// The process's TLS provider is installed by then (`nomad_rpc::install_crypto_provider`).
 fn client(artifact: &Artifact) -> Client {
-    // rustls needs one process-wide provider; the gRPC stack's ring is it (a second install,
-    // from another caller, fails harmlessly).
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let plain = std::env::var("NOMAD_REGISTRY_PLAIN_HTTP").unwrap_or_default();
     let plain = artifact.is_loopback()
         || plain
