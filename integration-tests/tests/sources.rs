@@ -647,6 +647,43 @@ async fn a_registry_that_requires_a_login_is_read_with_the_users_credentials_onl
     assert_eq!(scaled(&fleet, "scale").await, scale_reference());
     fleet.terminate().await;
 
+    // The config names the variables that hold the login (never the secret itself).
+    let named = format!(
+        "{tools}registries:\n  '{addr}': {{username_env: SCIFM_REGISTRY_USER, password_env: SCIFM_REGISTRY_TOKEN}}\n"
+    );
+    let with_names = |name: &str, token: Option<&str>| {
+        let mut options = options(
+            &fleet_dir(&dir, name),
+            &dir.join(format!("{name}-cache")),
+            named.clone(),
+        )
+        .env(
+            "DOCKER_CONFIG",
+            dir.join("no-docker-config").display().to_string(),
+        )
+        .env("HOME", dir.display().to_string())
+        .env("SCIFM_REGISTRY_USER", "scientist");
+        if let Some(token) = token {
+            options = options.env("SCIFM_REGISTRY_TOKEN", token);
+        }
+        Fleet::start(options)
+    };
+    let mut fleet = with_names("named-unset", None).await;
+    let tools_now = tool_states(&fleet).await;
+    let (_, refused, error) = state(&tools_now, "scale");
+    assert_eq!(*refused, ToolState::Failed);
+    assert!(
+        error.contains("names the variable SCIFM_REGISTRY_TOKEN, which is not set"),
+        "{error}"
+    );
+    fleet.terminate().await;
+    let mut fleet = with_names("named", Some(password)).await;
+    let tools_now = tool_states(&fleet).await;
+    let (_, ready, error) = state(&tools_now, "scale");
+    assert_eq!(*ready, ToolState::Ready, "{error}");
+    assert_eq!(scaled(&fleet, "scale").await, scale_reference());
+    fleet.terminate().await;
+
     // `nomad export` pushes with the credentials of the environment.
     let source = fleet_dir(&dir, "export-source");
     std::fs::write(

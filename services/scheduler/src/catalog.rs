@@ -293,6 +293,7 @@ mod tests {
             continuous: false,
             oom_regrow_after: 0,
             python: None,
+            registries: Default::default(),
         };
         let mut catalog = Catalog::new(vec![tool], Duration::from_secs(1));
         catalog.call_wait = Duration::from_secs(2);

@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 
 mod explain;
 mod interpolate;
+pub mod registries;
 pub mod requirements;
 pub use explain::{explain, suggest};
 /// A config value before it is typed: what a section of several shapes is read as first.
@@ -79,6 +80,7 @@ pub const SECTIONS: &[&str] = &[
     "gateway",
     "head",
     "model_host",
+    "registries",
     "sandbox",
     "search_tool",
     "servers",

@@ -106,8 +106,14 @@ fn subdir_suffix(subdir: &Option<String>) -> String {
 /// downloading from the Hugging Face Hub into the caches first. A relative path is found from
 /// `base_dir` (the config file's directory), else as given; one shaped `org/name` that is
 /// neither is looked up in the Hugging Face cache, as the original Nomad reads a bare
-/// repository id.
-pub async fn resolve(text: &str, base_dir: &str, cache: &Path) -> Result<Resolved, SourceError> {
+/// repository id. `registries` names the variables holding a registry's login (the config's
+/// `registries:`).
+pub async fn resolve(
+    text: &str,
+    base_dir: &str,
+    cache: &Path,
+    registries: &nomad_config::registries::Registries,
+) -> Result<Resolved, SourceError> {
     let (path, pinned) = match Source::parse(text)? {
         Source::Local(path) if path.is_relative() => {
             let from_base = Path::new(base_dir).join(&path);
@@ -141,7 +147,7 @@ pub async fn resolve(text: &str, base_dir: &str, cache: &Path) -> Result<Resolve
             (with_subdir(checkout, &subdir), pinned)
         }
         Source::Oras { artifact, subdir } => {
-            let (dir, digest) = oras::pull(text, &artifact, cache).await?;
+            let (dir, digest) = oras::pull(text, &artifact, cache, registries).await?;
             let pinned = format!("{}{}", artifact.pinned(&digest), subdir_suffix(&subdir));
             (with_subdir(dir, &subdir), pinned)
         }

@@ -23,7 +23,13 @@ pub async fn open(
         if spec.kind == nomad_proto::kinds::PYTHON.name {
             return Ok(Arc::new(python::load(&spec, settings).await?));
         }
-        let resolved = source::resolve(&spec.source, &spec.base_dir, &settings.cache).await?;
+        let resolved = source::resolve(
+            &spec.source,
+            &spec.base_dir,
+            &settings.cache,
+            &registries(&spec),
+        )
+        .await?;
         spec.source = resolved.path.to_string_lossy().into_owned();
     }
     tokio::task::spawn_blocking(move || super::load(&spec, &backend))
@@ -48,7 +54,13 @@ pub async fn describe(
     let (description, resolved) = if spec.kind == nomad_proto::kinds::PYTHON.name {
         python::describe(spec, settings).await?
     } else {
-        let resolved = source::resolve(&spec.source, &spec.base_dir, &settings.cache).await?;
+        let resolved = source::resolve(
+            &spec.source,
+            &spec.base_dir,
+            &settings.cache,
+            &registries(spec),
+        )
+        .await?;
         let path = resolved.path.clone();
         // Off the async threads: a decoder's check reads its file and builds its tokenizer.
         let (kind, checked) = (spec.kind.clone(), path.clone());
@@ -68,6 +80,22 @@ pub async fn describe(
         model_card: resolved.as_ref().and_then(|r| model_card(&r.path)),
         pinned_source: resolved.map(|r| r.pinned).unwrap_or_default(),
     })
+}
+
+/// The config's `registries:` as the spec carries them.
+pub(crate) fn registries(spec: &ModelSpec) -> nomad_config::registries::Registries {
+    spec.registries
+        .iter()
+        .map(|(registry, login)| {
+            (
+                registry.clone(),
+                nomad_config::registries::RegistryLogin {
+                    username_env: login.username_env.clone(),
+                    password_env: login.password_env.clone(),
+                },
+            )
+        })
+        .collect()
 }
 
 /// The README.md of a model directory (cut at [`MAX_MODEL_CARD`]).

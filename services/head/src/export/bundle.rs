@@ -5,11 +5,14 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
+use nomad_config::registries::Registries;
 use nomad_sources::Artifact;
 use nomad_sources::oras::{self, Packed};
 
 pub struct Bundle<'a> {
     out: &'a Path,
+    /// The config's `registries:` (the variables holding each registry's login).
+    registries: &'a Registries,
     /// Names taken in OUTPUT/models and as tags.
     names: HashSet<String>,
     /// What a model's files became, by their local path.
@@ -37,9 +40,10 @@ fn safe_name(tool: &str) -> String {
 }
 
 impl<'a> Bundle<'a> {
-    pub fn new(out: &'a Path) -> Self {
+    pub fn new(out: &'a Path, registries: &'a Registries) -> Self {
         Bundle {
             out,
+            registries,
             names: HashSet::new(),
             done: HashMap::new(),
         }
@@ -102,7 +106,7 @@ impl<'a> Bundle<'a> {
             ..repository.clone()
         };
         eprintln!("nomad export: {tool}: pushing to {target}");
-        let digest = oras::push(&target.to_string(), &target, packed).await?;
+        let digest = oras::push(&target.to_string(), &target, packed, self.registries).await?;
         let artifact = if pin { target.pinned(&digest) } else { target };
         // A single file is the artifact's one layer: the source names it inside.
         let written = match path.is_file().then(|| path.file_name()).flatten() {
@@ -186,7 +190,8 @@ mod tests {
         assert_eq!(safe_name("my model/v1"), "my-model-v1");
         assert_eq!(safe_name("../.."), "model");
         let out = std::env::temp_dir();
-        let mut bundle = Bundle::new(&out);
+        let registries = Registries::new();
+        let mut bundle = Bundle::new(&out, &registries);
         assert_eq!(bundle.unique("embed"), "embed");
         assert_eq!(bundle.unique("embed"), "embed-2");
         assert_eq!(bundle.unique("embed"), "embed-3");

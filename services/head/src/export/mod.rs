@@ -118,8 +118,10 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<bool> {
     .with_context(|| format!("{}: not valid YAML", config.display()))?;
     // Sources and files as the config means them: `${VAR}` expanded.
     let expanded = nomad_config::ConfigFile::load(Some(&config))?;
+    let registries: nomad_config::registries::Registries = expanded.section("registries")?;
+    nomad_config::registries::check(&registries).map_err(anyhow::Error::msg)?;
     let mut exported = Vec::new();
-    let mut bundle = bundle::Bundle::new(&out);
+    let mut bundle = bundle::Bundle::new(&out, &registries);
     for (section, key, name_key) in SOURCE_KEYS {
         let entries: Vec<serde_json::Value> = expanded.section(section).unwrap_or_default();
         for (index, entry) in entries.iter().enumerate() {
@@ -131,9 +133,10 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<bool> {
                 .and_then(|n| n.as_str())
                 .map_or_else(|| format!("{section}[{index}]"), str::to_owned);
             eprintln!("nomad export: {tool}: reading {source}");
-            let resolved = nomad_sources::resolve(source, &base_dir.to_string_lossy(), &cache)
-                .await
-                .with_context(|| format!("{section}[{index}] ({tool})"))?;
+            let resolved =
+                nomad_sources::resolve(source, &base_dir.to_string_lossy(), &cache, &registries)
+                    .await
+                    .with_context(|| format!("{section}[{index}] ({tool})"))?;
             let path = resolved.path;
             let (written, digest) = match &registry {
                 None => (bundle.copy(&tool, &path)?, None),

@@ -159,5 +159,6 @@ fn check(
         continuous: kind.continuous,
         oom_regrow_after: manager.oom_regrow_after.max(1),
         python: None,
+        registries: Default::default(),
     })
 }

@@ -47,6 +47,8 @@ pub struct ToolConfig {
     pub oom_regrow_after: u32,
     /// A Python model: what the model host loads and in which environment.
     pub python: Option<PythonModel>,
+    /// The config's `registries:` (variable names of each registry's login).
+    pub registries: nomad_config::registries::Registries,
 }
 
 impl ToolConfig {
@@ -61,6 +63,19 @@ impl ToolConfig {
             dense_prefill: self.dense_prefill,
             python: self.python.clone(),
             base_dir: self.base_dir.clone(),
+            registries: self
+                .registries
+                .iter()
+                .map(|(registry, login)| {
+                    (
+                        registry.clone(),
+                        nomad_proto::v1::RegistryLogin {
+                            username_env: login.username_env.clone(),
+                            password_env: login.password_env.clone(),
+                        },
+                    )
+                })
+                .collect(),
         }
     }
 
@@ -296,7 +311,20 @@ pub fn load_tools(
     if tools.is_empty() {
         tracing::warn!("no tools configured: every call will be rejected as unknown_tool");
     }
-    Ok(tools.into_iter().map(|(_, t)| t).collect())
+    let registries: nomad_config::registries::Registries = file
+        .section("registries")
+        .map_err(|e| section("registries", e))?;
+    nomad_config::registries::check(&registries).map_err(|reason| ToolConfigError::Section {
+        section: "registries".into(),
+        reason,
+    })?;
+    Ok(tools
+        .into_iter()
+        .map(|(_, t)| ToolConfig {
+            registries: registries.clone(),
+            ..t
+        })
+        .collect())
 }
 
 /// The per-tool settings every kind shares, as an entry gives them (0 and none: the manager's

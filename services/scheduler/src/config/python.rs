@@ -216,6 +216,7 @@ fn python_tool(
         continuous: false,
         oom_regrow_after: context.manager.oom_regrow_after.max(1),
         python: Some(python),
+        registries: Default::default(),
     })
 }
 

@@ -1,12 +1,14 @@
-//! A registry's credentials, from where users already keep them: NOMAD_REGISTRY_USERNAME and
-//! NOMAD_REGISTRY_PASSWORD, else the `auths` of a Docker-style auth file (NOMAD_AUTH_FILE, else
-//! `$DOCKER_CONFIG/config.json`, else `~/.docker/config.json`, as `oras login` and `docker login`
-//! write it), else none. Never from the model config, which travels.
+//! A registry's credentials, from where users already keep them: the variables the config's
+//! `registries:` names for it, else NOMAD_REGISTRY_USERNAME and NOMAD_REGISTRY_PASSWORD, else the
+//! `auths` of a Docker-style auth file (NOMAD_AUTH_FILE, else `$DOCKER_CONFIG/config.json`, else
+//! `~/.docker/config.json`, as `oras login` and `docker login` write it), else none. Never a
+//! secret from the config, which travels.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use base64::Engine as _;
+use nomad_config::registries::Registries;
 use oci_client::secrets::RegistryAuth;
 use serde::Deserialize;
 
@@ -104,9 +106,28 @@ fn basic(entry: &AuthEntry, registry: &str) -> Result<Option<RegistryAuth>, Stri
     )))
 }
 
-/// The credentials for `registry` (and `repository_ref` in it); an unreadable auth file is an
-/// error naming it, no credentials at all is an anonymous pull.
-pub fn credentials(registry: &str, repository_ref: &str) -> Result<RegistryAuth, String> {
+/// The credentials for `registry` (and `repository_ref` in it); a variable the config names but
+/// the environment lacks, or an unreadable auth file, is an error naming it; no credentials at all
+/// is an anonymous pull.
+pub fn credentials(
+    registry: &str,
+    repository_ref: &str,
+    registries: &Registries,
+) -> Result<RegistryAuth, String> {
+    if let Some(login) = registries.get(registry) {
+        let read = |name: &str| {
+            std::env::var(name).map_err(|_| {
+                format!(
+                    "the config's registries.{registry} names the variable {name}, which is not \
+                     set in this process's environment"
+                )
+            })
+        };
+        return Ok(RegistryAuth::Basic(
+            read(&login.username_env)?,
+            read(&login.password_env)?,
+        ));
+    }
     if let (Ok(user), Ok(password)) = (
         std::env::var("NOMAD_REGISTRY_USERNAME"),
         std::env::var("NOMAD_REGISTRY_PASSWORD"),

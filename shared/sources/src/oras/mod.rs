@@ -14,6 +14,8 @@ use oci_client::errors::{OciDistributionError, OciErrorCode};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 
+use nomad_config::registries::Registries;
+
 use crate::SourceError;
 use crate::parse::Artifact;
 
@@ -263,6 +265,7 @@ pub async fn pull(
     spec: &str,
     artifact: &Artifact,
     cache: &Path,
+    registries: &Registries,
 ) -> Result<(PathBuf, String), SourceError> {
     let repository = artifact.repository_ref();
     if let Some(digest) = &artifact.digest {
@@ -272,7 +275,7 @@ pub async fn pull(
         }
     }
     let client = client(artifact);
-    let auth = credentials(&artifact.registry, &repository)
+    let auth = credentials(&artifact.registry, &repository, registries)
         .map_err(|reason| registry_error(spec, RegistryFailure::Denied, reason))?;
     let digest = match &artifact.digest {
         Some(digest) => digest.clone(),
@@ -357,9 +360,14 @@ impl Packed {
 }
 
 /// Pushes `packed` as one artifact to `artifact` (a tag) and returns its manifest's digest.
-pub async fn push(spec: &str, artifact: &Artifact, packed: Packed) -> Result<String, SourceError> {
+pub async fn push(
+    spec: &str,
+    artifact: &Artifact,
+    packed: Packed,
+    registries: &Registries,
+) -> Result<String, SourceError> {
     let client = client(artifact);
-    let auth = credentials(&artifact.registry, &artifact.repository_ref())
+    let auth = credentials(&artifact.registry, &artifact.repository_ref(), registries)
         .map_err(|reason| registry_error(spec, RegistryFailure::Denied, reason))?;
     let config = Config::new(b"{}".to_vec(), layers::CONFIG_MEDIA_TYPE.to_owned(), None);
     let target = reference(artifact);

@@ -104,7 +104,15 @@ async fn prepare(
 ) -> Result<Prepared, LoadError> {
     let source = match spec.source.trim() {
         "" => None,
-        text => Some(super::source::resolve(text, &spec.base_dir, &settings.cache).await?),
+        text => Some(
+            super::source::resolve(
+                text,
+                &spec.base_dir,
+                &settings.cache,
+                &super::open::registries(spec),
+            )
+            .await?,
+        ),
     };
     let cache = EnvCache {
         root: settings.cache.clone(),
