@@ -17,6 +17,7 @@ mod host_attention;
 mod length_groups;
 mod linear;
 mod llama;
+mod logins;
 pub mod mlp;
 pub mod open;
 mod options;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use nomad_proto::v1::{ModelSpec, ToolDescription};
 
 use super::python::{self, PythonSettings};
-use super::{Backend, LoadError, Model, source};
+use super::{Backend, LoadError, Model, logins, source};
 
 /// The longest model card a description carries.
 const MAX_MODEL_CARD: u64 = 1 << 20;
@@ -27,7 +27,7 @@ pub async fn open(
             &spec.source,
             &spec.base_dir,
             &settings.cache,
-            &registries(&spec),
+            &logins::registries(&spec),
         )
         .await?;
         spec.source = resolved.path.to_string_lossy().into_owned();
@@ -58,7 +58,7 @@ pub async fn describe(
             &spec.source,
             &spec.base_dir,
             &settings.cache,
-            &registries(spec),
+            &logins::registries(spec),
         )
         .await?;
         let path = resolved.path.clone();
@@ -80,22 +80,6 @@ pub async fn describe(
         model_card: resolved.as_ref().and_then(|r| model_card(&r.path)),
         pinned_source: resolved.map(|r| r.pinned).unwrap_or_default(),
     })
-}
-
-/// The config's `registries:` as the spec carries them.
-pub(crate) fn registries(spec: &ModelSpec) -> nomad_config::registries::Registries {
-    spec.registries
-        .iter()
-        .map(|(registry, login)| {
-            (
-                registry.clone(),
-                nomad_config::registries::RegistryLogin {
-                    username_env: login.username_env.clone(),
-                    password_env: login.password_env.clone(),
-                },
-            )
-        })
-        .collect()
 }
 
 /// The README.md of a model directory (cut at [`MAX_MODEL_CARD`]).

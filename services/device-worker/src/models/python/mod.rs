@@ -109,7 +109,7 @@ async fn prepare(
                 text,
                 &spec.base_dir,
                 &settings.cache,
-                &super::open::registries(spec),
+                &super::logins::registries(spec),
             )
             .await?,
         ),
