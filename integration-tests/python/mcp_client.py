@@ -40,7 +40,9 @@ async def main():
                 if call.get("list"):
                     listed = await client.list_tools()
                     return {"tools": [{"name": t.name, "description": t.description,
-                                       "input_schema": t.input_schema, "output_schema": t.output_schema}
+                                       "input_schema": t.input_schema, "output_schema": t.output_schema,
+                                       "annotations": t.annotations.model_dump(by_alias=True, exclude_none=True)
+                                       if t.annotations else None}
                                       for t in listed.tools]}
                 if call.get("delay"):
                     await asyncio.sleep(call["delay"])

@@ -390,6 +390,30 @@ async fn the_http_endpoint_needs_the_bearer_token() {
         .collect();
     assert_eq!(names, BTreeSet::from(["echo_http", "echo_stdio"]));
     assert_eq!(tools[0]["signature"], "shout(text: str) -> Any");
+    // What clients are told of each tool's effects: code reaches beyond the fleet and may
+    // change anything; search only reads.
+    let listed = mcp_client(
+        &fleet.gateway_mcp_url(),
+        "auto",
+        Some(nomad_integration_tests::fleet::TEST_TOKEN),
+        &json!([{"list": true}]),
+    )
+    .await;
+    let hints = |name: &str| {
+        listed[0]["tools"]
+            .as_array()
+            .and_then(|tools| tools.iter().find(|t| t["name"] == name))
+            .map(|t| t["annotations"].clone())
+            .unwrap_or_else(|| panic!("no {name} in {}", listed[0]))
+    };
+    assert_eq!(
+        hints("execute_mcp_code"),
+        json!({"readOnlyHint": false, "idempotentHint": false, "openWorldHint": true})
+    );
+    assert_eq!(
+        hints("search_code_tools"),
+        json!({"readOnlyHint": true, "idempotentHint": true, "openWorldHint": false})
+    );
     assert_eq!(
         tools[0]["import"],
         format!(

@@ -124,6 +124,14 @@ async fn every_tool_is_an_mcp_tool_of_its_own_over_http_batched_and_cancellable(
                 .unwrap()
                 .starts_with("A tiny surrogate")
         );
+        // Clients are told which calls change nothing (so they may retry them): the built-in
+        // kinds and the model card; a Python tool's code could do anything, so no claim.
+        let pure = json!({"readOnlyHint": true, "idempotentHint": true, "openWorldHint": false});
+        for name in ["mlp", "get_model_card"] {
+            let tool = tools.iter().find(|t| t["name"] == name).unwrap();
+            assert_eq!(tool["annotations"], pure, "{mode}: {tool}");
+        }
+        assert_eq!(toy["annotations"], Value::Null, "{mode}: {toy}");
         let double = tools.iter().find(|t| t["name"] == "double").unwrap();
         // A float output is wrapped as {"result": ...}, as an MCP output schema must be an object.
         assert_eq!(

@@ -49,6 +49,7 @@ fn mcp_tool(spec: &ToolSpec) -> Tool {
         _ => Map::new(),
     };
     let mut tool = Tool::new(spec.name.clone(), spec.description.clone(), Arc::new(input));
+    tool.annotations = spec.annotations.clone();
     if let Some(schema) = &spec.output_schema
         && spec.name != nomad::MODEL_CARD_TOOL
     {

@@ -79,6 +79,18 @@ fn tools(scripts: bool) -> Vec<Tool> {
             })),
         ));
     }
+    for tool in &mut tools {
+        tool.annotations = Some(if tool.name == "search_code_tools" {
+            crate::upstream::nomad::pure_annotations()
+        } else {
+            // Code calls any upstream tool, MCP servers beyond the fleet among them.
+            let mut hints = rmcp::model::ToolAnnotations::new();
+            hints.read_only_hint = Some(false);
+            hints.idempotent_hint = Some(false);
+            hints.open_world_hint = Some(true);
+            hints
+        });
+    }
     tools
 }
 

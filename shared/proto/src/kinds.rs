@@ -77,6 +77,10 @@ pub struct KindSpec {
     /// Served by a decode loop on the worker: requests join while others run (continuous
     /// batching), bounded by the tool's `max_running`, and may stream their output.
     pub continuous: bool,
+    /// A call reads its input and the model's weights and nothing else: it changes nothing and
+    /// reaches no outside world (MCP's read-only, idempotent, closed-world hints). A Python
+    /// tool's code may do anything, so it makes no such claim.
+    pub pure: bool,
     /// How the input is described to agents.
     pub input_description: &'static str,
     pub options: &'static [OptionSpec],
@@ -160,6 +164,7 @@ pub const EMBED: KindSpec = KindSpec {
     output: OutputType::Tensor,
     pads: true,
     continuous: false,
+    pure: true,
     input_description: "Text to embed.",
     options: &[
         flag(
@@ -183,6 +188,7 @@ pub const GENERATE: KindSpec = KindSpec {
     output: OutputType::Text,
     pads: true,
     continuous: true,
+    pure: true,
     input_description: "The prompt (a user message unless chat is false); empty when `messages` \
                         gives the conversation.",
     options: &[
@@ -254,6 +260,7 @@ pub const MLP: KindSpec = KindSpec {
     output: OutputType::Tensor,
     pads: false,
     continuous: false,
+    pure: true,
     input_description: "Tensor values, row-major.",
     options: &[],
 };
@@ -264,6 +271,7 @@ pub const RERANK: KindSpec = KindSpec {
     output: OutputType::Ranking,
     pads: true,
     continuous: false,
+    pure: true,
     input_description: "The query the documents are scored against.",
     options: &[
         list(
@@ -294,6 +302,7 @@ pub const CLASSIFY: KindSpec = KindSpec {
     output: OutputType::Labels,
     pads: true,
     continuous: false,
+    pure: true,
     input_description: "Text to classify.",
     options: &[
         flag(
@@ -319,6 +328,7 @@ pub const PYTHON: KindSpec = KindSpec {
     output: OutputType::Json,
     pads: false,
     continuous: false,
+    pure: false,
     input_description: "The arguments, as the model's `args_schema` describes them.",
     options: &[],
 };

@@ -60,6 +60,9 @@ pub struct ToolSpec {
     pub title: String,
     #[serde(skip)]
     pub output_schema: Option<Value>,
+    /// What MCP clients are told of its effects (read-only, idempotent, open world), when known.
+    #[serde(skip)]
+    pub annotations: Option<rmcp::model::ToolAnnotations>,
 }
 
 /// What sandboxed code can reach: the gateway's upstream tools.

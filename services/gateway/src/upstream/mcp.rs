@@ -255,6 +255,7 @@ impl McpServer {
                     .output_schema
                     .as_ref()
                     .map(|s| Value::Object((**s).clone())),
+                annotations: t.annotations.clone(),
                 name: t.name.to_string(),
                 description: t.description.map(|d| d.to_string()).unwrap_or_default(),
                 input_schema: Value::Object((*t.input_schema).clone()),

@@ -174,6 +174,15 @@ pub struct Nomad {
 
 /// The tool spec of a scheduler's tool: a Python model's own schemas once it is described, else
 /// its kind's.
+/// The hints of a tool whose calls change nothing and reach nothing outside the fleet.
+pub fn pure_annotations() -> rmcp::model::ToolAnnotations {
+    let mut hints = rmcp::model::ToolAnnotations::new();
+    hints.read_only_hint = Some(true);
+    hints.idempotent_hint = Some(true);
+    hints.open_world_hint = Some(false);
+    hints
+}
+
 fn tool_spec(t: ToolInfo) -> ToolSpec {
     let parse = |text: &str| {
         serde_json::from_str::<Value>(text)
@@ -189,6 +198,9 @@ fn tool_spec(t: ToolInfo) -> ToolSpec {
         input_schema: parse(&t.input_schema_json).unwrap_or_else(|| input_schema(&t.kind)),
         title: String::new(),
         output_schema: parse(&t.output_schema_json).or_else(|| output_schema(&t.kind)),
+        annotations: nomad_proto::kinds::kind(&t.kind)
+            .filter(|kind| kind.pure)
+            .map(|_| pure_annotations()),
         name: t.name,
     }
 }
@@ -204,6 +216,7 @@ fn model_card_spec() -> ToolSpec {
                 "description": "Name of the tool whose model card to fetch."}}}),
         title: String::new(),
         output_schema: Some(json!({"type": "string"})),
+        annotations: Some(pure_annotations()),
     }
 }
 
