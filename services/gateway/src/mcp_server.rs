@@ -12,6 +12,7 @@ use rmcp::model::{
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
+use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use crate::execute::Gateway;
@@ -94,35 +95,50 @@ fn tools(scripts: bool) -> Vec<Tool> {
     tools
 }
 
-fn string(args: &Map<String, Value>, key: &str) -> Result<Option<String>, McpError> {
-    match args.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(_) => Err(McpError::invalid_params(
-            format!("`{key}` must be a string"),
-            None,
-        )),
-    }
+/// `search_code_tools`' arguments.
+#[derive(Debug, Deserialize)]
+struct SearchArgs {
+    #[serde(default)]
+    query: Option<String>,
+    #[serde(default)]
+    server_filter: Option<String>,
+    #[serde(default)]
+    detail_level: Option<String>,
+    #[serde(default)]
+    limit: Option<std::num::NonZeroUsize>,
 }
 
-fn env(args: &Map<String, Value>) -> Result<BTreeMap<String, String>, McpError> {
-    match args.get("env") {
-        None | Some(Value::Null) => Ok(BTreeMap::new()),
-        Some(Value::Object(map)) => map
-            .iter()
-            .map(|(k, v)| match v {
-                Value::String(s) => Ok((k.clone(), s.clone())),
-                _ => Err(McpError::invalid_params(
-                    format!("env.{k} must be a string"),
-                    None,
-                )),
-            })
-            .collect(),
-        Some(_) => Err(McpError::invalid_params(
-            "`env` must be an object of strings",
-            None,
-        )),
-    }
+/// `execute_mcp_code`'s arguments.
+#[derive(Debug, Deserialize)]
+struct CodeArgs {
+    code: String,
+    #[serde(default)]
+    env: Option<BTreeMap<String, String>>,
+}
+
+/// `execute_mcp_script`'s arguments.
+#[derive(Debug, Deserialize)]
+struct ScriptArgs {
+    script_path: String,
+    #[serde(default)]
+    env: Option<BTreeMap<String, String>>,
+}
+
+/// A tool's arguments read into `T`; a bad one is refused naming where it is (`env.HOME:
+/// invalid type: integer `1`, expected a string`).
+fn arguments<T: serde::de::DeserializeOwned>(
+    tool: &str,
+    args: Map<String, Value>,
+) -> Result<T, McpError> {
+    serde_path_to_error::deserialize(Value::Object(args)).map_err(|e| {
+        let at = e.path().to_string();
+        let message = if at == "." {
+            format!("{tool}: {}", e.inner())
+        } else {
+            format!("{tool}: `{at}`: {}", e.inner())
+        };
+        McpError::invalid_params(message, None)
+    })
 }
 
 fn complete(value: Value, failed: bool) -> CallToolResponse {
@@ -161,24 +177,14 @@ impl ServerHandler for McpFrontEnd {
         let args = request.arguments.clone().unwrap_or_default();
         match request.name.as_ref() {
             "search_code_tools" => {
-                let query = string(&args, "query")?.unwrap_or_default();
-                let server = string(&args, "server_filter")?.unwrap_or_default();
-                let detail = DetailLevel::parse(string(&args, "detail_level")?.as_deref())
+                let args: SearchArgs = arguments("search_code_tools", args)?;
+                let detail = DetailLevel::parse(args.detail_level.as_deref())
                     .map_err(|e| McpError::invalid_params(e.to_string(), None))?;
-                let limit = match args.get("limit") {
-                    None | Some(Value::Null) => None,
-                    Some(v) => Some(v.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
-                        McpError::invalid_params(
-                            "`limit` must be a whole number of at least 1",
-                            None,
-                        )
-                    })? as usize),
-                };
                 let request = SearchRequest {
-                    query: &query,
-                    server_filter: &server,
+                    query: args.query.as_deref().unwrap_or_default(),
+                    server_filter: args.server_filter.as_deref().unwrap_or_default(),
                     detail,
-                    limit,
+                    limit: args.limit.map(std::num::NonZeroUsize::get),
                 };
                 match self.gateway.search.search(&request).await {
                     Ok(reply) => Ok(complete(reply.to_json(), false)),
@@ -186,18 +192,26 @@ impl ServerHandler for McpFrontEnd {
                 }
             }
             "execute_mcp_code" | "execute_mcp_script" => {
-                let (progress, forwarding) = crate::mcp_call::progress(&request, &context);
-                let env = env(&args)?;
-                let ran = if request.name == "execute_mcp_code" {
-                    let code = string(&args, "code")?
-                        .filter(|c| !c.trim().is_empty())
-                        .ok_or_else(|| McpError::invalid_params("`code` is required", None))?;
-                    self.gateway.execute_code(code, env, &cx, progress).await
+                // Read before anything starts: a bad argument runs nothing.
+                let run = if request.name == "execute_mcp_code" {
+                    let args: CodeArgs = arguments("execute_mcp_code", args)?;
+                    if args.code.trim().is_empty() {
+                        return Err(McpError::invalid_params(
+                            "execute_mcp_code: `code` is empty: give the Python to run",
+                            None,
+                        ));
+                    }
+                    Ok((args.code, args.env.unwrap_or_default()))
                 } else {
-                    let path = string(&args, "script_path")?.ok_or_else(|| {
-                        McpError::invalid_params("`script_path` is required", None)
-                    })?;
-                    self.gateway.execute_script(&path, env, &cx, progress).await
+                    let args: ScriptArgs = arguments("execute_mcp_script", args)?;
+                    Err((args.script_path, args.env.unwrap_or_default()))
+                };
+                let (progress, forwarding) = crate::mcp_call::progress(&request, &context);
+                let ran = match run {
+                    Ok((code, env)) => self.gateway.execute_code(code, env, &cx, progress).await,
+                    Err((path, env)) => {
+                        self.gateway.execute_script(&path, env, &cx, progress).await
+                    }
                 };
                 // Every progress notification goes out before the answer.
                 if let Some(forwarding) = forwarding {
@@ -215,5 +229,54 @@ impl ServerHandler for McpFrontEnd {
                 None,
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused<T: serde::de::DeserializeOwned + std::fmt::Debug>(
+        tool: &str,
+        args: Value,
+    ) -> String {
+        let Value::Object(map) = args else {
+            panic!("arguments are an object")
+        };
+        arguments::<T>(tool, map).unwrap_err().message.into_owned()
+    }
+
+    #[test]
+    fn a_bad_argument_is_refused_naming_where_it_is() {
+        let cases = [
+            (
+                refused::<CodeArgs>("execute_mcp_code", json!({})),
+                "execute_mcp_code: missing field `code`",
+            ),
+            (
+                refused::<CodeArgs>("execute_mcp_code", json!({"code": 5})),
+                "execute_mcp_code: `code`: invalid type: integer `5`, expected a string",
+            ),
+            (
+                refused::<CodeArgs>("execute_mcp_code", json!({"code": "x", "env": {"HOME": 1}})),
+                "execute_mcp_code: `env.HOME`: invalid type: integer `1`, expected a string",
+            ),
+            (
+                refused::<ScriptArgs>("execute_mcp_script", json!({"script_path": ["a"]})),
+                "execute_mcp_script: `script_path`: invalid type: sequence, expected a string",
+            ),
+            (
+                refused::<SearchArgs>("search_code_tools", json!({"limit": 0})),
+                "search_code_tools: `limit`: invalid value: integer `0`, expected a nonzero usize",
+            ),
+        ];
+        for (got, expected) in cases {
+            assert_eq!(got, expected);
+        }
+        let Value::Object(ok) = json!({"code": "print(1)", "env": null}) else {
+            unreachable!()
+        };
+        let args: CodeArgs = arguments("execute_mcp_code", ok).unwrap();
+        assert_eq!((args.code.as_str(), args.env), ("print(1)", None));
     }
 }
