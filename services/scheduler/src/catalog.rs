@@ -6,11 +6,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::error::CallError;
 use futures::StreamExt as _;
 use nomad_proto::v1::{
     DescribeRequest, ToolDescription, ToolInfo, ToolInput, ToolState, tool_input,
 };
-use tonic::Status;
 
 use crate::config::ToolConfig;
 use crate::driver::Handle;
@@ -108,7 +108,7 @@ impl Catalog {
     /// [`Self::check_call`], after waiting (at most [`CALL_WAITS_FOR_DESCRIPTION`]) for a tool
     /// that is not described yet: a call made while the fleet starts is served once its tool
     /// is, or refused as still starting, never as unknown.
-    pub async fn ready_for_call(&self, tool: &str, input: &ToolInput) -> Result<(), Status> {
+    pub async fn ready_for_call(&self, tool: &str, input: &ToolInput) -> Result<(), CallError> {
         let Some(index) = self.index(tool) else {
             return Ok(()); // the driver answers unknown tools
         };
@@ -124,32 +124,30 @@ impl Catalog {
                 return self.check_call(tool, input);
             }
             if tokio::time::timeout_at(deadline, settled).await.is_err() {
-                return Err(Status::unavailable(format!(
-                    "tool {tool:?} is still starting: no worker has described it within {} s \
-                     (a Python model's environment is built once per host; the device worker's \
-                     log shows its progress); retry shortly",
-                    self.call_wait.as_secs()
-                )));
+                return Err(CallError::StillStarting {
+                    tool: tool.to_owned(),
+                    seconds: self.call_wait.as_secs(),
+                });
             }
         }
     }
 
     /// Refuses, before it is queued, a call the tool could only fail: its source or environment
     /// failed (named), or its input is of the wrong form for its kind.
-    fn check_call(&self, tool: &str, input: &ToolInput) -> Result<(), Status> {
+    fn check_call(&self, tool: &str, input: &ToolInput) -> Result<(), CallError> {
         let Some(index) = self.index(tool) else {
             return Ok(()); // the driver answers unknown tools
         };
         let python = self.tools[index].is_python();
         match (&input.value, python) {
             (Some(tool_input::Value::Json(_)), false) => {
-                return Err(Status::invalid_argument(format!(
+                return Err(CallError::WrongInput(format!(
                     "tool {tool:?} ({}) takes `text` or `tensor` input, not `json`",
                     self.tools[index].kind
                 )));
             }
             (Some(tool_input::Value::Text(_) | tool_input::Value::Tensor(_)), true) => {
-                return Err(Status::invalid_argument(format!(
+                return Err(CallError::WrongInput(format!(
                     "tool {tool:?} is a Python model: its input is a JSON object of arguments \
                      (`json`), as its input schema describes"
                 )));
@@ -157,40 +155,38 @@ impl Catalog {
             _ => {}
         }
         match &self.lock()[index] {
-            Described::Failed(error) => Err(Status::failed_precondition(format!(
-                "tool {tool:?} cannot serve: {error}"
-            ))),
+            Described::Failed(error) => Err(CallError::CannotServe {
+                tool: tool.to_owned(),
+                why: error.clone(),
+            }),
             _ => Ok(()),
         }
     }
 
     /// The README.md of `tool`'s model directory.
-    pub fn model_card(&self, tool: &str) -> Result<String, Status> {
+    pub fn model_card(&self, tool: &str) -> Result<String, CallError> {
         let Some(index) = self.index(tool) else {
-            let names: Vec<&str> = self.tools.iter().map(|t| t.name.as_str()).collect();
-            return Err(Status::not_found(format!(
-                "no tool is named {tool:?}; tools: {}",
-                names.join(", ")
-            )));
+            return Err(CallError::NoSuchTool {
+                tool: tool.to_owned(),
+                known: self.tools.iter().map(|t| t.name.clone()).collect(),
+            });
         };
         match &self.lock()[index] {
-            Described::Ready(d) => d.model_card.clone().ok_or_else(|| {
-                Status::not_found(format!(
-                    "tool {tool:?} has no model card: its model directory ({}) has no README.md",
-                    if self.tools[index].source.is_empty() {
-                        "none: a Python callable"
-                    } else {
-                        self.tools[index].source.as_str()
-                    }
-                ))
+            Described::Ready(d) => d.model_card.clone().ok_or_else(|| CallError::NoModelCard {
+                tool: tool.to_owned(),
+                directory: if self.tools[index].source.is_empty() {
+                    "none: a Python callable".to_owned()
+                } else {
+                    self.tools[index].source.clone()
+                },
             }),
-            Described::Failed(error) => Err(Status::failed_precondition(format!(
-                "tool {tool:?} cannot serve: {error}"
-            ))),
-            Described::Pending | Described::Describing => Err(Status::unavailable(format!(
-                "tool {tool:?} is not described yet (no worker has registered, or its \
-                 environment is still building); retry shortly"
-            ))),
+            Described::Failed(error) => Err(CallError::CannotServe {
+                tool: tool.to_owned(),
+                why: error.clone(),
+            }),
+            Described::Pending | Described::Describing => Err(CallError::NotDescribed {
+                tool: tool.to_owned(),
+            }),
         }
     }
 
@@ -322,13 +318,19 @@ mod tests {
         // Failed: refused naming why.
         catalog.settle(0, Described::Failed("no weights".into()));
         let refused = catalog.ready_for_call("m", &text()).await.unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
-        assert!(refused.message().contains("no weights"), "{refused:?}");
+        assert_eq!(
+            refused.category(),
+            crate::error::Category::FailedPrecondition
+        );
+        assert!(refused.to_string().contains("no weights"), "{refused:?}");
         // Never described: refused as starting once the wait is over, not as unknown.
         catalog.settle(0, Described::Describing);
         let refused = catalog.ready_for_call("m", &text()).await.unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::Unavailable);
-        assert!(refused.message().contains("still starting"), "{refused:?}");
+        assert_eq!(refused.category(), crate::error::Category::Unavailable);
+        assert!(
+            refused.to_string().contains("still starting"),
+            "{refused:?}"
+        );
         // A tool the catalog does not have is the driver's to answer.
         assert!(catalog.ready_for_call("other", &text()).await.is_ok());
     }

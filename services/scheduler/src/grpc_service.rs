@@ -13,9 +13,24 @@ use tonic::{Request, Response, Status};
 
 use crate::catalog::Catalog;
 use crate::driver::{Handle, Served};
+use crate::error::{CallError, Category};
 
 /// Text events a streamed call buffers before its worker call waits for the caller to read.
 const STREAM_BUFFER: usize = 64;
+
+/// The status a caller gets for the scheduler's error: its words, its category's code.
+fn status(error: CallError) -> Status {
+    let code = match error.category() {
+        Category::InvalidArgument => tonic::Code::InvalidArgument,
+        Category::NotFound => tonic::Code::NotFound,
+        Category::FailedPrecondition => tonic::Code::FailedPrecondition,
+        Category::ResourceExhausted => tonic::Code::ResourceExhausted,
+        Category::Unavailable => tonic::Code::Unavailable,
+        Category::Internal => tonic::Code::Internal,
+        Category::Cancelled => tonic::Code::Cancelled,
+    };
+    Status::new(code, error.to_string())
+}
 
 fn request_parts(request: CallToolRequest) -> Result<(String, ToolInput), Status> {
     let CallToolRequest { tool, input } = request;
@@ -80,8 +95,11 @@ impl Scheduler for SchedulerService {
         request: Request<CallToolRequest>,
     ) -> Result<Response<CallToolResponse>, Status> {
         let (tool, input) = request_parts(request.into_inner())?;
-        self.catalog.ready_for_call(&tool, &input).await?;
-        let served = self.driver.call(&tool, input).await?;
+        self.catalog
+            .ready_for_call(&tool, &input)
+            .await
+            .map_err(status)?;
+        let served = self.driver.call(&tool, input).await.map_err(status)?;
         Ok(Response::new(response(served)))
     }
 
@@ -94,7 +112,10 @@ impl Scheduler for SchedulerService {
     ) -> Result<Response<Self::CallToolStreamStream>, Status> {
         use opentelemetry::trace::FutureExt as _;
         let (tool, input) = request_parts(request.into_inner())?;
-        self.catalog.ready_for_call(&tool, &input).await?;
+        self.catalog
+            .ready_for_call(&tool, &input)
+            .await
+            .map_err(status)?;
         let (text, texts) = tokio::sync::mpsc::channel(STREAM_BUFFER);
         let driver = self.driver.clone();
         // Dropping the stream drops the call, which cancels the request.
@@ -125,7 +146,9 @@ impl Scheduler for SchedulerService {
                                 rest.push_back(Ok(event(call_tool_stream_event::Event::Text(t))));
                             }
                             rest.push_back(
-                                result.map(|s| event(call_tool_stream_event::Event::Done(response(s)))),
+                                result
+                                    .map(|s| event(call_tool_stream_event::Event::Done(response(s))))
+                                    .map_err(status),
                             );
                             let first = rest.pop_front().expect("the answer is there");
                             Some((first, State::Ending(rest)))
@@ -239,7 +262,7 @@ impl Scheduler for SchedulerService {
         request: Request<GetModelCardRequest>,
     ) -> Result<Response<ModelCard>, Status> {
         let tool = request.into_inner().tool;
-        let text = self.catalog.model_card(&tool)?;
+        let text = self.catalog.model_card(&tool).map_err(status)?;
         Ok(Response::new(ModelCard { tool, text }))
     }
 }

@@ -3,6 +3,7 @@
 mod catalog;
 mod config;
 mod driver;
+mod error;
 mod grpc_service;
 mod metrics;
 mod recent;

@@ -6,14 +6,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::error::CallError;
 use nomad_proto::v1::{GenerationStats, ToolInput, ToolOutput};
 use nomad_scheduler_core::{BatchId, BatchResult, RequestId, SlotId, ToolId};
 use nomad_telemetry::Context;
 use tokio::sync::{mpsc, oneshot};
-use tonic::Status;
 
 use super::recorder::RequestRecorder;
-use super::status::stopped;
 use crate::workers::Worker;
 
 /// A request's answer.
@@ -41,7 +40,7 @@ pub(super) enum Command {
         tool: String,
         input: ToolInput,
         cx: Context,
-        reply: oneshot::Sender<Result<Served, Status>>,
+        reply: oneshot::Sender<Result<Served, CallError>>,
         /// Where a streamed generation's text goes as it is made.
         text: Option<mpsc::Sender<String>>,
     },
@@ -104,7 +103,7 @@ impl Drop for CancelOnDrop {
 
 impl Handle {
     /// Runs one request on `tool`; the caller's context is current.
-    pub async fn call(&self, tool: &str, input: ToolInput) -> Result<Served, Status> {
+    pub async fn call(&self, tool: &str, input: ToolInput) -> Result<Served, CallError> {
         self.call_streaming(tool, input, None).await
     }
 
@@ -115,7 +114,7 @@ impl Handle {
         tool: &str,
         input: ToolInput,
         text: Option<mpsc::Sender<String>>,
-    ) -> Result<Served, Status> {
+    ) -> Result<Served, CallError> {
         let recorder = RequestRecorder::start(tool);
         let request = self.next_request.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
@@ -129,13 +128,13 @@ impl Handle {
                 text,
             })
             .await
-            .map_err(|_| stopped())?;
+            .map_err(|_| CallError::Stopped)?;
         let mut guard = CancelOnDrop {
             tx: self.tx.clone(),
             request,
             armed: true,
         };
-        let result = answer.await.unwrap_or_else(|_| Err(stopped()));
+        let result = answer.await.unwrap_or(Err(CallError::Stopped));
         guard.armed = false;
         match &result {
             Ok(served) => recorder.answered(served.queue_wait, served.generation.as_ref()),

@@ -27,7 +27,6 @@ use nomad_scheduler_core::{
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions, propagation};
 use opentelemetry::trace::{Link, SpanKind, TraceContextExt as _};
 use tokio::sync::{mpsc, oneshot};
-use tonic::Status;
 
 use self::calls::Maintenance;
 use self::handle::Command;
@@ -47,7 +46,7 @@ struct Pending {
     input: ToolInput,
     /// The request span's context (or the caller's, when the `tool` group is off).
     cx: Context,
-    reply: oneshot::Sender<Result<Served, Status>>,
+    reply: oneshot::Sender<Result<Served, crate::error::CallError>>,
     /// Where a streamed generation's text goes.
     text: Option<mpsc::Sender<String>>,
     /// Set while a batch holds the request.
@@ -484,9 +483,9 @@ impl Driver {
         if let Some(execution) = p.execution {
             match &result {
                 Ok(_) => execution.share.set_ok(),
-                Err(s) => execution
+                Err(e) => execution
                     .share
-                    .set_error(format!("{:?}", s.code()), s.message()),
+                    .set_error(format!("{:?}", e.category()), e.to_string()),
             }
         }
         let _ = p.reply.send(result);

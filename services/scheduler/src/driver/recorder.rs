@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
+use crate::error::CallError;
 use nomad_proto::v1::GenerationStats;
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup};
-use tonic::Status;
 
 pub(super) struct RequestRecorder {
     span: GroupSpan,
@@ -56,8 +56,8 @@ impl RequestRecorder {
         span.set_ok();
     }
 
-    pub fn failed(self, status: &Status) {
+    pub fn failed(self, error: &CallError) {
         self.span
-            .set_error(format!("{:?}", status.code()), status.message());
+            .set_error(format!("{:?}", error.category()), error.to_string());
     }
 }
