@@ -128,10 +128,14 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<bool> {
             let Some(source) = entry.get(key).and_then(|s| s.as_str()) else {
                 continue;
             };
-            let tool = entry
-                .get(name_key)
-                .and_then(|n| n.as_str())
-                .map_or_else(|| format!("{section}[{index}]"), str::to_owned);
+            // Named as the scheduler names it when the entry does not: by the class (the last
+            // part of `model_class`), else by the entry's place.
+            let class = entry.get("model_class").and_then(|c| c.as_str());
+            let tool = match (entry.get(name_key).and_then(|n| n.as_str()), class) {
+                (Some(name), _) => name.to_owned(),
+                (None, Some(class)) => class.rsplit('.').next().unwrap_or(class).to_owned(),
+                (None, None) => format!("{section}[{index}]"),
+            };
             eprintln!("nomad export: {tool}: reading {source}");
             let resolved =
                 nomad_sources::resolve(source, &base_dir.to_string_lossy(), &cache, &registries)
