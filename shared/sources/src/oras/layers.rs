@@ -77,6 +77,25 @@ fn unpack(archive: &Path, into: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// Removes the staging directories of pulls whose process is gone (a worker killed mid-pull):
+/// each is named `<digest>.pull-<pid>-<n>`, and a live process keeps its own.
+fn remove_dead_pulls(store: &Path) {
+    let Ok(entries) = std::fs::read_dir(store) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some((_, rest)) = name.split_once(".pull-") else {
+            continue;
+        };
+        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        let alive = pid.is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        if !alive {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 /// Pulls every layer of `manifest` into `dir` (which must not exist yet).
 pub async fn pull_into(
     spec: &str,
@@ -108,6 +127,7 @@ pub async fn pull_into(
     if staging.exists() {
         std::fs::remove_dir_all(&staging).map_err(cache_error)?;
     }
+    remove_dead_pulls(parent);
     std::fs::create_dir_all(&staging).map_err(cache_error)?;
     let result = async {
         for layer in &manifest.layers {
@@ -217,6 +237,22 @@ mod tests {
                 .map(|t| std::collections::BTreeMap::from([(TITLE.to_owned(), t.to_owned())])),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_dead_pulls_staging_is_removed_and_a_live_ones_kept() {
+        let store = std::env::temp_dir().join(format!("nomad-pulls-{}", std::process::id()));
+        // No process has this pid (above the kernel's pid_max).
+        let dead = store.join("sha256-ab.pull-4194305-0");
+        let live = store.join(format!("sha256-ab.pull-{}-0", std::process::id()));
+        let stored = store.join("sha256-cd");
+        for dir in [&dead, &live, &stored] {
+            std::fs::create_dir_all(dir).unwrap();
+        }
+        remove_dead_pulls(&store);
+        assert!(!dead.exists());
+        assert!(live.exists() && stored.exists());
+        std::fs::remove_dir_all(&store).unwrap();
     }
 
     #[test]
