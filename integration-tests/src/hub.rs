@@ -14,23 +14,13 @@ pub struct HubDouble {
     child: Child,
 }
 
-fn venv_python() -> PathBuf {
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-test/bin/python");
-    assert!(
-        python.is_file(),
-        "{} is missing: scripts/test makes it",
-        python.display()
-    );
-    python
-}
-
 impl HubDouble {
     /// Serves `root/<org>/<name>/` as the repository `org/name`.
     pub fn start(root: &Path, dir: &Path) -> HubDouble {
         let port_file = dir.join("hub.port");
         let log = dir.join("hub.log");
-        let child = Command::new(venv_python())
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("python/hub_double.py"))
+        let child = Command::new(crate::peers::python_sdk())
+            .arg(crate::peers::script("hub_double.py"))
             .arg("--root")
             .arg(root)
             .arg("--port-file")
@@ -88,7 +78,7 @@ pub fn read_with_huggingface_hub(cache: &Path, repo: &str) -> serde_json::Value 
             'files': sorted(f.file_name for r in revisions for f in r.files),\n\
             'snapshot': snapshot_download(repo, cache_dir=cache, local_files_only=True),\n\
         }))\n";
-    let output = Command::new(venv_python())
+    let output = Command::new(crate::peers::python_sdk())
         .arg("-c")
         .arg(script)
         .arg(cache)

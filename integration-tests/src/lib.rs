@@ -19,6 +19,15 @@ pub use fleet::{Fleet, FleetOptions, HeadRun, Service};
 pub use receiver::OtlpReceiver;
 pub use spans::SpanRecord;
 
+/// A loopback port free now (another process could take it before it is bound).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// An HTTP client for tests and benches: the process's TLS provider installed first (the
 /// workspace's reqwest has rustls without a provider of its own).
 pub fn http() -> reqwest::ClientBuilder {

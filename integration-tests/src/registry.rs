@@ -26,14 +26,6 @@ fn binary() -> PathBuf {
     );
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 impl Registry {
     /// Starts a registry storing under `dir`; with `htpasswd`, every request must carry one of
     /// its users (basic auth).
@@ -50,7 +42,7 @@ impl Registry {
 
     fn start_on(dir: &Path, storage: &Path, htpasswd: Option<&str>) -> Registry {
         std::fs::create_dir_all(dir).unwrap();
-        let port = free_port();
+        let port = crate::free_port();
         let auth = match htpasswd {
             Some(lines) => {
                 let file = dir.join("htpasswd");
@@ -118,7 +110,7 @@ impl Registry {
 
     /// An htpasswd line for `user` with `password` (bcrypt, by Python's bcrypt package).
     pub fn htpasswd_line(user: &str, password: &str) -> String {
-        let output = oras_python()
+        let output = Command::new(crate::peers::python_sdk())
             .arg("-c")
             .arg("import sys, bcrypt\nprint(sys.argv[1] + ':' + bcrypt.hashpw(sys.argv[2].encode(), bcrypt.gensalt()).decode())")
             .args([user, password])
@@ -149,7 +141,7 @@ impl Registry {
             response = client.push(target=target, files=files)\n\
             response.raise_for_status()\n\
             print(response.headers['Docker-Content-Digest'])\n";
-        let output = oras_python()
+        let output = Command::new(crate::peers::python_sdk())
             .arg("-c")
             .arg(script)
             .arg(format!("{}/{target}", self.addr))
@@ -178,7 +170,7 @@ impl Registry {
             r = requests.head(sys.argv[1], headers={'Accept': 'application/vnd.oci.image.manifest.v1+json'})\n\
             r.raise_for_status()\n\
             print(r.headers['Docker-Content-Digest'])\n";
-        let output = oras_python()
+        let output = Command::new(crate::peers::python_sdk())
             .arg("-c")
             .arg(script)
             .arg(format!(
@@ -200,7 +192,7 @@ impl Registry {
         std::fs::create_dir_all(into).unwrap();
         let script = "import sys\nimport oras.client\n\
             oras.client.OrasClient(insecure=True).pull(target=sys.argv[1], outdir=sys.argv[2])\n";
-        let output = oras_python()
+        let output = Command::new(crate::peers::python_sdk())
             .arg("-c")
             .arg(script)
             .arg(format!("{}/{reference}", self.addr))
@@ -219,15 +211,4 @@ impl Drop for Registry {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-/// The Python that has oras-py (.venv-test, which scripts/test makes).
-fn oras_python() -> Command {
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-test/bin/python");
-    assert!(
-        python.is_file(),
-        "{} is missing: scripts/test makes it (with oras from PyPI)",
-        python.display()
-    );
-    Command::new(python)
 }

@@ -12,14 +12,6 @@ use nomad_integration_tests::Fleet;
 use nomad_integration_tests::fleet::{clean, nomad_up};
 use serde_json::Value;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 async fn get(url: &str) -> Value {
     let response = nomad_integration_tests::http()
         .build()
@@ -79,7 +71,7 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     assert_eq!(names, ["device-worker-0", "gateway", "head", "scheduler"]);
     // `nomad run` drives the rollouts below and serves its own /metrics while it runs (the
     // rollout and verification panels read it).
-    let runner = format!("127.0.0.1:{}", free_port());
+    let runner = format!("127.0.0.1:{}", nomad_integration_tests::free_port());
 
     // A real Prometheus, scraping each server every second with the fleet's token (every
     // /metrics of a fleet with one needs it, on loopback too).
@@ -102,7 +94,7 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     ));
     let config_path = dir.join("prometheus.yml");
     std::fs::write(&config_path, config).unwrap();
-    let port = free_port();
+    let port = nomad_integration_tests::free_port();
     let prometheus = format!("http://127.0.0.1:{port}");
     let _server = tokio::process::Command::new("prometheus")
         .arg(format!("--config.file={}", config_path.display()))

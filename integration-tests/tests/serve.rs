@@ -15,14 +15,6 @@ use nomad_integration_tests::read_jsonl;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::{Value, json};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A config of three kinds of tool: a built-in `mlp`, the original's TorchModuleTool, and a
 /// plain callable beside the config file.
 fn config(dir: &Path) -> PathBuf {
@@ -92,7 +84,7 @@ fn toy_input(i: usize) -> Value {
 async fn every_tool_is_an_mcp_tool_of_its_own_over_http_batched_and_cancellable() {
     let dir = nomad_integration_tests::Fleet::new_dir();
     let config = config(&dir);
-    let port = free_port();
+    let port = nomad_integration_tests::free_port();
     let (mut serve, run_dir) = serve_http(&dir, &config, port).await;
     let url = format!("http://127.0.0.1:{port}/mcp");
     let fleet: Value =
