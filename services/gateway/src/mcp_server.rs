@@ -124,6 +124,12 @@ struct ScriptArgs {
     env: Option<BTreeMap<String, String>>,
 }
 
+/// What an execute tool runs.
+enum Run {
+    Code(String),
+    Script(String),
+}
+
 /// A tool's arguments read into `T`; a bad one is refused naming where it is (`env.HOME:
 /// invalid type: integer `1`, expected a string`).
 fn arguments<T: serde::de::DeserializeOwned>(
@@ -193,7 +199,7 @@ impl ServerHandler for McpFrontEnd {
             }
             "execute_mcp_code" | "execute_mcp_script" => {
                 // Read before anything starts: a bad argument runs nothing.
-                let run = if request.name == "execute_mcp_code" {
+                let (run, env) = if request.name == "execute_mcp_code" {
                     let args: CodeArgs = arguments("execute_mcp_code", args)?;
                     if args.code.trim().is_empty() {
                         return Err(McpError::invalid_params(
@@ -201,15 +207,16 @@ impl ServerHandler for McpFrontEnd {
                             None,
                         ));
                     }
-                    Ok((args.code, args.env.unwrap_or_default()))
+                    (Run::Code(args.code), args.env)
                 } else {
                     let args: ScriptArgs = arguments("execute_mcp_script", args)?;
-                    Err((args.script_path, args.env.unwrap_or_default()))
+                    (Run::Script(args.script_path), args.env)
                 };
+                let env = env.unwrap_or_default();
                 let (progress, forwarding) = crate::mcp_call::progress(&request, &context);
                 let ran = match run {
-                    Ok((code, env)) => self.gateway.execute_code(code, env, &cx, progress).await,
-                    Err((path, env)) => {
+                    Run::Code(code) => self.gateway.execute_code(code, env, &cx, progress).await,
+                    Run::Script(path) => {
                         self.gateway.execute_script(&path, env, &cx, progress).await
                     }
                 };

@@ -87,13 +87,13 @@ pub(crate) async fn snapshot(
     revision: Option<&str>,
     cache: &Path,
 ) -> Result<(PathBuf, String), SourceError> {
-    if revision.is_some_and(is_commit) || offline() {
-        if let Ok(found) = cached(source, repo, revision, cache) {
-            return Ok(found);
-        }
-        if offline() {
-            return cached(source, repo, revision, cache);
-        }
+    if offline() {
+        return cached(source, repo, revision, cache);
+    }
+    if revision.is_some_and(is_commit)
+        && let Ok(found) = cached(source, repo, revision, cache)
+    {
+        return Ok(found);
     }
     match download(repo, revision.unwrap_or("main"), cache).await {
         Ok(commit) => Ok((snapshot_dir(cache, repo, &commit), commit)),

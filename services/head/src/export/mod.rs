@@ -89,13 +89,7 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<bool> {
         (Target::Disk, Some(_)) => anyhow::bail!("--oras-registry is for --to oras"),
         (Target::Disk, None) => None,
     };
-    let bin_dir = match args.bin_dir {
-        Some(dir) => dir,
-        None => std::env::current_exe()?
-            .parent()
-            .context("the nomad binary has no directory")?
-            .to_owned(),
-    };
+    let bin_dir = crate::up::bin_dir(args.bin_dir.as_deref())?;
     // The tools must read as the scheduler will read the written config.
     ready::check_tools(&bin_dir, &config)?;
     let out = std::path::absolute(&args.output)?;

@@ -109,14 +109,7 @@ fn read(path: &Path, what: &str) -> anyhow::Result<String> {
 
 pub async fn submit(args: SubmitArgs) -> anyhow::Result<bool> {
     check(&args)?;
-    let bin_dir = match &args.bin_dir {
-        Some(dir) => std::path::absolute(dir)?,
-        None => std::env::current_exe()
-            .context("locating the nomad binary")?
-            .parent()
-            .context("the nomad binary has no directory")?
-            .to_owned(),
-    };
+    let bin_dir = std::path::absolute(crate::up::bin_dir(args.bin_dir.as_deref())?)?;
     for name in BINARIES {
         anyhow::ensure!(
             bin_dir.join(name).is_file(),

@@ -101,14 +101,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
         _ => "nomad serve",
     };
     let user_env = ProcessEnv;
-    let bin_dir = match &options.bin_dir {
-        Some(dir) => dir.clone(),
-        None => std::env::current_exe()
-            .context("locating the nomad binary")?
-            .parent()
-            .context("the nomad binary has no directory")?
-            .to_owned(),
-    };
+    let bin_dir = bin_dir(options.bin_dir.as_deref())?;
     // Fail on a bad config before anything starts.
     let user_config = options.config.as_deref().map(absolute).transpose()?;
     let file = ConfigFile::load(user_config.as_deref())?;
@@ -536,6 +529,18 @@ pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .mode(0o600)
         .open(path)?;
     file.write_all(bytes)
+}
+
+/// Where the service binaries are: `given`, else the directory holding `nomad`.
+pub fn bin_dir(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+    match given {
+        Some(dir) => Ok(dir.to_owned()),
+        None => Ok(std::env::current_exe()
+            .context("locating the nomad binary")?
+            .parent()
+            .context("the nomad binary has no directory")?
+            .to_owned()),
+    }
 }
 
 /// The run's copy of a YAML config, each source a tag, branch or Hub revision named rewritten to

@@ -75,7 +75,6 @@ fn registry_error(spec: &str, failure: RegistryFailure, detail: impl Into<String
 
 /// Reads the client's error as one of the failures a user can act on.
 fn classify(error: &OciDistributionError) -> RegistryFailure {
-    use std::error::Error as _;
     match error {
         OciDistributionError::AuthenticationFailure(_)
         | OciDistributionError::UnauthorizedError { .. } => RegistryFailure::Denied,
@@ -102,20 +101,9 @@ fn classify(error: &OciDistributionError) -> RegistryFailure {
         OciDistributionError::ServerError {
             code: 401 | 403, ..
         } => RegistryFailure::Denied,
-        OciDistributionError::RequestError(e) => {
-            let mut source = e.source();
-            let timeout_or_connect = e.is_connect() || e.is_timeout();
-            while let Some(inner) = source {
-                if inner.to_string().contains("Connection refused") {
-                    return RegistryFailure::Unreachable;
-                }
-                source = inner.source();
-            }
-            if timeout_or_connect {
-                RegistryFailure::Unreachable
-            } else {
-                RegistryFailure::Other
-            }
+        // Refused, unresolvable or silent: the registry cannot be reached.
+        OciDistributionError::RequestError(e) if e.is_connect() || e.is_timeout() => {
+            RegistryFailure::Unreachable
         }
         _ => RegistryFailure::Other,
     }
