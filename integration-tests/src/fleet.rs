@@ -98,7 +98,7 @@ pub fn rpc_channel(addr: &str) -> nomad_rpc::Channel {
     INSTALLED.call_once(|| {
         let _ = nomad_rpc::auth::install(nomad_rpc::auth::Auth {
             token: Some(TEST_TOKEN.into()),
-            open: false,
+            ..Default::default()
         });
     });
     nomad_rpc::channel(addr).expect("a valid address")

@@ -41,6 +41,8 @@ pub struct GatewayConfig {
     /// How long a tool call waits for a scheduler it cannot reach (one starting again) before
     /// it fails as UNAVAILABLE.
     pub scheduler_wait_seconds: f64,
+    /// MCP Tasks: which calls become tasks, and what the store keeps.
+    pub tasks: crate::tasks::TasksConfig,
 }
 
 /// `gateway.http`: what callers may hold of the gateway's HTTP listener.
@@ -107,6 +109,7 @@ impl Default for GatewayConfig {
             record_tool_call_payloads: false,
             http: HttpLimits::default(),
             scheduler_wait_seconds: 30.0,
+            tasks: Default::default(),
         }
     }
 }

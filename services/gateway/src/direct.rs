@@ -8,8 +8,9 @@
 use std::sync::Arc;
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult,
-    MetaObject, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock,
+    GetTaskParams, GetTaskResult, ListToolsResult, MetaObject, PaginatedRequestParams,
+    ServerCapabilities, ServerConfig, Tool, UpdateTaskParams,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -25,6 +26,7 @@ pub const ERROR_CODE_META: &str = "nomad/error_code";
 #[derive(Clone)]
 pub struct DirectTools {
     pub gateway: Arc<Gateway>,
+    pub tasks: Arc<crate::tasks::Tasks>,
 }
 
 /// An MCP output schema must describe an object: any other output is wrapped as
@@ -70,7 +72,13 @@ impl DirectTools {
 
 impl ServerHandler for DirectTools {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
+        ServerConfig::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_tasks()
+                .build(),
+        )
+        .with_instructions(
             "Nomad's model tools, each an MCP tool of its own; get_model_card returns a tool's \
              model card.",
         )
@@ -111,40 +119,98 @@ impl ServerHandler for DirectTools {
             }
             return Ok(CallToolResponse::Complete(error_result(&error)));
         };
+        let spec = spec.clone();
         let arguments = Value::Object(request.arguments.clone().unwrap_or_default());
+        if self.tasks.wants_task(&spec.name, &context) {
+            // The call runs on as a task; `tasks/cancel` drops it, which cancels its scheduler
+            // request.
+            let gateway = self.gateway.clone();
+            let caller = crate::tasks::Caller::of(&context);
+            let created = self
+                .tasks
+                .start(&caller, &spec.name.clone(), &cx, move |cx| {
+                    Box::pin(async move { Ok(call(&gateway, &cx, &spec, &arguments, None).await) })
+                })
+                .await?;
+            return Ok(CallToolResponse::Task(created));
+        }
         let (progress, forwarding) = crate::mcp_call::progress(&request, &context);
         // A cancelled call is dropped here, which cancels its scheduler request.
         let called = tokio::select! {
-            result = self.gateway.upstreams.call(&cx, nomad::NAME, &spec.name, &arguments, progress.as_ref()) => Some(result),
+            result = call(&self.gateway, &cx, &spec, &arguments, progress.as_ref()) => Some(result),
             () = context.ct.cancelled() => None,
         };
         drop(progress);
         if let Some(forwarding) = forwarding {
             let _ = forwarding.await;
         }
-        let Some(result) = called else {
-            return Err(McpError::internal_error("the call was cancelled", None));
-        };
-        Ok(CallToolResponse::Complete(match result {
-            Ok(Value::String(text))
-                if spec.output_schema.is_none() || spec.name == nomad::MODEL_CARD_TOOL =>
-            {
-                CallToolResult::success(vec![ContentBlock::text(text)])
-            }
-            Ok(value) => {
-                let wrap = spec
-                    .output_schema
-                    .as_ref()
-                    .is_some_and(|s| output_schema(s).1)
-                    || !value.is_object();
-                CallToolResult::structured(if wrap {
-                    json!({"result": value})
-                } else {
-                    value
-                })
-            }
-            Err(error) => error_result(&error),
-        }))
+        match called {
+            Some(result) => Ok(CallToolResponse::Complete(result)),
+            None => Err(McpError::internal_error("the call was cancelled", None)),
+        }
+    }
+
+    async fn get_task(
+        &self,
+        request: GetTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<GetTaskResult, McpError> {
+        let caller = crate::tasks::Caller::of(&context);
+        self.tasks.get(&caller, request.task_id).await
+    }
+
+    async fn cancel_task(
+        &self,
+        request: CancelTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        let caller = crate::tasks::Caller::of(&context);
+        self.tasks.cancel(&caller, request.task_id).await
+    }
+
+    async fn update_task(
+        &self,
+        request: UpdateTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        let caller = crate::tasks::Caller::of(&context);
+        self.tasks.update(&caller, request.task_id).await
+    }
+}
+
+/// One call of a fleet tool through the scheduler, as an MCP result: text as text, JSON as
+/// `structuredContent` (wrapped as `{"result": ...}` where its schema is not an object), a
+/// failure as an error result naming its code.
+async fn call(
+    gateway: &Gateway,
+    cx: &nomad_telemetry::Context,
+    spec: &ToolSpec,
+    arguments: &Value,
+    progress: Option<&crate::upstream::Progress>,
+) -> CallToolResult {
+    let result = gateway
+        .upstreams
+        .call(cx, nomad::NAME, &spec.name, arguments, progress)
+        .await;
+    match result {
+        Ok(Value::String(text))
+            if spec.output_schema.is_none() || spec.name == nomad::MODEL_CARD_TOOL =>
+        {
+            CallToolResult::success(vec![ContentBlock::text(text)])
+        }
+        Ok(value) => {
+            let wrap = spec
+                .output_schema
+                .as_ref()
+                .is_some_and(|s| output_schema(s).1)
+                || !value.is_object();
+            CallToolResult::structured(if wrap {
+                json!({"result": value})
+            } else {
+                value
+            })
+        }
+        Err(error) => error_result(&error),
     }
 }
 

@@ -16,6 +16,7 @@ mod schema;
 mod search;
 mod serve;
 mod sessions;
+mod tasks;
 mod tool_error;
 mod upstream;
 
@@ -51,6 +52,10 @@ pub struct Args {
     /// Write the bound MCP HTTP address here once listening.
     #[arg(long)]
     pub mcp_addr_file: Option<PathBuf>,
+    /// The run directory (`nomad up` gives it): the task store is kept there unless
+    /// `gateway.tasks.path` names a file.
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {

@@ -34,7 +34,7 @@ pub async fn serve(
         http.http.timeouts().map_err(anyhow::Error::msg)?;
     let (listener, local) = nomad_rpc::bind(listen).await?;
     let auth = nomad_rpc::auth::installed();
-    if auth.token.is_none() && !local.ip().is_loopback() && !auth.open {
+    if !auth.has_client_credential() && !local.ip().is_loopback() && !auth.open {
         anyhow::bail!(
             "the MCP endpoint would listen on {local} with no token: set NOMAD_AUTH_TOKEN (or \
              auth.token), or listen on a loopback address; `auth: none` serves it open"
@@ -73,6 +73,7 @@ pub async fn serve(
     .layer(axum::middleware::from_fn(move |request, next| {
         refuse_sessions_when_full(bounded.clone(), request, next)
     }))
+    .layer(axum::middleware::from_fn(name_the_task))
     .merge(openai)
     .layer(axum::middleware::from_fn(move |request, next| {
         bearer_auth(body_timeout, request, next)
@@ -150,7 +151,7 @@ async fn bearer_auth(
         .headers()
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    if !nomad_rpc::auth::installed().accepts(given) {
+    let Some(credential) = nomad_rpc::auth::installed().accepts_client(given) else {
         // Say which: a client that sent nothing needs to be told where the token is.
         let why = match given {
             None => {
@@ -161,7 +162,7 @@ async fn bearer_auth(
             Some(v) if !v.starts_with("Bearer ") => {
                 "the Authorization header must be `Bearer <token>` (the fleet's token)\n"
             }
-            Some(_) => "the bearer token is not this fleet's token\n",
+            Some(_) => "the bearer token is neither this fleet's token nor a client token\n",
         };
         // The OpenAI routes answer in OpenAI's error shape, so its clients show the reason.
         if request.uri().path().starts_with("/v1/") {
@@ -186,13 +187,68 @@ async fn bearer_auth(
                 (http::header::CONNECTION, "close"),
             ],
         );
-    }
+    };
+    let caller = crate::tasks::Caller::with_token(credential);
+    let mut request = request;
+    request.extensions_mut().insert(caller);
     if let Some(connection) = request.extensions().get::<crate::connections::Connection>() {
         connection.authenticated();
     }
     let deadline = tokio::time::Instant::now() + body_timeout;
     let request = request.map(|body| axum::body::Body::new(DeadlineBody::new(body, deadline)));
     next.run(request).await
+}
+
+/// The most a `tasks/*` request's body may hold when its `Mcp-Name` is read from it.
+const TASK_REQUEST_BYTES: usize = 64 << 10;
+
+/// A `tasks/get`, `tasks/update` or `tasks/cancel` without the `Mcp-Name` header the
+/// 2026-07-28 revision asks for gets it from its `params.taskId`, so that clients which leave it
+/// out (fastmcp-tasks among them) are served as those that send it; a header that is there is
+/// left to be checked against the body. Runs after the token is checked.
+async fn name_the_task(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let method = request
+        .headers()
+        .get("mcp-method")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    if !matches!(
+        method.as_str(),
+        "tasks/get" | "tasks/update" | "tasks/cancel"
+    ) || request.headers().contains_key("mcp-name")
+    {
+        return next.run(request).await;
+    }
+    let (mut parts, body) = request.into_parts();
+    let bytes = match axum::body::to_bytes(body, TASK_REQUEST_BYTES).await {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            return refusal(
+                http::StatusCode::BAD_REQUEST,
+                rmcp::model::ErrorCode::INVALID_REQUEST.0,
+                &format!(
+                    "a {method} request of more than {TASK_REQUEST_BYTES} bytes, or cut off: {e}"
+                ),
+                [],
+            );
+        }
+    };
+    let task_id = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| v["params"]["taskId"].as_str().map(str::to_owned))
+        .and_then(|id| http::HeaderValue::from_str(&id).ok());
+    if let Some(task_id) = task_id {
+        parts.headers.insert("mcp-name", task_id);
+    }
+    next.run(axum::extract::Request::from_parts(
+        parts,
+        axum::body::Body::from(bytes),
+    ))
+    .await
 }
 
 /// A request body that fails once its deadline passes before it has all arrived.

@@ -7,8 +7,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ListToolsResult,
-    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, GetTaskParams,
+    GetTaskResult, ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+    UpdateTaskParams,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -21,6 +22,7 @@ use crate::search::{DetailLevel, SearchRequest};
 #[derive(Clone)]
 pub struct McpFrontEnd {
     pub gateway: Arc<Gateway>,
+    pub tasks: Arc<crate::tasks::Tasks>,
 }
 
 fn schema(value: Value) -> Arc<Map<String, Value>> {
@@ -148,16 +150,45 @@ fn arguments<T: serde::de::DeserializeOwned>(
 }
 
 fn complete(value: Value, failed: bool) -> CallToolResponse {
-    CallToolResponse::Complete(if failed {
+    CallToolResponse::Complete(result(value, failed))
+}
+
+fn result(value: Value, failed: bool) -> CallToolResult {
+    if failed {
         CallToolResult::structured_error(value)
     } else {
         CallToolResult::structured(value)
-    })
+    }
+}
+
+/// One sandboxed run, as its MCP result (a run that failed is an error result, not a
+/// protocol error: its stdout and stderr are what the caller needs).
+async fn execute(
+    gateway: &Gateway,
+    run: Run,
+    env: BTreeMap<String, String>,
+    cx: &nomad_telemetry::Context,
+    progress: Option<crate::upstream::Progress>,
+) -> CallToolResult {
+    let ran = match run {
+        Run::Code(code) => gateway.execute_code(code, env, cx, progress).await,
+        Run::Script(path) => gateway.execute_script(&path, env, cx, progress).await,
+    };
+    match ran {
+        Ok(reply) => result(reply.to_json(), !reply.error.is_empty()),
+        Err(e) => result(json!({ "error": e.to_string() }), true),
+    }
 }
 
 impl ServerHandler for McpFrontEnd {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
+        ServerConfig::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_tasks()
+                .build(),
+        )
+        .with_instructions(
             "Nomad's code-mode gateway: search the upstream tools, then run Python that calls them.",
         )
     }
@@ -213,21 +244,27 @@ impl ServerHandler for McpFrontEnd {
                     (Run::Script(args.script_path), args.env)
                 };
                 let env = env.unwrap_or_default();
+                if self.tasks.wants_task(&request.name, &context) {
+                    // The run goes on as a task; `tasks/cancel` drops it, which kills it.
+                    let gateway = self.gateway.clone();
+                    let caller = crate::tasks::Caller::of(&context);
+                    let created = self
+                        .tasks
+                        .start(&caller, &request.name, &cx, move |cx| {
+                            Box::pin(
+                                async move { Ok(execute(&gateway, run, env, &cx, None).await) },
+                            )
+                        })
+                        .await?;
+                    return Ok(CallToolResponse::Task(created));
+                }
                 let (progress, forwarding) = crate::mcp_call::progress(&request, &context);
-                let ran = match run {
-                    Run::Code(code) => self.gateway.execute_code(code, env, &cx, progress).await,
-                    Run::Script(path) => {
-                        self.gateway.execute_script(&path, env, &cx, progress).await
-                    }
-                };
+                let ran = execute(&self.gateway, run, env, &cx, progress).await;
                 // Every progress notification goes out before the answer.
                 if let Some(forwarding) = forwarding {
                     let _ = forwarding.await;
                 }
-                match ran {
-                    Ok(reply) => Ok(complete(reply.to_json(), !reply.error.is_empty())),
-                    Err(e) => Ok(complete(json!({ "error": e.to_string() }), true)),
-                }
+                Ok(CallToolResponse::Complete(ran))
             }
             other => Err(McpError::invalid_params(
                 format!(
@@ -236,6 +273,33 @@ impl ServerHandler for McpFrontEnd {
                 None,
             )),
         }
+    }
+
+    async fn get_task(
+        &self,
+        request: GetTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<GetTaskResult, McpError> {
+        let caller = crate::tasks::Caller::of(&context);
+        self.tasks.get(&caller, request.task_id).await
+    }
+
+    async fn cancel_task(
+        &self,
+        request: CancelTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        let caller = crate::tasks::Caller::of(&context);
+        self.tasks.cancel(&caller, request.task_id).await
+    }
+
+    async fn update_task(
+        &self,
+        request: UpdateTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        let caller = crate::tasks::Caller::of(&context);
+        self.tasks.update(&caller, request.task_id).await
     }
 }
 

@@ -13,7 +13,8 @@ use rmcp::ServiceExt as _;
 use tokio::sync::watch;
 
 use crate::{
-    Args, config, direct, execute, grpc_service, mcp_http, mcp_server, sandbox, search, upstream,
+    Args, config, direct, execute, grpc_service, mcp_http, mcp_server, sandbox, search, tasks,
+    upstream,
 };
 
 pub async fn serve(args: Args) -> anyhow::Result<()> {
@@ -115,11 +116,15 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
         None => None,
     };
 
+    let tasks = tasks::Tasks::open(gateway_config.tasks.clone(), args.run_dir.as_deref())
+        .context("gateway.tasks")?;
     let code = mcp_server::McpFrontEnd {
         gateway: gateway.clone(),
+        tasks: tasks.clone(),
     };
     let tools = direct::DirectTools {
         gateway: gateway.clone(),
+        tasks: tasks.clone(),
     };
     if args.mcp_stdio {
         tracing::info!(front = ?args.mcp_front, "nomad-gateway serving MCP on stdio");
@@ -140,6 +145,7 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
         )
         .await?;
     }
+    tasks.stop().await;
     if let Some(grpc) = grpc {
         grpc.await??;
     }

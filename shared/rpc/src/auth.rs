@@ -3,6 +3,9 @@
 //! TLS, client certificates (`tls.client_ca`) can stand in for it or come on top.
 //!
 //! The token comes from `NOMAD_AUTH_TOKEN`, else `auth.token`, else the file `auth.token_file`.
+//! The gateway's HTTP front (MCP and the OpenAI routes) also takes the client tokens of
+//! `auth.client_tokens_file`, one per client: each is a credential of its own there (a task is
+//! read only with the credential that made it), and none of them reaches a gRPC hop.
 //! Without one a process serves only on loopback, unless the config says `auth: none`, which is
 //! logged as an error at start-up. Health checks stay open.
 
@@ -28,6 +31,8 @@ pub enum AuthBlock {
     Token {
         token: Option<String>,
         token_file: Option<PathBuf>,
+        /// One client token per line (`#` comments and blank lines skipped).
+        client_tokens_file: Option<PathBuf>,
     },
 }
 
@@ -36,6 +41,7 @@ impl Default for AuthBlock {
         AuthBlock::Token {
             token: None,
             token_file: None,
+            client_tokens_file: None,
         }
     }
 }
@@ -44,6 +50,8 @@ impl Default for AuthBlock {
 #[derive(Debug, Clone, Default)]
 pub struct Auth {
     pub token: Option<Arc<str>>,
+    /// Tokens the gateway's HTTP front accepts besides the fleet's, one per client.
+    pub clients: Vec<Arc<str>>,
     /// `auth: none` was written out.
     pub open: bool,
 }
@@ -57,14 +65,18 @@ impl Auth {
         let block: AuthBlock = file
             .section("auth")
             .map_err(|e| RpcError::Auth(e.to_string()))?;
-        let (configured, open) = match block {
-            AuthBlock::Mode(mode) if mode == "none" => (None, true),
+        let (configured, clients, open) = match block {
+            AuthBlock::Mode(mode) if mode == "none" => (None, Vec::new(), true),
             AuthBlock::Mode(other) => {
                 return Err(RpcError::Auth(format!(
                     "auth: {other:?} is not a mode; write `auth: none` or `auth: {{token: ...}}`"
                 )));
             }
-            AuthBlock::Token { token, token_file } => {
+            AuthBlock::Token {
+                token,
+                token_file,
+                client_tokens_file,
+            } => {
                 let from_file = token_file
                     .map(|path| {
                         std::fs::read_to_string(&path)
@@ -74,7 +86,11 @@ impl Auth {
                             })
                     })
                     .transpose()?;
-                (token.or(from_file), false)
+                let clients = match client_tokens_file {
+                    Some(path) => client_tokens(&path)?,
+                    None => Vec::new(),
+                };
+                (token.or(from_file), clients, false)
             }
         };
         let token = env.non_empty("NOMAD_AUTH_TOKEN").or(configured);
@@ -89,6 +105,7 @@ impl Auth {
         }
         Ok(Auth {
             token: token.map(Arc::from),
+            clients,
             open,
         })
     }
@@ -98,15 +115,29 @@ impl Auth {
         let Some(expected) = self.token.as_deref() else {
             return true;
         };
-        let given = authorization
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or_default();
-        given.len() == expected.len()
-            && given
-                .bytes()
-                .zip(expected.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
+        same_token(bearer(authorization), expected)
+    }
+
+    /// The gateway's HTTP front: the credential `Authorization` carries if it is the fleet's
+    /// token or a client token (`Some(None)`: nothing to check, the front is open), `None` if
+    /// it is neither.
+    pub fn accepts_client<'a>(&self, authorization: Option<&'a str>) -> Option<Option<&'a str>> {
+        if self.token.is_none() && self.clients.is_empty() {
+            return Some(None);
+        }
+        let given = bearer(authorization);
+        // Every token compared, so the time taken says nothing of which one matched.
+        let matched = self
+            .token
+            .iter()
+            .chain(&self.clients)
+            .fold(false, |found, t| same_token(given, t) | found);
+        matched.then_some(Some(given))
+    }
+
+    /// Whether the gateway's HTTP front has any credential to check.
+    pub fn has_client_credential(&self) -> bool {
+        self.token.is_some() || !self.clients.is_empty()
     }
 
     /// Refuses to serve on `local` beyond loopback without a credential (a token, or client
@@ -129,6 +160,45 @@ impl Auth {
              `auth: none` serves it open"
         )))
     }
+}
+
+fn bearer(authorization: Option<&str>) -> &str {
+    authorization
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default()
+}
+
+/// Compares in time that depends on the expected token's length only.
+fn same_token(given: &str, expected: &str) -> bool {
+    given.len() == expected.len()
+        && given
+            .bytes()
+            .zip(expected.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+/// `auth.client_tokens_file`: one token per line, each at least [`MIN_TOKEN_LEN`] long.
+fn client_tokens(path: &std::path::Path) -> Result<Vec<Arc<str>>, RpcError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| RpcError::Auth(format!("auth.client_tokens_file {}: {e}", path.display())))?;
+    let mut tokens = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if line.len() < MIN_TOKEN_LEN || line.contains(char::is_whitespace) {
+            return Err(RpcError::Auth(format!(
+                "auth.client_tokens_file {} line {}: a client token is one word of at least \
+                 {MIN_TOKEN_LEN} characters (`openssl rand -hex 16` makes one)",
+                path.display(),
+                i + 1
+            )));
+        }
+        tokens.push(Arc::from(line));
+    }
+    Ok(tokens)
 }
 
 /// The process's credential, installed once at start-up by the bootstrap; the layers are built
@@ -331,7 +401,7 @@ mod tests {
     fn only_the_exact_bearer_token_is_accepted() {
         let auth = Auth {
             token: Some(Arc::from("0123456789abcdef0123")),
-            open: false,
+            ..Auth::default()
         };
         assert!(auth.accepts(Some("Bearer 0123456789abcdef0123")));
         for bad in [
@@ -352,7 +422,7 @@ mod tests {
     async fn each_layer_checks_and_sends_the_token_it_was_built_with() {
         let auth = |token: &str| Auth {
             token: Some(Arc::from(token)),
-            open: false,
+            ..Auth::default()
         };
         let echo = tower::service_fn(|request: http::Request<()>| async move {
             let seen = request
@@ -407,6 +477,41 @@ mod tests {
     }
 
     #[test]
+    fn client_tokens_open_the_http_front_each_as_itself_and_never_a_grpc_hop() {
+        let dir = std::env::temp_dir().join(format!("nomad-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("clients");
+        std::fs::write(
+            &file,
+            "# one per client\naaaaaaaaaaaaaaaaaaaa\n\nbbbbbbbbbbbbbbbbbbbb\n",
+        )
+        .unwrap();
+        let yaml = format!(
+            "auth: {{token: ffffffffffffffffffff, client_tokens_file: {}}}\n",
+            file.display()
+        );
+        let auth = resolve(&yaml, &[]).unwrap();
+        assert_eq!(auth.clients.len(), 2);
+        let a = Some("Bearer aaaaaaaaaaaaaaaaaaaa");
+        assert_eq!(auth.accepts_client(a), Some(Some("aaaaaaaaaaaaaaaaaaaa")));
+        assert_eq!(
+            auth.accepts_client(Some("Bearer ffffffffffffffffffff")),
+            Some(Some("ffffffffffffffffffff"))
+        );
+        assert_eq!(
+            auth.accepts_client(Some("Bearer cccccccccccccccccccc")),
+            None
+        );
+        assert_eq!(auth.accepts_client(None), None);
+        assert!(!auth.accepts(a), "a client token is no fleet token");
+        assert_eq!(Auth::default().accepts_client(None), Some(None));
+        std::fs::write(&file, "aaaaaaaaaaaaaaaaaaaa\nshort\n").unwrap();
+        let e = resolve(&yaml, &[]).unwrap_err().to_string();
+        assert!(e.contains("line 2") && e.contains("at least 16"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn no_credential_means_loopback_only_unless_auth_none() {
         let none = Auth::default();
         let loopback: SocketAddr = "127.0.0.1:7002".parse().unwrap();
@@ -418,13 +523,13 @@ mod tests {
             "{e}"
         );
         let open = Auth {
-            token: None,
             open: true,
+            ..Auth::default()
         };
         assert!(open.check_listen("x", everywhere).is_ok());
         let token = Auth {
             token: Some(Arc::from("0123456789abcdef0123")),
-            open: false,
+            ..Auth::default()
         };
         assert!(token.check_listen("x", everywhere).is_ok());
     }

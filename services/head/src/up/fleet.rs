@@ -314,7 +314,13 @@ pub async fn start_fleet(
         wait_described(sup, &scheduler, super::DESCRIBED_WITHIN).await?;
     }
     let mcp_addr_file = run_dir.join("gateway-mcp.addr");
-    let mut args = vec!["--scheduler".into(), scheduler.clone()];
+    // The task store is kept in the run directory, so a gateway started again finds it.
+    let mut args = vec![
+        "--scheduler".into(),
+        scheduler.clone(),
+        "--run-dir".into(),
+        run_dir.display().to_string(),
+    ];
     let code_listen = free_loopback_address()?;
     let listen = match front {
         GatewayFront::Code => Some(code_listen.as_str()),

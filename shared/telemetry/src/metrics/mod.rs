@@ -475,6 +475,31 @@ pub const GATEWAY_SANDBOX_QUEUE_WAIT: MetricDef = def(
     "Time a run waited for admission (memory and a slot), by `outcome` (admitted, queue_full, no_slot, no_memory, spawn).",
 );
 
+pub const GATEWAY_TASKS_CREATED: MetricDef = def(
+    "nomad.gateway.tasks.created",
+    C,
+    "{task}",
+    "MCP tasks stored and started (a `tools/call` answered with a task handle), by `tool`.",
+);
+pub const GATEWAY_TASKS_FINISHED: MetricDef = def(
+    "nomad.gateway.tasks.finished",
+    C,
+    "{task}",
+    "MCP tasks that ended, by `outcome` (completed, failed, cancelled; a task a stop cut off counts as failed).",
+);
+pub const GATEWAY_TASKS_REJECTED: MetricDef = def(
+    "nomad.gateway.tasks.rejected",
+    C,
+    "{task}",
+    "`tools/call`s refused a task, by `tool` and `reason` (full: `gateway.tasks.max_tasks` or `max_bytes` held by working tasks; store: the store failed).",
+);
+pub const GATEWAY_TASKS_REMOVED: MetricDef = def(
+    "nomad.gateway.tasks.removed",
+    C,
+    "{task}",
+    "Finished MCP tasks removed from the store, by `reason` (expired: `gateway.tasks.ttl_seconds` after they ended; evicted: room made for a newer task).",
+);
+
 /// The gateway table, in the original's order.
 pub const GATEWAY: &[MetricDef] = &[
     GATEWAY_REQUESTS,
@@ -502,6 +527,14 @@ pub const SANDBOX: &[MetricDef] = &[
     GATEWAY_SANDBOX_STARTS,
     GATEWAY_SANDBOX_REJECTIONS,
     GATEWAY_SANDBOX_QUEUE_WAIT,
+];
+
+/// The gateway's MCP tasks: their life in the store.
+pub const TASKS: &[MetricDef] = &[
+    GATEWAY_TASKS_CREATED,
+    GATEWAY_TASKS_FINISHED,
+    GATEWAY_TASKS_REJECTED,
+    GATEWAY_TASKS_REMOVED,
 ];
 
 /// Every service, while metrics are exported.
@@ -564,6 +597,13 @@ pub const TABLES: &[(&str, &str, &[MetricDef])] = &[
          (`sandbox.memory_budget_bytes`, `sandbox.max_concurrent`, `sandbox.max_queued`) and \
          the warm pool.",
         SANDBOX,
+    ),
+    (
+        "Task metrics",
+        "The gateway's MCP tasks (docs/tasks.md): each created task ends once, as completed, \
+         failed or cancelled, and is removed when it expires or is evicted; a call refused a \
+         task is counted by why.",
+        TASKS,
     ),
     (
         "Process and runtime metrics",
