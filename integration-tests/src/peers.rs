@@ -134,3 +134,54 @@ async fn run_client(args: &[String], calls: &Value) -> Vec<Value> {
     );
     lines
 }
+
+/// A client of the MCP Tasks extension (fastmcp-tasks, `tasks_client.py`) at `url`, held open
+/// for one command at a time; killed on drop.
+pub struct TasksClient {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    stdout: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl TasksClient {
+    pub fn start(url: &str, token: &str) -> Self {
+        let mut child = tokio::process::Command::new(python_sdk())
+            .arg(script("tasks_client.py"))
+            .args([url, token])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        use tokio::io::AsyncBufReadExt as _;
+        let stdin = child.stdin.take().unwrap();
+        let stdout = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        Self {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// Sends one command (see `tasks_client.py`); its answer.
+    pub async fn ask(&mut self, command: Value) -> Value {
+        use tokio::io::AsyncWriteExt as _;
+        self.stdin
+            .write_all(format!("{command}\n").as_bytes())
+            .await
+            .unwrap();
+        let line = tokio::time::timeout(Duration::from_secs(150), self.stdout.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("the tasks client did not answer {command}"))
+            .unwrap()
+            .unwrap_or_else(|| panic!("the tasks client exited at {command}"));
+        serde_json::from_str(&line).unwrap()
+    }
+}
+
+impl Drop for TasksClient {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}

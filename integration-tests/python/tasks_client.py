@@ -1,0 +1,88 @@
+"""Drives MCP tasks with fastmcp-tasks (a third-party client of the io.modelcontextprotocol/tasks
+extension, on fastmcp), one command at a time, for the gateway's task tests.
+
+    tasks_client.py URL TOKEN
+
+Reads one JSON command per line on stdin and answers each with one JSON line on stdout:
+
+    {"op": "start", "tool", "arguments", "meta"?}  -> {"task_id", "status", "handle", "seconds"}
+    {"op": "status", "task_id"}                     -> {"status", "status_message", "error"}
+    {"op": "result", "task_id", "timeout"?}         -> {"is_error", "structured", "text"}
+    {"op": "cancel", "task_id"}                     -> {"acknowledged": true}
+    {"op": "adopt", "handle"}                       -> {"task_id"}: a task another client started
+
+Any failure answers {"exception": "..."} and the next command is read.
+"""
+
+import asyncio
+import json
+import sys
+import time
+
+import fastmcp_tasks  # noqa: F401 - declares the tasks extension on every fastmcp Client
+from fastmcp import Client
+from fastmcp.client.transports import StreamableHttpTransport
+from fastmcp_tasks import ToolTask, call_tool_task
+from fastmcp_tasks.client_models import ClientCreateTaskResult
+
+
+def text_of(result):
+    return "".join(getattr(c, "text", "") for c in result.content)
+
+
+async def main():
+    url, token = sys.argv[1], sys.argv[2]
+    tasks = {}
+    transport = StreamableHttpTransport(url, auth=token)
+    async with Client(transport, mode="auto") as client:
+
+        async def run(command):
+            op = command["op"]
+            if op == "start":
+                began = time.monotonic()
+                task = await call_tool_task(
+                    client, command["tool"], command.get("arguments") or {}, meta=command.get("meta")
+                )
+                seconds = time.monotonic() - began
+                tasks[task.task_id] = task
+                handle = task.create_result.model_dump(by_alias=True, mode="json", exclude_none=True)
+                return {"task_id": task.task_id, "status": str(handle.get("status")),
+                        "handle": handle, "seconds": seconds}
+            if op == "adopt":
+                created = ClientCreateTaskResult.model_validate(command["handle"])
+                task = ToolTask(client, command.get("tool", ""), created, raise_on_error=False)
+                tasks[task.task_id] = task
+                return {"task_id": task.task_id}
+            task = tasks[command["task_id"]]
+            if op == "status":
+                got = await task.status()
+                dumped = got.model_dump(by_alias=True, mode="json", exclude_none=True)
+                return {"status": dumped.get("status"), "status_message": dumped.get("statusMessage"),
+                        "error": dumped.get("error")}
+            if op == "result":
+                result = await task.wait(timeout=command.get("timeout", 120))
+                if str(result.status) != "completed":
+                    return {"status": str(result.status), "error": getattr(result, "error", None)}
+                result = await task.result()
+                return {"is_error": bool(result.is_error), "structured": result.structured_content,
+                        "text": text_of(result)}
+            if op == "cancel":
+                await task.cancel()
+                return {"acknowledged": True}
+            raise ValueError(f"unknown op {op!r}")
+
+        while True:
+            # Read off the event loop, so the client's own work goes on while the test thinks.
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if not line:
+                break
+            if not line.strip():
+                continue
+            try:
+                reply = await run(json.loads(line))
+            except Exception as e:  # noqa: BLE001 - the test judges every failure
+                reply = {"exception": repr(e)}
+            print(json.dumps(reply, default=str), flush=True)
+
+
+asyncio.run(main())
