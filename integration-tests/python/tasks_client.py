@@ -10,6 +10,9 @@ Reads one JSON command per line on stdin and answers each with one JSON line on 
     {"op": "result", "task_id", "timeout"?}         -> {"is_error", "structured", "text"}
     {"op": "cancel", "task_id"}                     -> {"acknowledged": true}
     {"op": "adopt", "handle"}                       -> {"task_id"}: a task another client started
+    {"op": "links", "task_id"}                      -> {"links": [{"uri", "mime_type", "size"}]}:
+                                                       the resource links of a task's result
+    {"op": "read", "uri"}                           -> {"mime_type", "text"} (resources/read)
 
 Any failure answers {"exception": "..."} and the next command is read.
 """
@@ -53,7 +56,14 @@ async def main():
                 task = ToolTask(client, command.get("tool", ""), created, raise_on_error=False)
                 tasks[task.task_id] = task
                 return {"task_id": task.task_id}
+            if op == "read":
+                contents = await client.read_resource(command["uri"])
+                return {"mime_type": contents[0].mime_type, "text": contents[0].text}
             task = tasks[command["task_id"]]
+            if op == "links":
+                result = await task.result()
+                return {"links": [{"uri": str(c.uri), "mime_type": c.mime_type, "size": c.size}
+                                  for c in result.content if c.type == "resource_link"]}
             if op == "status":
                 got = await task.status()
                 dumped = got.model_dump(by_alias=True, mode="json", exclude_none=True)

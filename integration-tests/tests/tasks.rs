@@ -35,7 +35,8 @@ fn config(dir: &Path) -> PathBuf {
         &path,
         format!(
             "tools:\n  - helpers.slow\nauth:\n  client_tokens_file: {clients}\ngateway:\n  \
-             tasks:\n    path: {store}\n    ttl_seconds: {TTL_SECONDS}\n    max_tasks: {MAX_TASKS}\n\
+             tasks:\n    path: {store}\n    ttl_seconds: {TTL_SECONDS}\n    max_tasks: {MAX_TASKS}\n    \
+             link_results_over_bytes: 16384\n\
              sandbox:\n  timeout_seconds: 180\ntool_manager:\n  heartbeat_interval_ms: 200\n\
              telemetry:\n  metric_export_interval_seconds: 0.5\n",
             clients = dir.join("clients").display(),
@@ -283,6 +284,35 @@ async fn long_calls_are_tasks_a_client_polls_cancels_and_finds_again_after_a_cra
         .await;
     code.ask(json!({"op": "result", "task_id": traced["task_id"]}))
         .await;
+
+    // A large result comes as a link, read with resources/read by its owner only.
+    let large = code
+        .ask(json!({"op": "start", "tool": "execute_mcp_code",
+                    "arguments": {"code": "RESULT = 'x' * 50000"}}))
+        .await;
+    let links = code
+        .ask(json!({"op": "links", "task_id": large["task_id"]}))
+        .await;
+    let link = &links["links"][0];
+    assert_eq!(link["mime_type"], "application/json", "{links}");
+    let uri = link["uri"].as_str().unwrap();
+    let read = code.ask(json!({"op": "read", "uri": uri})).await;
+    let read: Value = serde_json::from_str(read["text"].as_str().unwrap()).unwrap();
+    assert_eq!(read["result"].as_str().unwrap().len(), 50_000);
+    assert_eq!(read["status"], "ok");
+    assert_eq!(
+        link["size"].as_u64().unwrap(),
+        read.to_string().len() as u64
+    );
+    // (Resource not found: -32602 from the 2026-07-28 revision on, -32002 before.)
+    let refused = other.ask(json!({"op": "read", "uri": uri})).await;
+    assert!(
+        refused["exception"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no result at nomad://results/"),
+        "{refused}"
+    );
 
     // The task's span and the sandboxed run's are in the caller's trace (exported before the
     // gateway is killed below).

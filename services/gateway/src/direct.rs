@@ -10,7 +10,8 @@ use std::sync::Arc;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock,
     GetTaskParams, GetTaskResult, ListToolsResult, MetaObject, PaginatedRequestParams,
-    ServerCapabilities, ServerConfig, Tool, UpdateTaskParams,
+    ReadResourceRequestParams, ReadResourceResponse, ServerCapabilities, ServerConfig, Tool,
+    UpdateTaskParams,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -76,6 +77,7 @@ impl ServerHandler for DirectTools {
             ServerCapabilities::builder()
                 .enable_tools()
                 .enable_tasks()
+                .enable_resources()
                 .build(),
         )
         .with_instructions(
@@ -121,15 +123,23 @@ impl ServerHandler for DirectTools {
         };
         let spec = spec.clone();
         let arguments = Value::Object(request.arguments.clone().unwrap_or_default());
+        let caller = crate::tasks::Caller::of(&context);
+        let has_output_schema = mcp_tool(&spec).output_schema.is_some();
         if self.tasks.wants_task(&spec.name, &context) {
             // The call runs on as a task; `tasks/cancel` drops it, which cancels its scheduler
             // request.
             let gateway = self.gateway.clone();
-            let caller = crate::tasks::Caller::of(&context);
+            let tasks = self.tasks.clone();
+            let owner = caller.clone();
             let created = self
                 .tasks
                 .start(&caller, &spec.name.clone(), &cx, move |cx| {
-                    Box::pin(async move { Ok(call(&gateway, &cx, &spec, &arguments, None).await) })
+                    Box::pin(async move {
+                        let result = call(&gateway, &cx, &spec, &arguments, None).await;
+                        Ok(tasks
+                            .link_large(&owner, &spec.name, result, has_output_schema)
+                            .await)
+                    })
                 })
                 .await?;
             return Ok(CallToolResponse::Task(created));
@@ -145,7 +155,11 @@ impl ServerHandler for DirectTools {
             let _ = forwarding.await;
         }
         match called {
-            Some(result) => Ok(CallToolResponse::Complete(result)),
+            Some(result) => Ok(CallToolResponse::Complete(
+                self.tasks
+                    .link_large(&caller, &spec.name, result, has_output_schema)
+                    .await,
+            )),
             None => Err(McpError::internal_error("the call was cancelled", None)),
         }
     }
@@ -166,6 +180,17 @@ impl ServerHandler for DirectTools {
     ) -> Result<(), McpError> {
         let caller = crate::tasks::Caller::of(&context);
         self.tasks.cancel(&caller, request.task_id).await
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, McpError> {
+        let caller = crate::tasks::Caller::of(&context);
+        Ok(ReadResourceResponse::Complete(
+            self.tasks.read(&caller, request.uri).await?,
+        ))
     }
 
     async fn update_task(

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, GetTaskParams,
-    GetTaskResult, ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
-    UpdateTaskParams,
+    GetTaskResult, ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams,
+    ReadResourceResponse, ServerCapabilities, ServerConfig, Tool, UpdateTaskParams,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -186,6 +186,7 @@ impl ServerHandler for McpFrontEnd {
             ServerCapabilities::builder()
                 .enable_tools()
                 .enable_tasks()
+                .enable_resources()
                 .build(),
         )
         .with_instructions(
@@ -244,16 +245,20 @@ impl ServerHandler for McpFrontEnd {
                     (Run::Script(args.script_path), args.env)
                 };
                 let env = env.unwrap_or_default();
-                if self.tasks.wants_task(&request.name, &context) {
+                let caller = crate::tasks::Caller::of(&context);
+                let tool = request.name.to_string();
+                if self.tasks.wants_task(&tool, &context) {
                     // The run goes on as a task; `tasks/cancel` drops it, which kills it.
                     let gateway = self.gateway.clone();
-                    let caller = crate::tasks::Caller::of(&context);
+                    let tasks = self.tasks.clone();
+                    let owner = caller.clone();
                     let created = self
                         .tasks
-                        .start(&caller, &request.name, &cx, move |cx| {
-                            Box::pin(
-                                async move { Ok(execute(&gateway, run, env, &cx, None).await) },
-                            )
+                        .start(&caller, &tool.clone(), &cx, move |cx| {
+                            Box::pin(async move {
+                                let ran = execute(&gateway, run, env, &cx, None).await;
+                                Ok(tasks.link_large(&owner, &tool, ran, false).await)
+                            })
                         })
                         .await?;
                     return Ok(CallToolResponse::Task(created));
@@ -264,7 +269,9 @@ impl ServerHandler for McpFrontEnd {
                 if let Some(forwarding) = forwarding {
                     let _ = forwarding.await;
                 }
-                Ok(CallToolResponse::Complete(ran))
+                Ok(CallToolResponse::Complete(
+                    self.tasks.link_large(&caller, &tool, ran, false).await,
+                ))
             }
             other => Err(McpError::invalid_params(
                 format!(
@@ -291,6 +298,17 @@ impl ServerHandler for McpFrontEnd {
     ) -> Result<(), McpError> {
         let caller = crate::tasks::Caller::of(&context);
         self.tasks.cancel(&caller, request.task_id).await
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, McpError> {
+        let caller = crate::tasks::Caller::of(&context);
+        Ok(ReadResourceResponse::Complete(
+            self.tasks.read(&caller, request.uri).await?,
+        ))
     }
 
     async fn update_task(

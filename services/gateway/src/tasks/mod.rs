@@ -9,6 +9,7 @@
 //! call's own spans beneath; polls make none. Its life is counted (`nomad.gateway.tasks.*`).
 
 mod caller;
+mod links;
 pub mod store;
 
 use std::collections::HashMap;
@@ -51,6 +52,9 @@ pub struct TasksConfig {
     pub poll_interval_ms: u64,
     /// Tools always answered inline (quick ones, where a task only adds a round trip).
     pub inline_tools: Vec<String>,
+    /// A result larger than this (bytes of its JSON or text) is kept here and answered as a
+    /// `resource_link`, read with `resources/read`; `null` or 0: always inline.
+    pub link_results_over_bytes: Option<u64>,
 }
 
 impl Default for TasksConfig {
@@ -63,6 +67,7 @@ impl Default for TasksConfig {
             max_bytes: 256 << 20,
             poll_interval_ms: 1000,
             inline_tools: vec!["search_code_tools".into(), "get_model_card".into()],
+            link_results_over_bytes: Some(1 << 20),
         }
     }
 }

@@ -211,6 +211,15 @@ impl Store {
                  expires_ms INTEGER
              );
              CREATE INDEX IF NOT EXISTS tasks_expiry ON tasks (expires_ms);
+             CREATE TABLE IF NOT EXISTS results (
+                 uri TEXT PRIMARY KEY,
+                 owner TEXT NOT NULL,
+                 mime TEXT NOT NULL,
+                 body TEXT NOT NULL,
+                 bytes INTEGER NOT NULL,
+                 created_ms INTEGER NOT NULL,
+                 expires_ms INTEGER NOT NULL
+             );
              PRAGMA user_version = {SCHEMA_VERSION};"
         ))
         .map_err(|e| busy_or(e, shown(), open_error))?;
@@ -402,6 +411,58 @@ impl Store {
         Ok(Some(Cancelled::Now))
     }
 
+    /// Keeps a large result for `owner` to read at `uri` until the TTL runs out, making room as
+    /// a new task does.
+    pub fn put_result(
+        &mut self,
+        uri: &str,
+        owner: &str,
+        mime: &str,
+        body: &str,
+        now_ms: u64,
+    ) -> Result<Removed, StoreError> {
+        let tx = self.db.transaction()?;
+        let mut removed = Removed {
+            expired: expire(&tx, now_ms)?,
+            evicted: 0,
+        };
+        let bytes = ROW_BYTES + body.len() as u64;
+        removed.evicted = make_room(&tx, &self.limits, 1, bytes)?;
+        tx.execute(
+            "INSERT INTO results (uri, owner, mime, body, bytes, created_ms, expires_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            params![
+                uri,
+                owner,
+                mime,
+                body,
+                bytes as i64,
+                now_ms as i64,
+                now_ms.saturating_add(self.limits.ttl_ms) as i64
+            ],
+        )?;
+        tx.commit()?;
+        Ok(removed)
+    }
+
+    /// `owner`'s result at `uri` (its media type and text), unless it expired.
+    pub fn result(
+        &self,
+        uri: &str,
+        owner: &str,
+        now_ms: u64,
+    ) -> Result<Option<(String, String)>, StoreError> {
+        Ok(self
+            .db
+            .query_row(
+                "SELECT mime, body FROM results
+                 WHERE uri = ?1 AND owner = ?2 AND expires_ms > ?3",
+                params![uri, owner, now_ms as i64],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?)
+    }
+
     /// Removes every task whose time ran out; how many.
     pub fn sweep(&mut self, now_ms: u64) -> Result<u64, StoreError> {
         Ok(expire(&self.db, now_ms)?)
@@ -411,7 +472,9 @@ impl Store {
     #[cfg(test)]
     pub fn held(&self) -> Result<(u64, u64), StoreError> {
         Ok(self.db.query_row(
-            "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM tasks",
+            "SELECT (SELECT COUNT(*) FROM tasks) + (SELECT COUNT(*) FROM results),
+                    (SELECT COALESCE(SUM(bytes), 0) FROM tasks)
+                        + (SELECT COALESCE(SUM(bytes), 0) FROM results)",
             [],
             |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
         )?)
@@ -438,10 +501,15 @@ fn busy_or(
 }
 
 fn expire(db: &Connection, now_ms: u64) -> rusqlite::Result<u64> {
-    Ok(db.execute(
+    let tasks = db.execute(
         "DELETE FROM tasks WHERE expires_ms IS NOT NULL AND expires_ms <= ?1",
         [now_ms as i64],
-    )? as u64)
+    )?;
+    let results = db.execute(
+        "DELETE FROM results WHERE expires_ms <= ?1",
+        [now_ms as i64],
+    )?;
+    Ok((tasks + results) as u64)
 }
 
 /// Removes finished tasks, oldest ending first, until `tasks` more tasks and `bytes` more bytes
@@ -449,7 +517,9 @@ fn expire(db: &Connection, now_ms: u64) -> rusqlite::Result<u64> {
 fn make_room(db: &Connection, limits: &Limits, tasks: u64, bytes: u64) -> Result<u64, StoreError> {
     let held = |db: &Connection| {
         db.query_row(
-            "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM tasks",
+            "SELECT (SELECT COUNT(*) FROM tasks) + (SELECT COUNT(*) FROM results),
+                    (SELECT COALESCE(SUM(bytes), 0) FROM tasks)
+                        + (SELECT COALESCE(SUM(bytes), 0) FROM results)",
             [],
             |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
         )
@@ -460,15 +530,19 @@ fn make_room(db: &Connection, limits: &Limits, tasks: u64, bytes: u64) -> Result
     let mut evicted = 0;
     let mut now = held(db)?;
     while !fits(now) {
-        let oldest: Option<(String, u64)> = db
+        // Finished tasks and linked results, whichever ended first.
+        let oldest: Option<(String, bool)> = db
             .query_row(
-                "SELECT id, bytes FROM tasks WHERE status != 'working'
-                 ORDER BY updated_ms, id LIMIT 1",
+                "SELECT id, is_task FROM (
+                     SELECT id, updated_ms AS at, 1 AS is_task FROM tasks WHERE status != 'working'
+                     UNION ALL
+                     SELECT uri, created_ms, 0 FROM results)
+                 ORDER BY at, id LIMIT 1",
                 [],
-                |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as u64)),
+                |r| Ok((r.get(0)?, r.get(1)?)),
             )
             .optional()?;
-        let Some((id, _)) = oldest else {
+        let Some((id, is_task)) = oldest else {
             return Err(if now.0 + tasks > limits.max_tasks {
                 StoreError::TooManyTasks {
                     held: now.0,
@@ -481,7 +555,11 @@ fn make_room(db: &Connection, limits: &Limits, tasks: u64, bytes: u64) -> Result
                 }
             });
         };
-        db.execute("DELETE FROM tasks WHERE id = ?1", [&id])?;
+        if is_task {
+            db.execute("DELETE FROM tasks WHERE id = ?1", [&id])?;
+        } else {
+            db.execute("DELETE FROM results WHERE uri = ?1", [&id])?;
+        }
         evicted += 1;
         now = held(db)?;
     }

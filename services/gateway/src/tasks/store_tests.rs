@@ -172,3 +172,42 @@ fn a_task_a_stop_cut_off_is_failed_saying_so_and_finished_ones_are_kept() {
     drop(store);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_linked_result_is_read_by_its_owner_until_it_expires_and_shares_the_budget() {
+    let mut store = memory(Limits {
+        max_tasks: 2,
+        ..LIMITS
+    });
+    store
+        .put_result("nomad://results/a", "alice", "application/json", "[1,2]", 0)
+        .unwrap();
+    assert_eq!(
+        store.result("nomad://results/a", "alice", 1).unwrap(),
+        Some(("application/json".into(), "[1,2]".into()))
+    );
+    assert_eq!(
+        store.result("nomad://results/a", "mallory", 1).unwrap(),
+        None
+    );
+    // A new task makes room by evicting the result, as it would a finished task.
+    store.create("t1", "alice", "slow", 2).unwrap();
+    let (_, removed) = store.create("t2", "alice", "slow", 3).unwrap();
+    assert_eq!(removed.evicted, 1);
+    assert_eq!(store.result("nomad://results/a", "alice", 3).unwrap(), None);
+    store.finish("t1", completed("x"), 4).unwrap();
+    store
+        .put_result("nomad://results/b", "alice", "text/plain", "long", 5)
+        .unwrap();
+    assert!(
+        store
+            .result("nomad://results/b", "alice", 1_004)
+            .unwrap()
+            .is_some()
+    );
+    assert_eq!(
+        store.result("nomad://results/b", "alice", 1_005).unwrap(),
+        None,
+        "expired"
+    );
+}
