@@ -2,6 +2,7 @@
 extension, on fastmcp), one command at a time, for the gateway's task tests.
 
     tasks_client.py URL TOKEN
+    tasks_client.py stdio COMMAND [ARGS...]    (spawns a stdio server)
 
 Reads one JSON command per line on stdin and answers each with one JSON line on stdout:
 
@@ -24,7 +25,7 @@ import time
 
 import fastmcp_tasks  # noqa: F401 - declares the tasks extension on every fastmcp Client
 from fastmcp import Client
-from fastmcp.client.transports import StreamableHttpTransport
+from fastmcp.client.transports import StdioTransport, StreamableHttpTransport
 from fastmcp_tasks import ToolTask, call_tool_task
 from fastmcp_tasks.client_models import ClientCreateTaskResult
 
@@ -34,9 +35,11 @@ def text_of(result):
 
 
 async def main():
-    url, token = sys.argv[1], sys.argv[2]
     tasks = {}
-    transport = StreamableHttpTransport(url, auth=token)
+    if sys.argv[1] == "stdio":
+        transport = StdioTransport(command=sys.argv[2], args=sys.argv[3:])
+    else:
+        transport = StreamableHttpTransport(sys.argv[1], auth=sys.argv[2])
     async with Client(transport, mode="auto") as client:
 
         async def run(command):

@@ -145,9 +145,20 @@ pub struct TasksClient {
 
 impl TasksClient {
     pub fn start(url: &str, token: &str) -> Self {
+        Self::spawn(&[url.to_owned(), token.to_owned()])
+    }
+
+    /// A client that starts `command` as a stdio MCP server and talks to it.
+    pub fn stdio(command: &[String]) -> Self {
+        let mut args = vec!["stdio".to_owned()];
+        args.extend(command.iter().cloned());
+        Self::spawn(&args)
+    }
+
+    fn spawn(args: &[String]) -> Self {
         let mut child = tokio::process::Command::new(python_sdk())
             .arg(script("tasks_client.py"))
-            .args([url, token])
+            .args(args)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit())

@@ -10,7 +10,7 @@ use nomad_integration_tests::fleet::{TEST_TOKEN, binary, clean, rpc_channel};
 use nomad_integration_tests::model_host::{
     assert_close, host_env, reference_toy, toy_entry, toy_weights,
 };
-use nomad_integration_tests::peers::{mcp_client, mcp_client_stdio};
+use nomad_integration_tests::peers::{TasksClient, mcp_client, mcp_client_stdio};
 use nomad_integration_tests::read_jsonl;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::{Value, json};
@@ -332,6 +332,24 @@ async fn a_client_that_starts_nomad_serve_talks_to_it_over_stdio() {
         "over stdio",
     );
     assert_eq!(replies[2]["structured"], json!({"result": 5.0}));
+
+    // A client of the tasks extension gets a task over stdio too, kept in the run's store.
+    let mut tasks = TasksClient::stdio(&command);
+    let task = tasks
+        .ask(json!({"op": "start", "tool": "double", "arguments": {"x": 4.0}}))
+        .await;
+    assert_eq!(task["status"], "working", "{task}");
+    let result = tasks
+        .ask(json!({"op": "result", "task_id": task["task_id"]}))
+        .await;
+    assert_eq!(result["structured"], json!({"result": 8.0}), "{result}");
+    let stores: Vec<_> = std::fs::read_dir(dir.join("runs"))
+        .unwrap()
+        .filter_map(|run| Some(run.ok()?.path().join("tasks.sqlite")))
+        .filter(|store| store.is_file())
+        .collect();
+    assert!(!stores.is_empty(), "no run directory holds a task store");
+    drop(tasks);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -21,8 +21,7 @@ use crate::execute::Gateway;
 use crate::sandbox::ToolSpec;
 use crate::upstream::nomad;
 
-/// The `_meta` key of a failed call's result that holds its code (`INVALID_ARGUMENT`, ...).
-pub const ERROR_CODE_META: &str = "nomad/error_code";
+use crate::tool_error::ERROR_CODE_META;
 
 #[derive(Clone)]
 pub struct DirectTools {

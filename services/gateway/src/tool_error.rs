@@ -4,6 +4,10 @@
 
 use serde::Serialize;
 
+/// The `_meta` key of a failed call's result (and the `data` key of a refusal) that holds its
+/// code (`INVALID_ARGUMENT`, `RESOURCE_EXHAUSTED`, ...).
+pub const ERROR_CODE_META: &str = "nomad/error_code";
+
 /// What kind of failure a tool call met. The names are gRPC's canonical codes, which the
 /// scheduler already speaks, so a code passes unchanged from the scheduler to sandboxed code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -420,7 +420,7 @@ fn refusal(e: &StoreError) -> McpError {
     };
     McpError::internal_error(
         e.to_string(),
-        Some(serde_json::json!({crate::direct::ERROR_CODE_META: code})),
+        Some(serde_json::json!({crate::tool_error::ERROR_CODE_META: code})),
     )
 }
 

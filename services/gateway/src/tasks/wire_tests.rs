@@ -171,7 +171,7 @@ async fn a_full_store_refuses_a_task_by_name() {
         e.message
     );
     assert_eq!(
-        e.data.unwrap()[crate::direct::ERROR_CODE_META],
+        e.data.unwrap()[crate::tool_error::ERROR_CODE_META],
         "RESOURCE_EXHAUSTED"
     );
 }
