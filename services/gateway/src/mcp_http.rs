@@ -162,7 +162,10 @@ async fn bearer_auth(
             Some(v) if !v.starts_with("Bearer ") => {
                 "the Authorization header must be `Bearer <token>` (the fleet's token)\n"
             }
-            Some(_) => "the bearer token is neither this fleet's token nor a client token\n",
+            Some(_) if nomad_rpc::auth::installed().clients.is_empty() => {
+                "the bearer token is not this fleet's token\n"
+            }
+            Some(_) => "the bearer token is not this fleet's token, nor one of its client tokens\n",
         };
         // The OpenAI routes answer in OpenAI's error shape, so its clients show the reason.
         if request.uri().path().starts_with("/v1/") {
