@@ -108,6 +108,16 @@ fn exported(run_dir: &Path, name: &str, attribute: (&str, &str)) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The newest value the gateway exported for metric `name`.
+fn latest(run_dir: &Path, name: &str) -> f64 {
+    read_jsonl(&run_dir.join("gateway.jsonl"))
+        .iter()
+        .filter(|r| r["signal"] == "metric" && r["name"] == name)
+        .filter_map(|r| r["value"].as_f64())
+        .last()
+        .unwrap_or(0.0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_calls_are_tasks_a_client_polls_cancels_and_finds_again_after_a_crash() {
     let dir = nomad_integration_tests::Fleet::new_dir();
@@ -284,6 +294,25 @@ async fn long_calls_are_tasks_a_client_polls_cancels_and_finds_again_after_a_cra
         .await;
     code.ask(json!({"op": "result", "task_id": traced["task_id"]}))
         .await;
+
+    // A cancelled sandboxed run is killed: the gateway's count of running runs falls to zero.
+    let runs = code
+        .ask(json!({"op": "start", "tool": "execute_mcp_code",
+                    "arguments": {"code": "import time\ntime.sleep(120)"}}))
+        .await;
+    let running = || latest(&run_dir, "nomad.gateway.sandbox.runs.active");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while running() < 1.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(running(), 1.0, "the run never showed as running");
+    code.ask(json!({"op": "cancel", "task_id": runs["task_id"]}))
+        .await;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while running() > 0.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(running(), 0.0, "a cancelled run is still running");
 
     // A large result comes as a link, read with resources/read by its owner only.
     let large = code

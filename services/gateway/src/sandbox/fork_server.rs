@@ -140,6 +140,16 @@ impl ForkServer {
             Ok(_) => return Err(std::io::Error::other("a fork request was cut short")),
             Err(e) => {
                 lock(&self.exits).remove(&id);
+                // Its end of the socket is closed: it died, and the thread that reads it has not
+                // said so yet. It is gone from now on, so this run and the next are spawned.
+                if matches!(
+                    e,
+                    nix::errno::Errno::EPIPE
+                        | nix::errno::Errno::ECONNRESET
+                        | nix::errno::Errno::ENOTCONN
+                ) {
+                    self.alive.store(false, Ordering::Release);
+                }
                 return Err(std::io::Error::from(e));
             }
         }

@@ -102,7 +102,14 @@ impl Launch {
         let fork_server = self.fork_server.as_ref().and_then(|s| s.current());
         match fork_server {
             Some(server) if resources._cgroup.is_none() && spec.namespaces => {
-                Started::fork(&server, resources, warm, self)
+                match Started::fork(&server, resources, warm, self)? {
+                    Ok(started) => Ok(started),
+                    Err(resources) => {
+                        // It died just now: let it be replaced, and start this run cold.
+                        let _ = self.fork_server.as_ref().map(|s| s.current());
+                        Started::spawn(&spec, resources, warm, self)
+                    }
+                }
             }
             _ => Started::spawn(&spec, resources, warm, self),
         }
@@ -228,17 +235,26 @@ impl Started {
     }
 
     /// Asks the fork server for a child with a new bridge and output pipes of its own.
+    /// A run forked by `server`; `Ok(Err(resources))` when the server turned out to be gone
+    /// (the caller starts the run another way).
     fn fork(
         server: &Arc<ForkServer>,
         resources: Resources,
         warm: bool,
         launch: &Launch,
-    ) -> std::io::Result<Self> {
+    ) -> std::io::Result<Result<Self, Resources>> {
         use std::os::fd::AsFd as _;
         let (ours, theirs) = StdUnixStream::pair()?;
         let (out_read, out_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let (err_read, err_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
-        let forked = server.fork([theirs.as_fd(), out_write.as_fd(), err_write.as_fd()])?;
+        let forked = match server.fork([theirs.as_fd(), out_write.as_fd(), err_write.as_fd()]) {
+            Ok(forked) => forked,
+            Err(e) if !server.alive() => {
+                tracing::warn!("the sandbox's fork server is gone ({e}); this run starts cold");
+                return Ok(Err(resources));
+            }
+            Err(e) => return Err(e),
+        };
         drop((theirs, out_write, err_write));
         let pipe = |fd: OwnedFd| tokio::net::unix::pipe::Receiver::from_owned_fd(fd);
         let stdout = tokio::spawn(read_limited(Some(pipe(out_read)?), launch.stdout_limit));
@@ -247,7 +263,7 @@ impl Started {
             waiter: Waiter::Forked(forked),
             first: None,
         };
-        Self::new(process, ours, (stdout, stderr), resources, warm, launch)
+        Self::new(process, ours, (stdout, stderr), resources, warm, launch).map(Ok)
     }
 
     /// A started process with its bridge (made non-blocking here) and output readers.

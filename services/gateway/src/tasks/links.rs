@@ -29,6 +29,21 @@ impl Tasks {
         if has_output_schema {
             return result;
         }
+        // Measured without making the text for a result that stays inline (most of them).
+        let over = match &result.structured_content {
+            Some(value) => json_over(value, limit),
+            None => {
+                result
+                    .content
+                    .iter()
+                    .filter_map(|c| c.as_text().map(|t| t.text.len() as u64))
+                    .sum::<u64>()
+                    > limit
+            }
+        };
+        if !over {
+            return result;
+        }
         let (mime, body) = match &result.structured_content {
             Some(value) => ("application/json", value.to_string()),
             None => {
@@ -44,9 +59,6 @@ impl Tasks {
                 }
             }
         };
-        if body.len() as u64 <= limit {
-            return result;
-        }
         let uri = format!("{SCHEME}{}", uuid::Uuid::new_v4().simple());
         let size = body.len() as u64;
         let (owner, kept_uri) = (caller.owner().to_owned(), uri.clone());
@@ -111,5 +123,44 @@ impl Tasks {
             other => other,
         };
         Ok(ReadResourceResult::new(vec![contents]))
+    }
+}
+
+/// Whether `value` as JSON is longer than `limit` bytes, counted as it is written and stopped
+/// once past it.
+fn json_over(value: &serde_json::Value, limit: u64) -> bool {
+    struct Count {
+        bytes: u64,
+        limit: u64,
+    }
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.bytes += buf.len() as u64;
+            if self.bytes > self.limit {
+                return Err(std::io::Error::other("over the limit"));
+            }
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count { bytes: 0, limit };
+    let _ = serde_json::to_writer(&mut count, value);
+    count.bytes > limit
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_result_is_measured_as_its_json() {
+        let value = serde_json::json!({"result": "x".repeat(100)});
+        let size = value.to_string().len() as u64;
+        assert!(!json_over(&value, size));
+        assert!(json_over(&value, size - 1));
+        assert!(json_over(&value, 0));
     }
 }
