@@ -112,9 +112,9 @@ fn exported(run_dir: &Path, name: &str, attribute: (&str, &str)) -> f64 {
 fn latest(run_dir: &Path, name: &str) -> f64 {
     read_jsonl(&run_dir.join("gateway.jsonl"))
         .iter()
+        .rev()
         .filter(|r| r["signal"] == "metric" && r["name"] == name)
-        .filter_map(|r| r["value"].as_f64())
-        .last()
+        .find_map(|r| r["value"].as_f64())
         .unwrap_or(0.0)
 }
 

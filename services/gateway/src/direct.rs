@@ -8,10 +8,8 @@
 use std::sync::Arc;
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock,
-    GetTaskParams, GetTaskResult, ListToolsResult, MetaObject, PaginatedRequestParams,
-    ReadResourceRequestParams, ReadResourceResponse, ServerCapabilities, ServerConfig, Tool,
-    UpdateTaskParams,
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult,
+    MetaObject, PaginatedRequestParams, ServerConfig, Tool,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -72,14 +70,7 @@ impl DirectTools {
 
 impl ServerHandler for DirectTools {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(
-            ServerCapabilities::builder()
-                .enable_tools()
-                .enable_tasks()
-                .enable_resources()
-                .build(),
-        )
-        .with_instructions(
+        ServerConfig::new(crate::tasks::capabilities()).with_instructions(
             "Nomad's model tools, each an MCP tool of its own; get_model_card returns a tool's \
              model card.",
         )
@@ -163,43 +154,7 @@ impl ServerHandler for DirectTools {
         }
     }
 
-    async fn get_task(
-        &self,
-        request: GetTaskParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<GetTaskResult, McpError> {
-        let caller = crate::tasks::Caller::of(&context);
-        self.tasks.get(&caller, request.task_id).await
-    }
-
-    async fn cancel_task(
-        &self,
-        request: CancelTaskParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<(), McpError> {
-        let caller = crate::tasks::Caller::of(&context);
-        self.tasks.cancel(&caller, request.task_id).await
-    }
-
-    async fn read_resource(
-        &self,
-        request: ReadResourceRequestParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<ReadResourceResponse, McpError> {
-        let caller = crate::tasks::Caller::of(&context);
-        Ok(ReadResourceResponse::Complete(
-            self.tasks.read(&caller, request.uri).await?,
-        ))
-    }
-
-    async fn update_task(
-        &self,
-        request: UpdateTaskParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<(), McpError> {
-        let caller = crate::tasks::Caller::of(&context);
-        self.tasks.update(&caller, request.task_id).await
-    }
+    crate::tasks::task_methods!();
 }
 
 /// One call of a fleet tool through the scheduler, as an MCP result: text as text, JSON as

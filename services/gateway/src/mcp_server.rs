@@ -7,9 +7,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, GetTaskParams,
-    GetTaskResult, ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams,
-    ReadResourceResponse, ServerCapabilities, ServerConfig, Tool, UpdateTaskParams,
+    CallToolRequestParams, CallToolResponse, CallToolResult, ListToolsResult,
+    PaginatedRequestParams, ServerConfig, Tool,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -182,14 +181,7 @@ async fn execute(
 
 impl ServerHandler for McpFrontEnd {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(
-            ServerCapabilities::builder()
-                .enable_tools()
-                .enable_tasks()
-                .enable_resources()
-                .build(),
-        )
-        .with_instructions(
+        ServerConfig::new(crate::tasks::capabilities()).with_instructions(
             "Nomad's code-mode gateway: search the upstream tools, then run Python that calls them.",
         )
     }
@@ -282,43 +274,7 @@ impl ServerHandler for McpFrontEnd {
         }
     }
 
-    async fn get_task(
-        &self,
-        request: GetTaskParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<GetTaskResult, McpError> {
-        let caller = crate::tasks::Caller::of(&context);
-        self.tasks.get(&caller, request.task_id).await
-    }
-
-    async fn cancel_task(
-        &self,
-        request: CancelTaskParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<(), McpError> {
-        let caller = crate::tasks::Caller::of(&context);
-        self.tasks.cancel(&caller, request.task_id).await
-    }
-
-    async fn read_resource(
-        &self,
-        request: ReadResourceRequestParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<ReadResourceResponse, McpError> {
-        let caller = crate::tasks::Caller::of(&context);
-        Ok(ReadResourceResponse::Complete(
-            self.tasks.read(&caller, request.uri).await?,
-        ))
-    }
-
-    async fn update_task(
-        &self,
-        request: UpdateTaskParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<(), McpError> {
-        let caller = crate::tasks::Caller::of(&context);
-        self.tasks.update(&caller, request.task_id).await
-    }
+    crate::tasks::task_methods!();
 }
 
 #[cfg(test)]

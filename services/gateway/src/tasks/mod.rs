@@ -92,6 +92,60 @@ impl TasksConfig {
     }
 }
 
+/// What every MCP front of the gateway declares: tools, the tasks extension, and resources
+/// (linked results are read as resources).
+pub fn capabilities() -> rmcp::model::ServerCapabilities {
+    rmcp::model::ServerCapabilities::builder()
+        .enable_tools()
+        .enable_tasks()
+        .enable_resources()
+        .build()
+}
+
+/// The `ServerHandler` methods of tasks and linked results, the same on every MCP front; a
+/// handler that expands it holds the fleet's `tasks: Arc<Tasks>`.
+macro_rules! task_methods {
+    () => {
+        async fn get_task(
+            &self,
+            request: rmcp::model::GetTaskParams,
+            context: rmcp::service::RequestContext<rmcp::RoleServer>,
+        ) -> Result<rmcp::model::GetTaskResult, rmcp::ErrorData> {
+            let caller = crate::tasks::Caller::of(&context);
+            self.tasks.get(&caller, request.task_id).await
+        }
+
+        async fn cancel_task(
+            &self,
+            request: rmcp::model::CancelTaskParams,
+            context: rmcp::service::RequestContext<rmcp::RoleServer>,
+        ) -> Result<(), rmcp::ErrorData> {
+            let caller = crate::tasks::Caller::of(&context);
+            self.tasks.cancel(&caller, request.task_id).await
+        }
+
+        async fn update_task(
+            &self,
+            request: rmcp::model::UpdateTaskParams,
+            context: rmcp::service::RequestContext<rmcp::RoleServer>,
+        ) -> Result<(), rmcp::ErrorData> {
+            let caller = crate::tasks::Caller::of(&context);
+            self.tasks.update(&caller, request.task_id).await
+        }
+
+        async fn read_resource(
+            &self,
+            request: rmcp::model::ReadResourceRequestParams,
+            context: rmcp::service::RequestContext<rmcp::RoleServer>,
+        ) -> Result<rmcp::model::ReadResourceResponse, rmcp::ErrorData> {
+            let caller = crate::tasks::Caller::of(&context);
+            let read = self.tasks.read(&caller, request.uri).await?;
+            Ok(rmcp::model::ReadResourceResponse::Complete(read))
+        }
+    };
+}
+pub(crate) use task_methods;
+
 /// What a task runs: the call, given the task's trace context and a token that stops it.
 pub type Work = BoxFuture<'static, Result<CallToolResult, McpError>>;
 
