@@ -1,4 +1,4 @@
-//! `docs/metrics.md`, generated from the metric table (`metrics.rs`), so the docs and the
+//! `docs/metrics.md`, generated from the metric table (`metrics/mod.rs`), so the docs and the
 //! instruments cannot disagree.
 
 use crate::metrics::{MetricDef, TABLES};
@@ -21,7 +21,7 @@ pub fn markdown_table(defs: &[MetricDef]) -> String {
 /// The whole of `docs/metrics.md`.
 pub fn docs_markdown() -> String {
     let mut out = String::from(
-        "# Metrics\n\n<!-- Generated from shared/telemetry/src/metrics.rs; do not edit. \
+        "# Metrics\n\n<!-- Generated from shared/telemetry/src/metrics/mod.rs; do not edit. \
          Regenerate with: NOMAD_BLESS=1 cargo test -p nomad-telemetry docs_ -->\n",
     );
     for (heading, intro, defs) in TABLES {
@@ -45,7 +45,7 @@ mod tests {
         let actual = std::fs::read_to_string(&path).unwrap_or_default();
         assert!(
             actual == expected,
-            "docs/metrics.md is out of date with shared/telemetry/src/metrics.rs; \
+            "docs/metrics.md is out of date with shared/telemetry/src/metrics/mod.rs; \
              regenerate it with: NOMAD_BLESS=1 cargo test -p nomad-telemetry docs_"
         );
     }
