@@ -27,7 +27,7 @@ use super::bridge;
 use super::init::{self, Spec};
 
 /// The largest frame the zygote sends (`exited` and the init's report are small).
-const CONTROL_FRAME: usize = 1 << 20;
+pub(super) const CONTROL_FRAME: usize = 1 << 20;
 
 pub struct ForkServer {
     control: Mutex<UnixStream>,

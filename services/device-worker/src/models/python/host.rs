@@ -352,3 +352,24 @@ mod credential_tests {
         assert_eq!(fleet_credentials(std::iter::empty(), None).len(), 2);
     }
 }
+
+#[cfg(test)]
+mod limit_tests {
+    /// The host is told the limit (`NOMAD_HOST_MAX_FRAME`); its own default, for a host started
+    /// by hand, is the same number, so the two cannot drift apart unseen.
+    #[test]
+    fn the_hosts_default_frame_limit_is_the_workers() {
+        let line = super::super::HOST_PROGRAM
+            .lines()
+            .find(|l| l.starts_with("MAX_FRAME = "))
+            .expect("the host's MAX_FRAME line");
+        let default = line
+            .split("str(")
+            .nth(1)
+            .and_then(|rest| rest.split(')').next())
+            .expect("MAX_FRAME = int(os.environ.get(..., str(A << B)))");
+        let (a, b) = default.split_once("<<").expect("A << B");
+        let bytes = a.trim().parse::<usize>().unwrap() << b.trim().parse::<u32>().unwrap();
+        assert_eq!(bytes, super::MAX_FRAME, "{line}");
+    }
+}
