@@ -4,6 +4,7 @@
 //! full, the oldest connection on which no request has yet passed the token check is closed for
 //! the new one; with none such, the new one is answered 503 and closed.
 
+use crate::lock::lock;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -179,10 +180,6 @@ async fn refuse(mut stream: tokio::net::TcpStream) {
         stream.write_all(response.as_bytes()),
     )
     .await;
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

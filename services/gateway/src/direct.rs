@@ -50,12 +50,19 @@ fn mcp_tool(spec: &ToolSpec) -> Tool {
     };
     let mut tool = Tool::new(spec.name.clone(), spec.description.clone(), Arc::new(input));
     tool.annotations = spec.annotations.clone();
-    if let Some(schema) = &spec.output_schema
-        && spec.name != nomad::MODEL_CARD_TOOL
+    if let Some(schema) = spec
+        .output_schema
+        .as_ref()
+        .filter(|_| declares_output(spec))
     {
         tool.output_schema = Some(Arc::new(output_schema(schema).0));
     }
     tool
+}
+
+/// Whether the MCP tool of `spec` declares an output schema (the model card, text, does not).
+fn declares_output(spec: &ToolSpec) -> bool {
+    spec.output_schema.is_some() && spec.name != nomad::MODEL_CARD_TOOL
 }
 
 impl DirectTools {
@@ -111,13 +118,13 @@ impl ServerHandler for DirectTools {
             }
             return Ok(CallToolResponse::Complete(error_result(&error)));
         };
-        let spec = spec.clone();
         let arguments = Value::Object(request.arguments.clone().unwrap_or_default());
         let caller = crate::tasks::Caller::of(&context);
-        let has_output_schema = mcp_tool(&spec).output_schema.is_some();
+        let has_output_schema = declares_output(spec);
         if self.tasks.wants_task(&spec.name, &context) {
             // The call runs on as a task; `tasks/cancel` drops it, which cancels its scheduler
             // request.
+            let spec = spec.clone();
             let gateway = self.gateway.clone();
             let tasks = self.tasks.clone();
             let owner = caller.clone();
@@ -137,7 +144,7 @@ impl ServerHandler for DirectTools {
         let (progress, forwarding) = crate::mcp_call::progress(&request, &context);
         // A cancelled call is dropped here, which cancels its scheduler request.
         let called = tokio::select! {
-            result = call(&self.gateway, &cx, &spec, &arguments, progress.as_ref()) => Some(result),
+            result = call(&self.gateway, &cx, spec, &arguments, progress.as_ref()) => Some(result),
             () = context.ct.cancelled() => None,
         };
         drop(progress);

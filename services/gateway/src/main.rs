@@ -7,6 +7,8 @@ mod connections;
 mod direct;
 mod execute;
 mod grpc_service;
+mod json_len;
+mod lock;
 mod mcp_call;
 mod mcp_http;
 mod mcp_server;

@@ -213,17 +213,13 @@ async fn name_the_task(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    let method = request
-        .headers()
-        .get("mcp-method")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
-    if !matches!(
-        method.as_str(),
-        "tasks/get" | "tasks/update" | "tasks/cancel"
-    ) || request.headers().contains_key("mcp-name")
-    {
+    let method = match request.headers().get("mcp-method").map(|v| v.as_bytes()) {
+        Some(b"tasks/get") => "tasks/get",
+        Some(b"tasks/update") => "tasks/update",
+        Some(b"tasks/cancel") => "tasks/cancel",
+        _ => return next.run(request).await,
+    };
+    if request.headers().contains_key("mcp-name") {
         return next.run(request).await;
     }
     let (mut parts, body) = request.into_parts();

@@ -3,6 +3,7 @@
 //! `idle` without a request. When full, a new session takes the place of the one idle longest
 //! (none of its streams open); with every session busy, it is refused, saying so.
 
+use crate::lock::lock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -226,8 +227,4 @@ impl SessionManager for Bounded {
         let stream = self.inner.resume(id, last_event_id).await?;
         Ok(self.counted(id, stream))
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -11,6 +11,7 @@
 //! [`ForkServers`] holds the one in use; a zygote that dies, or forks a run that does not come up
 //! as isolated as promised, is let go and replaced (see `Pool::keep_fork_server`).
 
+use crate::lock::lock;
 use std::collections::HashMap;
 use std::io::Write as _;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
@@ -266,10 +267,6 @@ impl Drop for Forked {
         self.kill();
         lock(&self.server.exits).remove(&self.id);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 async fn log_lines(stderr: tokio::process::ChildStderr) {

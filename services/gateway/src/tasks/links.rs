@@ -31,7 +31,7 @@ impl Tasks {
         }
         // Measured without making the text for a result that stays inline (most of them).
         let over = match &result.structured_content {
-            Some(value) => json_over(value, limit),
+            Some(value) => crate::json_len::json_len(value, limit) > limit,
             None => {
                 result
                     .content
@@ -111,56 +111,12 @@ impl Tasks {
                 None,
             ));
         };
-        let contents = match ResourceContents::text(body, uri) {
-            ResourceContents::TextResourceContents {
-                uri, text, meta, ..
-            } => ResourceContents::TextResourceContents {
-                uri,
-                text,
-                meta,
-                mime_type: Some(mime),
-            },
-            other => other,
+        let contents = ResourceContents::TextResourceContents {
+            uri,
+            mime_type: Some(mime),
+            text: body,
+            meta: None,
         };
         Ok(ReadResourceResult::new(vec![contents]))
-    }
-}
-
-/// Whether `value` as JSON is longer than `limit` bytes, counted as it is written and stopped
-/// once past it.
-fn json_over(value: &serde_json::Value, limit: u64) -> bool {
-    struct Count {
-        bytes: u64,
-        limit: u64,
-    }
-    impl std::io::Write for Count {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.bytes += buf.len() as u64;
-            if self.bytes > self.limit {
-                return Err(std::io::Error::other("over the limit"));
-            }
-            Ok(buf.len())
-        }
-
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count { bytes: 0, limit };
-    let _ = serde_json::to_writer(&mut count, value);
-    count.bytes > limit
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_result_is_measured_as_its_json() {
-        let value = serde_json::json!({"result": "x".repeat(100)});
-        let size = value.to_string().len() as u64;
-        assert!(!json_over(&value, size));
-        assert!(json_over(&value, size - 1));
-        assert!(json_over(&value, 0));
     }
 }

@@ -12,6 +12,7 @@ mod caller;
 mod links;
 pub mod store;
 
+use crate::lock::lock;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -154,6 +155,7 @@ const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
 pub struct Tasks {
     config: TasksConfig,
+    limits: Limits,
     store: Mutex<Store>,
     /// The running tasks' stops, by id (at most `max_tasks`: each holds a row).
     running: Mutex<HashMap<String, CancellationToken>>,
@@ -183,6 +185,7 @@ impl Tasks {
         }
         let tasks = Arc::new(Self {
             config,
+            limits,
             store: Mutex::new(store),
             running: Mutex::new(HashMap::new()),
             instruments: Instruments::new(),
@@ -241,10 +244,7 @@ impl Tasks {
         let (record, removed) = match created {
             Ok(created) => created,
             Err(e) => {
-                let reason = match e {
-                    StoreError::TooManyTasks { .. } | StoreError::TooManyBytes { .. } => "full",
-                    _ => "store",
-                };
+                let reason = if e.is_full() { "full" } else { "store" };
                 self.instruments.rejected(tool, reason);
                 span.set_error(reason, e.to_string());
                 span.end();
@@ -314,13 +314,7 @@ impl Tasks {
         caller: &Caller,
         id: String,
     ) -> Result<GetTaskResult, McpError> {
-        let owner = caller.owner().to_owned();
-        let shown = id.clone();
-        let record = self
-            .with_store(move |s| s.get(&id, &owner, now_ms()))
-            .await
-            .map_err(|e| refusal(&e))?
-            .ok_or_else(|| not_found(&shown))?;
+        let record = self.record(caller, id).await?;
         let payload = |text: &Option<String>| -> Result<JsonObject, McpError> {
             text.as_deref()
                 .map(serde_json::from_str)
@@ -366,10 +360,24 @@ impl Tasks {
         }
     }
 
+    /// The caller's task `id` as stored; not found as [`not_found`] says.
+    async fn record(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: String,
+    ) -> Result<store::Record, McpError> {
+        let owner = caller.owner().to_owned();
+        let shown = id.clone();
+        self.with_store(move |s| s.get(&id, &owner, now_ms()))
+            .await
+            .map_err(|e| refusal(&e))?
+            .ok_or_else(|| not_found(&shown))
+    }
+
     /// `tasks/update`: these tasks never ask for input, so there is nothing to answer; an
     /// unknown task is named as `tasks/get` names it.
     pub async fn update(self: &Arc<Self>, caller: &Caller, id: String) -> Result<(), McpError> {
-        self.get(caller, id.clone()).await?;
+        self.record(caller, id.clone()).await?;
         Err(McpError::invalid_params(
             format!("task {id:?} asks for no input: nothing to update"),
             None,
@@ -399,14 +407,13 @@ impl Tasks {
             Status::Failed => TaskStatus::Failed,
             Status::Cancelled => TaskStatus::Cancelled,
         };
-        let limits = *lock(&self.store).limits();
         let mut task = Task::new(
             record.id.clone(),
             status,
             iso(record.created_ms),
             iso(record.updated_ms),
         )
-        .with_ttl_ms(record.ttl_ms(&limits));
+        .with_ttl_ms(record.ttl_ms(&self.limits));
         if status == TaskStatus::Working {
             task = task.with_poll_interval_ms(self.config.poll_interval_ms);
         }
@@ -430,10 +437,6 @@ impl Tasks {
                 )))
             })
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn now_ms() -> u64 {
@@ -468,9 +471,10 @@ fn not_found(id: &str) -> McpError {
 
 /// A store refusal as a JSON-RPC error, its kind in `data` as tool errors carry it.
 fn refusal(e: &StoreError) -> McpError {
-    let code = match e {
-        StoreError::TooManyTasks { .. } | StoreError::TooManyBytes { .. } => "RESOURCE_EXHAUSTED",
-        _ => "INTERNAL",
+    let code = if e.is_full() {
+        "RESOURCE_EXHAUSTED"
+    } else {
+        "INTERNAL"
     };
     McpError::internal_error(
         e.to_string(),

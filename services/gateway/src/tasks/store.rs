@@ -148,6 +148,16 @@ pub enum StoreError {
     Sqlite(#[from] rusqlite::Error),
 }
 
+impl StoreError {
+    /// A refusal for want of room (the client may try again later), not a failure.
+    pub fn is_full(&self) -> bool {
+        matches!(
+            self,
+            StoreError::TooManyTasks { .. } | StoreError::TooManyBytes { .. }
+        )
+    }
+}
+
 pub struct Store {
     db: Connection,
     limits: Limits,
@@ -245,10 +255,6 @@ impl Store {
                 now_ms.saturating_add(self.limits.ttl_ms) as i64
             ],
         )? as u64)
-    }
-
-    pub fn limits(&self) -> &Limits {
-        &self.limits
     }
 
     /// A new `working` task for `owner`, once there is room for it: expired tasks are removed,
@@ -471,13 +477,7 @@ impl Store {
     /// Tasks held and the bytes they count.
     #[cfg(test)]
     pub fn held(&self) -> Result<(u64, u64), StoreError> {
-        Ok(self.db.query_row(
-            "SELECT (SELECT COUNT(*) FROM tasks) + (SELECT COUNT(*) FROM results),
-                    (SELECT COALESCE(SUM(bytes), 0) FROM tasks)
-                        + (SELECT COALESCE(SUM(bytes), 0) FROM results)",
-            [],
-            |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
-        )?)
+        Ok(held(&self.db)?)
     }
 }
 
@@ -512,45 +512,45 @@ fn expire(db: &Connection, now_ms: u64) -> rusqlite::Result<u64> {
     Ok((tasks + results) as u64)
 }
 
+/// Tasks and linked results held, and the bytes they count.
+fn held(db: &Connection) -> rusqlite::Result<(u64, u64)> {
+    db.query_row(
+        "SELECT (SELECT COUNT(*) FROM tasks) + (SELECT COUNT(*) FROM results),
+                (SELECT COALESCE(SUM(bytes), 0) FROM tasks)
+                    + (SELECT COALESCE(SUM(bytes), 0) FROM results)",
+        [],
+        |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
+    )
+}
+
 /// Removes finished tasks, oldest ending first, until `tasks` more tasks and `bytes` more bytes
 /// fit; refuses by name when the working ones alone leave no room. Returns how many it removed.
 fn make_room(db: &Connection, limits: &Limits, tasks: u64, bytes: u64) -> Result<u64, StoreError> {
-    let held = |db: &Connection| {
-        db.query_row(
-            "SELECT (SELECT COUNT(*) FROM tasks) + (SELECT COUNT(*) FROM results),
-                    (SELECT COALESCE(SUM(bytes), 0) FROM tasks)
-                        + (SELECT COALESCE(SUM(bytes), 0) FROM results)",
-            [],
-            |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
-        )
-    };
-    let fits = |(count, size): (u64, u64)| {
-        count + tasks <= limits.max_tasks && size + bytes <= limits.max_bytes
-    };
+    let (mut count, mut size) = held(db)?;
     let mut evicted = 0;
-    let mut now = held(db)?;
-    while !fits(now) {
+    while count + tasks > limits.max_tasks || size + bytes > limits.max_bytes {
         // Finished tasks and linked results, whichever ended first.
-        let oldest: Option<(String, bool)> = db
+        let oldest: Option<(String, bool, u64)> = db
             .query_row(
-                "SELECT id, is_task FROM (
-                     SELECT id, updated_ms AS at, 1 AS is_task FROM tasks WHERE status != 'working'
+                "SELECT id, is_task, bytes FROM (
+                     SELECT id, updated_ms AS at, 1 AS is_task, bytes FROM tasks
+                         WHERE status != 'working'
                      UNION ALL
-                     SELECT uri, created_ms, 0 FROM results)
+                     SELECT uri, created_ms, 0, bytes FROM results)
                  ORDER BY at, id LIMIT 1",
                 [],
-                |r| Ok((r.get(0)?, r.get(1)?)),
+                |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? as u64)),
             )
             .optional()?;
-        let Some((id, is_task)) = oldest else {
-            return Err(if now.0 + tasks > limits.max_tasks {
+        let Some((id, is_task, freed)) = oldest else {
+            return Err(if count + tasks > limits.max_tasks {
                 StoreError::TooManyTasks {
-                    held: now.0,
+                    held: count,
                     max: limits.max_tasks,
                 }
             } else {
                 StoreError::TooManyBytes {
-                    held: now.1,
+                    held: size,
                     max: limits.max_bytes,
                 }
             });
@@ -561,7 +561,8 @@ fn make_room(db: &Connection, limits: &Limits, tasks: u64, bytes: u64) -> Result
             db.execute("DELETE FROM results WHERE uri = ?1", [&id])?;
         }
         evicted += 1;
-        now = held(db)?;
+        count -= 1;
+        size = size.saturating_sub(freed);
     }
     Ok(evicted)
 }

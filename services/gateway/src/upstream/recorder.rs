@@ -99,20 +99,7 @@ impl CallRecorder<'_> {
 /// What a log line says of a call's arguments: their top-level keys (at most 16, each clipped)
 /// and their size in bytes of JSON.
 fn shape_of(arguments: &Value) -> String {
-    /// Counts what is written, keeping none of it.
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0 += buf.len();
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    let _ = serde_json::to_writer(&mut count, arguments);
-    let bytes = count.0;
+    let bytes = crate::json_len::json_len(arguments, u64::MAX);
     match arguments {
         Value::Object(map) => {
             let keys: Vec<String> = map.keys().take(16).map(|k| clip(k).into_owned()).collect();
