@@ -319,7 +319,21 @@ impl Store {
             Outcome::Failed { error, message } => (Status::Failed, Some(message), error),
         };
         let mut removed = Removed::default();
-        match make_room(&tx, &self.limits, 0, payload.len() as u64) {
+        // An outcome that cannot fit even with every finished task gone evicts none of them.
+        let working: i64 = tx.query_row(
+            "SELECT COALESCE(SUM(bytes), 0) FROM tasks WHERE status = 'working'",
+            [],
+            |r| r.get(0),
+        )?;
+        let room = if working as u64 + payload.len() as u64 > self.limits.max_bytes {
+            Err(StoreError::TooManyBytes {
+                held: working as u64,
+                max: self.limits.max_bytes,
+            })
+        } else {
+            make_room(&tx, &self.limits, 0, payload.len() as u64)
+        };
+        match room {
             Ok(evicted) => removed.evicted = evicted,
             Err(StoreError::TooManyBytes { .. }) => {
                 let why = format!(

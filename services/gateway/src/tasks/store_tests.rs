@@ -113,9 +113,12 @@ fn an_outcome_over_the_byte_budget_is_a_failure_saying_so() {
         Status::Completed
     );
     store.create("huge", "alice", "t", 4).unwrap();
-    store
+    let (_, removed) = store
         .finish("huge", completed(&"z".repeat(5_000)), 5)
         .unwrap();
+    // Nothing is evicted for an outcome that could never fit.
+    assert_eq!(removed.evicted, 0);
+    assert!(store.get("big", "alice", 5).unwrap().is_some());
     let got = store.get("huge", "alice", 5).unwrap().unwrap();
     assert_eq!(got.status, Status::Failed);
     let message = got.message.unwrap();
