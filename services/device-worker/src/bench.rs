@@ -6,12 +6,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use nomad_proto::v1::{ToolInput, tool_input};
 
-use crate::models::cross::{Scorer, Task};
-use crate::models::embed::Embedder;
-use crate::models::generate::Generator;
-use crate::models::{ExecLimits, Model};
+use crate::models::kinds::cross::{Scorer, Task};
+use crate::models::kinds::embed::Embedder;
+use crate::models::kinds::generate::Generator;
+use crate::models::model::{ExecLimits, Input, Model, Value};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -77,12 +76,12 @@ fn scores(args: &BenchArgs, task: Task) -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("--what {} needs --source DIR", task.name()))?;
     let model = Scorer::load(source, &Device::Cpu, task)?;
     let sentences = sentences(args)?;
-    let text = |value: &str, options: serde_json::Value| ToolInput {
-        value: Some(tool_input::Value::Text(value.to_owned())),
-        options_json: options.to_string(),
+    let text = |value: &str, options: serde_json::Value| Input {
+        value: Value::Text(value.to_owned()),
+        options: options.to_string(),
     };
     for &batch in &args.batches {
-        let calls: Vec<Vec<ToolInput>> = sentences
+        let calls: Vec<Vec<Input>> = sentences
             .chunks(batch)
             .filter(|c| c.len() == batch)
             .map(|chunk| match task {
@@ -96,7 +95,7 @@ fn scores(args: &BenchArgs, task: Task) -> anyhow::Result<()> {
                     .collect(),
             })
             .collect();
-        let calls: Vec<&[ToolInput]> = calls.iter().map(Vec::as_slice).collect();
+        let calls: Vec<&[Input]> = calls.iter().map(Vec::as_slice).collect();
         let rate = per_second(&model, &calls, batch, args.seconds)?;
         println!(
             "{}",
@@ -115,7 +114,7 @@ fn scores(args: &BenchArgs, task: Task) -> anyhow::Result<()> {
 /// after three calls of warm-up.
 fn per_second(
     model: &dyn Model,
-    calls: &[&[ToolInput]],
+    calls: &[&[Input]],
     texts: usize,
     seconds: f64,
 ) -> anyhow::Result<f64> {
@@ -150,16 +149,15 @@ fn sentences(args: &BenchArgs) -> anyhow::Result<Vec<String>> {
 fn embed(args: &BenchArgs) -> anyhow::Result<()> {
     let model = Embedder::load(&args.models.join("all-minilm-l6-v2"), &Device::Cpu)?;
     let sentences = sentences(args)?;
-    let inputs: Vec<ToolInput> = sentences
+    let inputs: Vec<Input> = sentences
         .iter()
-        .map(|s| ToolInput {
-            value: Some(tool_input::Value::Text(s.clone())),
-            options_json: String::new(),
+        .map(|s| Input {
+            value: Value::Text(s.clone()),
+            options: String::new(),
         })
         .collect();
     for &batch in &args.batches {
-        let batches: Vec<&[ToolInput]> =
-            inputs.chunks(batch).filter(|c| c.len() == batch).collect();
+        let batches: Vec<&[Input]> = inputs.chunks(batch).filter(|c| c.len() == batch).collect();
         let rate = per_second(&model, &batches, batch, args.seconds)?;
         println!(
             "{}",

@@ -5,25 +5,30 @@ use std::time::Instant;
 
 use nomad_proto::v1::device_worker_server::DeviceWorker;
 use nomad_proto::v1::{
-    BatchResults, ClearCacheRequest, ClearCacheResponse, DescribeRequest, ExecuteBatchRequest,
-    ExecuteBatchResponse, LoadRequest, LoadResponse, OffloadRequest, OffloadResponse, OutOfMemory,
-    PlaceRequest, PlaceResponse, StatsRequest, ToolDescription, UnloadRequest, UnloadResponse,
-    WorkerStats, execute_batch_response,
+    ClearCacheRequest, ClearCacheResponse, DescribeRequest, ExecuteBatchRequest,
+    ExecuteBatchResponse, LoadRequest, LoadResponse, OffloadRequest, OffloadResponse, PlaceRequest,
+    PlaceResponse, StatsRequest, ToolDescription, UnloadRequest, UnloadResponse, WorkerStats,
+    execute_batch_response,
 };
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions};
 use opentelemetry::trace::{Link, TraceContextExt as _};
 use tonic::{Request, Response, Status};
 
-use crate::models::{self, ExecError, LoadError};
+use crate::models::backends::python::PythonSettings;
+use crate::models::kinds::generate;
+use crate::models::load::Backend;
+use crate::models::model::{ExecError, ExecLimits, Input, LoadError};
+use crate::models::{open, source};
 use crate::store::{ModelStore, StoreError};
+use crate::wire;
 
 pub struct WorkerService {
     pub store: Arc<ModelStore>,
-    pub backend: Arc<models::Backend>,
-    pub limits: models::ExecLimits,
+    pub backend: Arc<Backend>,
+    pub limits: ExecLimits,
     pub device_name: String,
     pub on_accelerator: bool,
-    pub python: models::python::PythonSettings,
+    pub python: PythonSettings,
 }
 
 fn store_status(e: StoreError) -> Status {
@@ -39,14 +44,14 @@ fn store_status(e: StoreError) -> Status {
 }
 
 fn load_status(e: LoadError) -> Status {
-    use models::source::SourceError;
+    use source::SourceError;
     match e {
         LoadError::NotFound { .. } | LoadError::Source(SourceError::NotFound(_)) => {
             Status::not_found(e.to_string())
         }
         LoadError::Source(SourceError::NotCached { .. }) => Status::not_found(e.to_string()),
         LoadError::Source(SourceError::Registry { failure, .. }) => {
-            use models::source::RegistryFailure;
+            use source::RegistryFailure;
             let message = e.to_string();
             match failure {
                 RegistryFailure::NotFound => Status::not_found(message),
@@ -115,6 +120,7 @@ impl DeviceWorker for WorkerService {
             .model
             .ok_or_else(|| Status::invalid_argument("`model` is required"))?;
         let tool = required_tool(&spec.tool)?.to_owned();
+        let spec = wire::spec(spec).map_err(load_status)?;
         if self.store.contains(&tool) {
             let bytes = self
                 .store
@@ -129,7 +135,7 @@ impl DeviceWorker for WorkerService {
         }
         let span = self.device_span("nomad.device.load", &tool);
         let started = Instant::now();
-        let loaded = models::open::open(spec, self.backend.clone(), &self.python).await;
+        let loaded = open::open(spec, self.backend.clone(), &self.python).await;
         let model = loaded.map_err(|e| {
             span.set_error("load_failed", e.to_string());
             load_status(e)
@@ -223,14 +229,13 @@ impl DeviceWorker for WorkerService {
                 span
             })
             .collect();
+        let inputs: Vec<Input> = inputs.into_iter().map(wire::input).collect();
         let limits = self.limits;
         // A model in another process joins the first request's trace (its host sees the W3C
         // context of the current span).
         let joined = shares.first().map(|s| s.context().clone());
         let executed = match model.streaming() {
-            Some(streaming) => {
-                crate::models::generate::run_batch(streaming, &inputs, &limits).await
-            }
+            Some(streaming) => generate::run_batch(streaming, &inputs, &limits).await,
             None => {
                 blocking(move || {
                     let _joined = joined.map(Context::attach);
@@ -239,12 +244,9 @@ impl DeviceWorker for WorkerService {
                 .await?
             }
         };
-        let outcome = match executed {
-            Ok(items) => execute_batch_response::Outcome::Results(BatchResults { items }),
-            Err(ExecError::OutOfMemory(detail)) => {
-                execute_batch_response::Outcome::OutOfMemory(OutOfMemory { detail })
-            }
-            Err(ExecError::Failed(message)) => {
+        let outcome = match wire::outcome(executed) {
+            Ok(outcome) => outcome,
+            Err(message) => {
                 for span in &shares {
                     span.set_error("execution_failed", message.clone());
                 }
@@ -302,7 +304,7 @@ impl DeviceWorker for WorkerService {
             KeyValue::new("device", self.device_name.clone()),
             KeyValue::new("nomad.tool.streamed", true),
         ]);
-        let input = inputs.remove(0);
+        let input = wire::input(inputs.remove(0));
         let stream = crate::streaming::run_stream(streaming, &input, &self.limits, move |error| {
             if let Some(e) = error {
                 span.set_error("execution_failed", e.to_owned());
@@ -319,10 +321,10 @@ impl DeviceWorker for WorkerService {
         // Candle keeps no allocator cache, a model host's torch does; the simulated device
         // releases its reserve.
         let released_bytes = match self.backend.as_ref() {
-            models::Backend::Sim(device) => {
+            Backend::Sim(device) => {
                 Some(device.clear_cache(crate::stats::placed_bytes(&self.store)))
             }
-            models::Backend::Candle => {
+            Backend::Candle => {
                 let store = self.store.clone();
                 blocking(move || store.clear_caches()).await?
             }
@@ -351,12 +353,14 @@ impl DeviceWorker for WorkerService {
             .ok_or_else(|| Status::invalid_argument("`model` is required"))?;
         required_tool(&spec.tool)?;
         let span = self.device_span("nomad.device.describe", &spec.tool);
-        let described = models::open::describe(&spec, &self.backend, &self.python)
-            .await
-            .map_err(|e| {
-                span.set_error("describe_failed", e.to_string());
-                load_status(e)
-            })?;
-        Ok(Response::new(described))
+        let described = match wire::spec(spec) {
+            Ok(spec) => open::describe(&spec, &self.backend, &self.python).await,
+            Err(e) => Err(e),
+        };
+        let described = described.map_err(|e| {
+            span.set_error("describe_failed", e.to_string());
+            load_status(e)
+        })?;
+        Ok(Response::new(wire::description(described)))
     }
 }

@@ -11,6 +11,7 @@ mod serve;
 mod stats;
 mod store;
 mod streaming;
+mod wire;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -60,7 +61,7 @@ fn main() -> ExitCode {
     let done = |result: anyhow::Result<()>| result.map(|()| ExitCode::SUCCESS);
     match cli.command {
         Some(Command::MakeMlp { out, layers, seed }) => print_error(done(
-            models::mlp::Mlp::write_random(&out, &layers, seed)
+            models::kinds::mlp::Mlp::write_random(&out, &layers, seed)
                 .with_context(|| format!("writing an mlp to {}", out.display())),
         )),
         Some(Command::Bench(args)) => print_error(done(bench::run(args))),

@@ -7,7 +7,7 @@ use std::time::Duration;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{DeviceInfo, HeartbeatRequest, RegisterWorkerRequest};
 
-use crate::models::Backend;
+use crate::models::load::Backend;
 use crate::store::ModelStore;
 
 pub struct Registration {

@@ -71,11 +71,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| format!("{host}-{}-{}", std::process::id(), args.device));
     let backend = match args.backend {
-        BackendKind::Candle => models::Backend::Candle,
-        BackendKind::Sim => models::Backend::Sim(Arc::new(models::sim::SimDevice::new(
-            models::sim::SimConfig::checked(file.section("sim")?)?,
-            &worker_id,
-        ))),
+        BackendKind::Candle => models::load::Backend::Candle,
+        BackendKind::Sim => {
+            models::load::Backend::Sim(Arc::new(models::backends::sim::SimDevice::new(
+                models::backends::sim::SimConfig::checked(file.section("sim")?)?,
+                &worker_id,
+            )))
+        }
     };
     tracing::info!("{}", device::capabilities());
     let opening = service.startup.phase(
@@ -121,7 +123,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let registering = tokio::spawn(registration.run());
 
-    let python_settings = models::python::PythonSettings {
+    let python_settings = models::backends::python::PythonSettings {
         cache: args
             .cache_dir
             .clone()
@@ -146,7 +148,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         DeviceWorkerServer::new(grpc_service::WorkerService {
             store,
             backend,
-            limits: models::ExecLimits {
+            limits: models::model::ExecLimits {
                 memory_budget: args.memory_budget_bytes,
             },
             device_name: args.device.to_string(),

@@ -3,7 +3,7 @@
 
 use nomad_proto::v1::WorkerStats;
 
-use crate::models::Backend;
+use crate::models::load::Backend;
 use crate::store::ModelStore;
 
 /// Bytes of the models placed on the device.

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::Device;
 use nomad_proto::v1::LoadedModel;
 
-use crate::models::{ExecError, Model};
+use crate::models::model::{ExecError, Model};
 
 struct Entry {
     host: Arc<dyn Model>,

@@ -5,27 +5,18 @@
 use std::pin::Pin;
 
 use futures::Stream;
-use nomad_proto::v1::{
-    BatchResults, ExecuteBatchResponse, ExecuteStreamEvent, ItemResult, OutOfMemory, ToolInput,
-    execute_batch_response, execute_stream_event,
-};
+use nomad_proto::v1::{ExecuteBatchResponse, ExecuteStreamEvent, execute_stream_event};
 use tonic::Status;
 
-use crate::models::decoder::Event;
-use crate::models::generate::answer;
-use crate::models::{ExecError, ExecLimits, StartError, Streaming};
+use crate::models::kinds::generate::answer;
+use crate::models::model::{Answer, Event, ExecError, ExecLimits, Input, StartError, Streaming};
+use crate::wire;
 
 pub type EventStream = Pin<Box<dyn Stream<Item = Result<ExecuteStreamEvent, Status>> + Send>>;
 
 /// The outcome ExecuteBatch gives for one item, as the stream's last event.
-fn done(outcome: Result<ItemResult, ExecError>) -> Result<ExecuteStreamEvent, Status> {
-    let outcome = match outcome {
-        Ok(item) => execute_batch_response::Outcome::Results(BatchResults { items: vec![item] }),
-        Err(ExecError::OutOfMemory(detail)) => {
-            execute_batch_response::Outcome::OutOfMemory(OutOfMemory { detail })
-        }
-        Err(ExecError::Failed(message)) => return Err(Status::internal(message)),
-    };
+fn done(outcome: Result<Answer, ExecError>) -> Result<ExecuteStreamEvent, Status> {
+    let outcome = wire::outcome(outcome.map(|answer| vec![answer])).map_err(Status::internal)?;
     Ok(ExecuteStreamEvent {
         event: Some(execute_stream_event::Event::Done(ExecuteBatchResponse {
             outcome: Some(outcome),
@@ -37,7 +28,7 @@ fn done(outcome: Result<ItemResult, ExecError>) -> Result<ExecuteStreamEvent, St
 /// stream ends or is dropped (it closes the request's span).
 pub fn run_stream(
     model: &dyn Streaming,
-    input: &ToolInput,
+    input: &Input,
     limits: &ExecLimits,
     on_end: impl FnOnce(Option<&str>) + Send + 'static,
 ) -> EventStream {

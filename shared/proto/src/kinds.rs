@@ -333,12 +333,62 @@ pub const PYTHON: KindSpec = KindSpec {
     options: &[],
 };
 
-/// Every kind.
+/// The kinds as a closed set: code that treats each kind its own way matches on this, so a kind
+/// added here does not compile until every such place has its arm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Embed,
+    Rerank,
+    Classify,
+    Generate,
+    Mlp,
+    Python,
+}
+
+impl Kind {
+    /// Every kind, in the table's order.
+    pub const ALL: [Kind; 6] = [
+        Kind::Embed,
+        Kind::Rerank,
+        Kind::Classify,
+        Kind::Generate,
+        Kind::Mlp,
+        Kind::Python,
+    ];
+
+    pub const fn spec(self) -> &'static KindSpec {
+        match self {
+            Kind::Embed => &EMBED,
+            Kind::Rerank => &RERANK,
+            Kind::Classify => &CLASSIFY,
+            Kind::Generate => &GENERATE,
+            Kind::Mlp => &MLP,
+            Kind::Python => &PYTHON,
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        self.spec().name
+    }
+
+    /// The kind called `name`.
+    pub fn named(name: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Every kind's spec, in `Kind::ALL`'s order.
 pub const KINDS: &[KindSpec] = &[EMBED, RERANK, CLASSIFY, GENERATE, MLP, PYTHON];
 
 /// The kind called `name`.
 pub fn kind(name: &str) -> Option<&'static KindSpec> {
-    KINDS.iter().find(|k| k.name == name)
+    Kind::named(name).map(Kind::spec)
 }
 
 /// The kind names, for messages.
@@ -375,6 +425,14 @@ mod tests {
         for kind in &built_in {
             assert!(opening.contains(&format!("`{kind}`")), "{kind}: {opening}");
         }
+    }
+
+    #[test]
+    fn the_enum_and_the_table_list_the_same_kinds_in_one_order() {
+        let from_enum: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
+        assert_eq!(from_enum, names());
+        assert_eq!(Kind::named("rerank"), Some(Kind::Rerank));
+        assert_eq!(Kind::named("Rerank"), None);
     }
 
     #[test]

@@ -5,34 +5,47 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use nomad_proto::v1::{ModelSpec, ToolDescription};
+use nomad_proto::kinds::Kind;
 
-use super::python::{self, PythonSettings};
-use super::{Backend, LoadError, Model, logins, source};
+use crate::models::backends::python::{self, PythonSettings};
+use crate::models::load::{self, Backend};
+use crate::models::model::{LoadError, Model, Spec};
+use crate::models::source;
+
+/// What describing a tool found.
+#[derive(Debug, Default)]
+pub struct Described {
+    /// A Python model's own schemas, description and batch size (empty for a built-in kind).
+    pub own: python::Description,
+    /// The README.md of the model's directory.
+    pub model_card: Option<String>,
+    /// The source pinned to what was read (a commit, a digest), or empty.
+    pub pinned_source: String,
+}
 
 /// The longest model card a description carries.
 const MAX_MODEL_CARD: u64 = 1 << 20;
 
 /// Reads a model from its source into host memory.
 pub async fn open(
-    mut spec: ModelSpec,
+    mut spec: Spec,
     backend: Arc<Backend>,
     settings: &PythonSettings,
 ) -> Result<Arc<dyn Model>, LoadError> {
     if !matches!(*backend, Backend::Sim(_)) {
-        if spec.kind == nomad_proto::kinds::PYTHON.name {
+        if spec.kind == Kind::Python {
             return Ok(Arc::new(python::load(&spec, settings).await?));
         }
         let resolved = source::resolve(
             &spec.source,
             &spec.base_dir,
             &settings.cache,
-            &logins::registries(&spec),
+            &spec.registries,
         )
         .await?;
         spec.source = resolved.path.to_string_lossy().into_owned();
     }
-    tokio::task::spawn_blocking(move || super::load(&spec, &backend))
+    tokio::task::spawn_blocking(move || load::load(&spec, &backend))
         .await
         .map_err(|e| LoadError::Host {
             tool: String::new(),
@@ -44,27 +57,27 @@ pub async fn open(
 /// environment built and its class imported), for every kind its model card; a source that is
 /// missing fails here, as loading it would.
 pub async fn describe(
-    spec: &ModelSpec,
+    spec: &Spec,
     backend: &Backend,
     settings: &PythonSettings,
-) -> Result<ToolDescription, LoadError> {
+) -> Result<Described, LoadError> {
     if matches!(backend, Backend::Sim(_)) {
-        return Ok(ToolDescription::default());
+        return Ok(Described::default());
     }
-    let (description, resolved) = if spec.kind == nomad_proto::kinds::PYTHON.name {
+    let kind = spec.kind;
+    let (description, resolved) = if kind == Kind::Python {
         python::describe(spec, settings).await?
     } else {
         let resolved = source::resolve(
             &spec.source,
             &spec.base_dir,
             &settings.cache,
-            &logins::registries(spec),
+            &spec.registries,
         )
         .await?;
         let path = resolved.path.clone();
         // Off the async threads: a decoder's check reads its file and builds its tokenizer.
-        let (kind, checked) = (spec.kind.clone(), path.clone());
-        tokio::task::spawn_blocking(move || super::check(&kind, &checked))
+        tokio::task::spawn_blocking(move || load::check(kind, &path))
             .await
             .map_err(|e| LoadError::Host {
                 tool: String::new(),
@@ -72,13 +85,10 @@ pub async fn describe(
             })??;
         (python::Description::default(), Some(resolved))
     };
-    Ok(ToolDescription {
-        description: description.description,
-        input_schema_json: description.input_schema,
-        output_schema_json: description.output_schema,
-        batch_size: description.batch_size,
+    Ok(Described {
         model_card: resolved.as_ref().and_then(|r| model_card(&r.path)),
         pinned_source: resolved.map(|r| r.pinned).unwrap_or_default(),
+        own: description,
     })
 }
 

@@ -21,6 +21,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use nomad_proto::kinds::Kind;
 use nomad_telemetry::Context;
 use serde_json::{Value, json};
 
@@ -65,25 +66,28 @@ fn caller(headers: &HeaderMap) -> Context {
 }
 
 /// `model` checked against the scheduler's tools: it exists and is of one of `kinds`.
-async fn model(gateway: &Gateway, name: &str, kinds: &[&str]) -> Result<String, ApiError> {
+async fn model(gateway: &Gateway, name: &str, kinds: &[Kind]) -> Result<Kind, ApiError> {
     let listed = gateway
         .upstreams
         .model_kinds()
         .await
         .map_err(ApiError::from_tool_error)?;
+    let served = |kind: &str| Kind::named(kind).filter(|k| kinds.contains(k));
     match listed.iter().find(|(n, _)| n == name) {
-        Some((_, kind)) if kinds.contains(&kind.as_str()) => Ok(kind.clone()),
-        Some((_, kind)) => Err(ApiError::invalid(
-            Some("model"),
-            format!(
-                "model {name:?} is a {kind} tool; this endpoint serves {} tools",
-                kinds.join(" or ")
-            ),
-        )),
+        Some((_, kind)) => served(kind).ok_or_else(|| {
+            let names: Vec<&str> = kinds.iter().map(|k| k.name()).collect();
+            ApiError::invalid(
+                Some("model"),
+                format!(
+                    "model {name:?} is a {kind} tool; this endpoint serves {} tools",
+                    names.join(" or ")
+                ),
+            )
+        }),
         None => {
             let fitting: Vec<&str> = listed
                 .iter()
-                .filter(|(_, k)| kinds.contains(&k.as_str()))
+                .filter(|(_, k)| served(k).is_some())
                 .map(|(n, _)| n.as_str())
                 .collect();
             Err(ApiError::model_not_found(name, &fitting))
@@ -168,7 +172,7 @@ async fn embeddings(
             ),
         ));
     }
-    model(&gateway, &request.model, &["embed"]).await?;
+    model(&gateway, &request.model, &[Kind::Embed]).await?;
     let window = embedding_window(
         gateway
             .upstreams
@@ -336,8 +340,7 @@ async fn chat(
         return Err(ApiError::invalid(Some("messages"), "`messages` is empty"));
     }
     arguments.insert("messages".into(), json!(messages));
-    let kind = model(&gateway, &request.model, &["generate"]).await?;
-    debug_assert_eq!(kind, "generate");
+    model(&gateway, &request.model, &[Kind::Generate]).await?;
     respond(
         &gateway,
         caller(&headers),
@@ -370,7 +373,7 @@ async fn completions(
     };
     arguments.insert("text".into(), json!(prompt));
     arguments.insert("chat".into(), json!(false));
-    model(&gateway, &request.model, &["generate"]).await?;
+    model(&gateway, &request.model, &[Kind::Generate]).await?;
     respond(
         &gateway,
         caller(&headers),
@@ -544,7 +547,7 @@ async fn rerank(
             )),
         })
         .collect::<Result<_, _>>()?;
-    model(&gateway, &request.model, &["rerank"]).await?;
+    model(&gateway, &request.model, &[Kind::Rerank]).await?;
     let mut arguments = json!({"text": request.query, "documents": documents});
     if let Some(n) = request.top_n {
         arguments["top_n"] = json!(n);

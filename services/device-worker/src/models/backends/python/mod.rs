@@ -1,0 +1,445 @@
+//! The Python backend: a model of the original Nomad's contract (`fmod_models`' TorchModuleTool
+//! classes and callable `tools`) run by a model host process in the model's own environment.
+//!
+//! - `env`: the cached virtual environment of a model's `env` requirements;
+//! - `host`: one host process and the frames it speaks;
+//! - `frames`: what the frames hold.
+//!
+//! A host that dies under a batch is started again and the batch runs once more; a second death
+//! fails the batch naming how the host ended.
+
+mod env;
+mod frames;
+mod host;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+pub use self::env::EnvCache;
+use self::frames::{Described, FailureKind, Request};
+use self::host::{Host, HostError, Launch};
+use crate::models::batch;
+use crate::models::model::{
+    Answer, ExecError, ExecLimits, Input, LoadError, Model, PythonEntry, PythonSpec, Spec, Value,
+};
+
+/// The host program, shipped inside this binary and written into the cache at first use.
+const HOST_PROGRAM: &str = include_str!("../../../../../../model-host/nomad_model_host.py");
+
+/// This worker's settings for Python models.
+#[derive(Debug, Clone)]
+pub struct PythonSettings {
+    /// Environments, clones and the host program live here.
+    pub cache: PathBuf,
+    /// The interpreter a model without its own `python` uses.
+    pub python: String,
+    /// How long building an environment, or loading a model, may take.
+    pub env_timeout: Duration,
+    /// `CUDA_VISIBLE_DEVICES` for hosts: this worker's GPU, or none.
+    pub visible_devices: String,
+    /// Where a placed model goes inside its host: "cuda" (the one GPU it sees) or "cpu".
+    pub device: &'static str,
+    pub service_name: String,
+}
+
+/// What a description gives: the model's own schemas, description and batch size.
+#[derive(Debug, Clone, Default)]
+pub struct Description {
+    pub description: String,
+    pub input_schema: String,
+    pub output_schema: String,
+    pub batch_size: u32,
+}
+
+/// A Python spec's own part (the gRPC layer refuses a python spec without one).
+fn spec_of(spec: &Spec) -> Result<&PythonSpec, LoadError> {
+    spec.python.as_ref().ok_or_else(|| LoadError::Invalid {
+        path: spec.source.clone().into(),
+        reason: "a python tool's spec has no `python` part".into(),
+    })
+}
+
+/// The host program in the cache (written once per content).
+fn host_file(cache: &Path) -> Result<PathBuf, LoadError> {
+    use sha2::{Digest as _, Sha256};
+    let digest: String = Sha256::digest(HOST_PROGRAM.as_bytes())[..6]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let dir = cache.join("host");
+    let path = dir.join(format!("nomad_model_host_{digest}.py"));
+    if !path.is_file() {
+        let write = || -> std::io::Result<()> {
+            std::fs::create_dir_all(&dir)?;
+            let partial = dir.join(format!(".{digest}.{}.partial", std::process::id()));
+            std::fs::write(&partial, HOST_PROGRAM)?;
+            std::fs::rename(&partial, &path)
+        };
+        write().map_err(|e| LoadError::Invalid {
+            path: path.clone(),
+            reason: format!("writing the model host program: {e}"),
+        })?;
+    }
+    Ok(path)
+}
+
+/// Everything a host of `spec` needs before it starts: its source, environment and program.
+struct Prepared {
+    launch: Launch,
+    source: Option<crate::models::source::Resolved>,
+}
+
+async fn prepare(
+    spec: &Spec,
+    python: &PythonSpec,
+    settings: &PythonSettings,
+) -> Result<Prepared, LoadError> {
+    let source = match spec.source.trim() {
+        "" => None,
+        text => Some(
+            crate::models::source::resolve(text, &spec.base_dir, &settings.cache, &spec.registries)
+                .await?,
+        ),
+    };
+    let cache = EnvCache {
+        root: settings.cache.clone(),
+        timeout: settings.env_timeout,
+    };
+    let interpreter = python.python.as_ref().unwrap_or(&settings.python);
+    let interpreter = cache
+        .ensure(&spec.tool, interpreter, &python.requirements)
+        .await
+        .map_err(|source| LoadError::Environment {
+            tool: spec.tool.clone(),
+            source: Box::new(source),
+        })?
+        .python;
+    Ok(Prepared {
+        launch: Launch {
+            tool: spec.tool.clone(),
+            python: interpreter,
+            host_file: host_file(&settings.cache)?,
+            import_paths: python.import_paths.iter().map(PathBuf::from).collect(),
+            visible_devices: settings.visible_devices.clone(),
+            service_name: format!("{}/host/{}", settings.service_name, spec.tool),
+        },
+        source,
+    })
+}
+
+fn load_frame(python: &PythonSpec, source: Option<&Path>, instantiate: bool) -> Bytes {
+    let entry = match python.entry {
+        PythonEntry::Callable => "callable",
+        PythonEntry::ModelClass => "model_class",
+    };
+    frames::encode(&Request::Load {
+        entry,
+        target: &python.target,
+        source: source.map(|p| p.to_string_lossy().into_owned()),
+        tool_kwargs: frames::kwargs(&python.tool_kwargs_json),
+        instantiate,
+        device: "cpu",
+    })
+}
+
+fn host_load_error(tool: &str, e: impl std::fmt::Display) -> LoadError {
+    LoadError::Host {
+        tool: tool.to_owned(),
+        reason: e.to_string(),
+    }
+}
+
+/// Starts a host and loads the model in it (or, with `instantiate` false, only as far as
+/// describing it needs).
+async fn start(
+    spec: &Spec,
+    prepared: &Prepared,
+    frame: Bytes,
+    timeout: Duration,
+) -> Result<(Host, Described), LoadError> {
+    let host = Host::start(&prepared.launch).map_err(|e| host_load_error(&spec.tool, e))?;
+    let reply = host
+        .call(frame, timeout)
+        .await
+        .map_err(|e| host_load_error(&spec.tool, e))?;
+    let described = frames::decode::<Described>(&reply)
+        .map_err(|e| host_load_error(&spec.tool, e))?
+        .map_err(|failure| host_load_error(&spec.tool, failure.message))?;
+    Ok((host, described))
+}
+
+/// Describes a Python tool: its environment is built and its class imported (instantiated only
+/// when the class alone does not say what it takes).
+pub async fn describe(
+    spec: &Spec,
+    settings: &PythonSettings,
+) -> Result<(Description, Option<crate::models::source::Resolved>), LoadError> {
+    let python = spec_of(spec)?;
+    let prepared = prepare(spec, python, settings).await?;
+    let frame = load_frame(
+        python,
+        prepared.source.as_ref().map(|r| r.path.as_path()),
+        false,
+    );
+    let (host, described) = start(spec, &prepared, frame, settings.env_timeout).await?;
+    drop(host);
+    Ok((described.into_description(), prepared.source))
+}
+
+/// Loads a Python model into a fresh host, on the CPU.
+pub async fn load(spec: &Spec, settings: &PythonSettings) -> Result<PythonModel, LoadError> {
+    let python = spec_of(spec)?;
+    let prepared = prepare(spec, python, settings).await?;
+    let frame = load_frame(
+        python,
+        prepared.source.as_ref().map(|r| r.path.as_path()),
+        true,
+    );
+    let (host, described) = start(spec, &prepared, frame.clone(), settings.env_timeout).await?;
+    tracing::info!(tool = %spec.tool, pid = host.pid, python = %prepared.launch.python.display(), name = %described.name, bytes = described.bytes, "model host ready");
+    Ok(PythonModel {
+        inner: Arc::new(Inner {
+            tool: spec.tool.clone(),
+            launch: prepared.launch,
+            load_frame: frame,
+            batch_timeout: python.batch_timeout.unwrap_or(settings.env_timeout),
+            load_timeout: settings.env_timeout,
+            bytes: described.bytes,
+            device: settings.device,
+            runtime: tokio::runtime::Handle::current(),
+            state: Mutex::new(State {
+                host: Some(host),
+                on_device: false,
+            }),
+        }),
+    })
+}
+
+/// A model served by a host process; clones share the process.
+#[derive(Clone)]
+pub struct PythonModel {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    tool: String,
+    launch: Launch,
+    /// The request that loads the model, for a host started again.
+    load_frame: Bytes,
+    batch_timeout: Duration,
+    load_timeout: Duration,
+    bytes: u64,
+    device: &'static str,
+    runtime: tokio::runtime::Handle,
+    state: Mutex<State>,
+}
+
+struct State {
+    /// `None` after the host died, until the next call starts another.
+    host: Option<Host>,
+    on_device: bool,
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The running host, started (and loaded, and placed where the model was) when there is none.
+    fn host<'a>(&self, state: &'a mut State) -> Result<&'a Host, ExecError> {
+        if state.host.is_none() {
+            let _runtime = self.runtime.enter();
+            let host = Host::start(&self.launch).map_err(|e| ExecError::Failed(e.to_string()))?;
+            tracing::info!(tool = %self.tool, pid = host.pid, "model host started again");
+            let reply = host
+                .call_blocking(self.load_frame.clone(), self.load_timeout)
+                .map_err(|e| ExecError::Failed(format!("starting the model host again: {e}")))?;
+            frames::decode::<Described>(&reply)
+                .map_err(|e| ExecError::Failed(e.to_string()))?
+                .map_err(|f| {
+                    ExecError::Failed(format!("loading the model again: {}", f.message))
+                })?;
+            if state.on_device {
+                call::<frames::Empty>(
+                    &host,
+                    &self.tool,
+                    Request::To {
+                        device: self.device,
+                    },
+                    self.load_timeout,
+                )?;
+            }
+            state.host = Some(host);
+        }
+        Ok(state.host.as_ref().expect("started above"))
+    }
+
+    /// One request on the running host; a host that died is forgotten (the next call starts one).
+    fn request<T: serde::de::DeserializeOwned>(
+        &self,
+        request: Request<'_>,
+        timeout: Duration,
+    ) -> Result<T, ExecError> {
+        let mut state = self.lock();
+        let host = self.host(&mut state)?;
+        let result = call(host, &self.tool, request, timeout);
+        if let Err(Lost(_)) = &result {
+            state.host = None;
+        }
+        result.map_err(ExecError::from)
+    }
+}
+
+/// A call's failure: the host's own answer, or the host lost under it.
+enum CallError {
+    Answered(ExecError),
+    Lost(ExecError),
+}
+use CallError::{Answered, Lost};
+
+impl From<CallError> for ExecError {
+    fn from(e: CallError) -> Self {
+        match e {
+            Answered(e) | Lost(e) => e,
+        }
+    }
+}
+
+/// Sends `request` and reads the host's answer as `T`.
+fn call<T: serde::de::DeserializeOwned>(
+    host: &Host,
+    tool: &str,
+    request: Request<'_>,
+    timeout: Duration,
+) -> Result<T, CallError> {
+    let reply = host
+        .call_blocking(frames::encode(&request), timeout)
+        .map_err(|e| Lost(ExecError::Failed(format!("{tool}: {e}"))))?;
+    answer(tool, &reply).map_err(Answered)
+}
+
+/// The host's answer as `T`, or its failure as an execution error.
+fn answer<T: serde::de::DeserializeOwned>(tool: &str, reply: &[u8]) -> Result<T, ExecError> {
+    match frames::decode::<T>(reply) {
+        Err(e) => Err(ExecError::Failed(format!("{tool}: {e}"))),
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(failure)) => Err(match failure.kind {
+            FailureKind::OutOfMemory => ExecError::OutOfMemory(failure.message),
+            FailureKind::Failed | FailureKind::BadRequest => ExecError::Failed(failure.message),
+        }),
+    }
+}
+
+impl Model for PythonModel {
+    fn bytes(&self) -> u64 {
+        self.inner.bytes
+    }
+
+    fn to_device(&self, _device: &candle_core::Device) -> Result<Arc<dyn Model>, ExecError> {
+        let inner = &self.inner;
+        inner.request::<frames::Empty>(
+            Request::To {
+                device: inner.device,
+            },
+            inner.load_timeout,
+        )?;
+        inner.lock().on_device = true;
+        Ok(Arc::new(self.clone()))
+    }
+
+    fn offload(&self) -> Result<(), ExecError> {
+        let inner = &self.inner;
+        if !inner.lock().on_device {
+            return Ok(());
+        }
+        inner.request::<frames::Empty>(Request::To { device: "cpu" }, inner.load_timeout)?;
+        inner.lock().on_device = false;
+        Ok(())
+    }
+
+    fn clear_cache(&self) -> Option<u64> {
+        let inner = &self.inner;
+        inner
+            .request::<frames::Released>(Request::ClearCache, inner.load_timeout)
+            .ok()
+            .and_then(|r| r.released_bytes)
+    }
+
+    fn execute(&self, inputs: &[Input], _limits: &ExecLimits) -> Result<Vec<Answer>, ExecError> {
+        batch::run(
+            inputs,
+            |index, input| arguments(input).map_err(|message| batch::invalid(index, message)),
+            |items, positions| {
+                let trace =
+                    nomad_telemetry::propagation::inject_map(&nomad_telemetry::Context::current());
+                let frame = frames::encode(&Request::Batch {
+                    items: &items,
+                    trace,
+                });
+                let batch = self.run_with_restart(&frame)?;
+                if batch.results.len() != items.len() {
+                    return Err(ExecError::Failed(format!(
+                        "{}: the model host answered {} results for {} inputs",
+                        self.inner.tool,
+                        batch.results.len(),
+                        items.len()
+                    )));
+                }
+                Ok(positions
+                    .iter()
+                    .zip(batch.results)
+                    .map(|(&position, item)| item.into_answer(position))
+                    .collect())
+            },
+        )
+    }
+}
+
+impl PythonModel {
+    /// Runs a batch; a host that dies under it is started again and the batch runs once more.
+    fn run_with_restart(&self, frame: &Bytes) -> Result<frames::Batch, ExecError> {
+        let inner = &self.inner;
+        let tool = &inner.tool;
+        let mut first_death: Option<String> = None;
+        loop {
+            let mut state = inner.lock();
+            let host = inner.host(&mut state)?;
+            let how = match host.call_blocking(frame.clone(), inner.batch_timeout) {
+                Ok(reply) => return answer(tool, &reply),
+                Err(HostError::Exited(how)) => how,
+                Err(e) => {
+                    state.host = None;
+                    return Err(ExecError::Failed(format!("{tool}: {e}")));
+                }
+            };
+            state.host = None;
+            drop(state);
+            if let Some(first) = first_death {
+                return Err(ExecError::Failed(format!(
+                    "{tool}: the model host exited ({first}) under this batch, and again ({how}) \
+                     when it ran once more on a new host; see the worker's log for its output"
+                )));
+            }
+            tracing::warn!(%tool, exit = %how, "the model host died under a batch; starting it again and running the batch once more");
+            first_death = Some(how);
+        }
+    }
+}
+
+/// A request's JSON arguments, checked to be one JSON object.
+fn arguments(input: &Input) -> Result<Box<serde_json::value::RawValue>, String> {
+    let Value::Json(text) = &input.value else {
+        return Err(
+            "a Python tool takes a JSON object of arguments (`json`), not text or a tensor".into(),
+        );
+    };
+    let raw: Box<serde_json::value::RawValue> =
+        serde_json::from_str(text).map_err(|e| format!("the arguments are not valid JSON: {e}"))?;
+    if !raw.get().trim_start().starts_with('{') {
+        return Err("the arguments must be a JSON object".into());
+    }
+    Ok(raw)
+}
