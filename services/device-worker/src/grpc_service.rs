@@ -11,7 +11,7 @@ use nomad_proto::v1::{
     execute_batch_response,
 };
 use nomad_telemetry::{Context, GroupSpan, KeyValue, SpanGroup, SpanOptions};
-use opentelemetry::trace::{Link, TraceContextExt as _};
+use opentelemetry::trace::{FutureExt as _, Link, TraceContextExt as _};
 use tonic::{Request, Response, Status};
 
 use crate::models::backends::python::PythonSettings;
@@ -234,15 +234,17 @@ impl DeviceWorker for WorkerService {
         // A model in another process joins the first request's trace (its host sees the W3C
         // context of the current span).
         let joined = shares.first().map(|s| s.context().clone());
-        let executed = match model.streaming() {
-            Some(streaming) => generate::run_batch(streaming, &inputs, &limits).await,
-            None => {
-                blocking(move || {
-                    let _joined = joined.map(Context::attach);
-                    model.execute(&inputs, &limits)
-                })
-                .await?
-            }
+        let executed = if let Some(streaming) = model.streaming() {
+            generate::run_batch(streaming, &inputs, &limits).await
+        } else if let Some(hosted) = model.hosted() {
+            let joined = joined.unwrap_or_else(Context::current);
+            hosted.execute_hosted(&inputs).with_context(joined).await
+        } else {
+            blocking(move || {
+                let _joined = joined.map(Context::attach);
+                model.execute(&inputs, &limits)
+            })
+            .await?
         };
         let outcome = match wire::outcome(executed) {
             Ok(outcome) => outcome,

@@ -9,10 +9,24 @@ use crate::models::model::{Answer, ExecError, Input, Output, Value};
 /// with their indices, and answers each.
 pub fn run<P>(
     inputs: &[Input],
-    mut prepare: impl FnMut(usize, &Input) -> Result<P, Answer>,
+    prepare: impl FnMut(usize, &Input) -> Result<P, Answer>,
     run: impl FnOnce(Vec<P>, &[usize]) -> Result<Vec<Answer>, ExecError>,
 ) -> Result<Vec<Answer>, ExecError> {
-    let mut results: Vec<Option<Answer>> = vec![None; inputs.len()];
+    let (prepared, places) = split(inputs, prepare);
+    if prepared.is_empty() {
+        return places.join(Vec::new());
+    }
+    let answers = run(prepared, places.positions())?;
+    places.join(answers)
+}
+
+/// `run`'s two halves, for a model that awaits its pass (a model host): the prepared inputs in
+/// order, and where their answers go among the refusals already made.
+pub fn split<P>(
+    inputs: &[Input],
+    mut prepare: impl FnMut(usize, &Input) -> Result<P, Answer>,
+) -> (Vec<P>, Places) {
+    let mut answers: Vec<Option<Answer>> = vec![None; inputs.len()];
     let mut prepared = Vec::with_capacity(inputs.len());
     let mut positions = Vec::with_capacity(inputs.len());
     for (index, input) in inputs.iter().enumerate() {
@@ -25,23 +39,39 @@ pub fn run<P>(
                 prepared.push(item);
                 positions.push(index);
             }
-            Err(refused) => results[index] = Some(refused),
+            Err(refused) => answers[index] = Some(refused),
         }
     }
-    if !prepared.is_empty() {
-        let answers = run(prepared, &positions)?;
-        if answers.len() != positions.len() {
+    (prepared, Places { answers, positions })
+}
+
+/// Where the answers of a batch's prepared inputs go (`split`).
+#[derive(Debug)]
+pub struct Places {
+    answers: Vec<Option<Answer>>,
+    positions: Vec<usize>,
+}
+
+impl Places {
+    /// The input index of each prepared input, in order.
+    pub fn positions(&self) -> &[usize] {
+        &self.positions
+    }
+
+    /// Every input's answer in input order: `answers` holds one per prepared input.
+    pub fn join(mut self, answers: Vec<Answer>) -> Result<Vec<Answer>, ExecError> {
+        if answers.len() != self.positions.len() {
             return Err(ExecError::Failed(format!(
                 "the model answered {} results for {} inputs",
                 answers.len(),
-                positions.len()
+                self.positions.len()
             )));
         }
-        for (position, answer) in positions.into_iter().zip(answers) {
-            results[position] = Some(answer);
+        for (position, answer) in self.positions.into_iter().zip(answers) {
+            self.answers[position] = Some(answer);
         }
+        Ok(self.answers.into_iter().flatten().collect())
     }
-    Ok(results.into_iter().flatten().collect())
 }
 
 /// Input `index` refused: the message names the request and what was wrong.

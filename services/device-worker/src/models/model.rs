@@ -69,6 +69,10 @@ pub trait Model: Send + Sync + 'static {
     fn streaming(&self) -> Option<&dyn Streaming> {
         None
     }
+    /// A model whose batches run in another process: awaited, holding no thread meanwhile.
+    fn hosted(&self) -> Option<&dyn Hosted> {
+        None
+    }
     /// Called on the device copy before it is dropped: a model that lives in another process
     /// moves its weights back to host memory there.
     fn offload(&self) -> Result<(), ExecError> {
@@ -90,6 +94,15 @@ pub trait Streaming: Send + Sync {
         input: &Input,
         limits: &ExecLimits,
     ) -> Result<tokio::sync::mpsc::Receiver<Event>, StartError>;
+}
+
+/// A model run by another process (a model host): its batch is a message there and back.
+pub trait Hosted: Send + Sync {
+    /// `Model::execute`, awaited.
+    fn execute_hosted<'a>(
+        &'a self,
+        inputs: &'a [Input],
+    ) -> futures::future::BoxFuture<'a, Result<Vec<Answer>, ExecError>>;
 }
 
 /// One request of a batch, as the worker reads it (the gRPC layer converts it once; no model

@@ -146,22 +146,6 @@ impl Host {
             .await
             .unwrap_or_else(|_| Err(HostError::Exited("it stopped".into())))
     }
-
-    /// [`Host::call`] from a thread outside the runtime (a blocking task).
-    pub fn call_blocking(&self, frame: Bytes, timeout: Duration) -> Result<Bytes, HostError> {
-        let (reply, answer) = oneshot::channel();
-        let call = Call {
-            frame,
-            timeout,
-            reply,
-        };
-        if self.calls.blocking_send(call).is_err() {
-            return Err(HostError::Exited("it had already stopped".into()));
-        }
-        answer
-            .blocking_recv()
-            .unwrap_or_else(|_| Err(HostError::Exited("it stopped".into())))
-    }
 }
 
 enum Output {

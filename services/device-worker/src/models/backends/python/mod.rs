@@ -13,7 +13,7 @@ mod frames;
 mod host;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -23,7 +23,8 @@ use self::frames::{Described, FailureKind, Request};
 use self::host::{Host, HostError, Launch};
 use crate::models::batch;
 use crate::models::model::{
-    Answer, ExecError, ExecLimits, Input, LoadError, Model, PythonEntry, PythonSpec, Spec, Value,
+    Answer, ExecError, ExecLimits, Hosted, Input, LoadError, Model, PythonEntry, PythonSpec, Spec,
+    Value,
 };
 
 /// The host program, shipped inside this binary and written into the cache at first use.
@@ -210,7 +211,7 @@ pub async fn load(spec: &Spec, settings: &PythonSettings) -> Result<PythonModel,
             bytes: described.bytes,
             device: settings.device,
             runtime: tokio::runtime::Handle::current(),
-            state: Mutex::new(State {
+            state: tokio::sync::Mutex::new(State {
                 host: Some(host),
                 on_device: false,
             }),
@@ -234,7 +235,8 @@ struct Inner {
     bytes: u64,
     device: &'static str,
     runtime: tokio::runtime::Handle,
-    state: Mutex<State>,
+    /// One call at a time: the host answers its frames in order.
+    state: tokio::sync::Mutex<State>,
 }
 
 struct State {
@@ -244,18 +246,14 @@ struct State {
 }
 
 impl Inner {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// The running host, started (and loaded, and placed where the model was) when there is none.
-    fn host<'a>(&self, state: &'a mut State) -> Result<&'a Host, ExecError> {
+    async fn host<'a>(&self, state: &'a mut State) -> Result<&'a Host, ExecError> {
         if state.host.is_none() {
-            let _runtime = self.runtime.enter();
             let host = Host::start(&self.launch).map_err(|e| ExecError::Failed(e.to_string()))?;
             tracing::info!(tool = %self.tool, pid = host.pid, "model host started again");
             let reply = host
-                .call_blocking(self.load_frame.clone(), self.load_timeout)
+                .call(self.load_frame.clone(), self.load_timeout)
+                .await
                 .map_err(|e| ExecError::Failed(format!("starting the model host again: {e}")))?;
             frames::decode::<Described>(&reply)
                 .map_err(|e| ExecError::Failed(e.to_string()))?
@@ -263,14 +261,10 @@ impl Inner {
                     ExecError::Failed(format!("loading the model again: {}", f.message))
                 })?;
             if state.on_device {
-                call::<frames::Empty>(
-                    &host,
-                    &self.tool,
-                    Request::To {
-                        device: self.device,
-                    },
-                    self.load_timeout,
-                )?;
+                let to = Request::To {
+                    device: self.device,
+                };
+                call::<frames::Empty>(&host, &self.tool, to, self.load_timeout).await?;
             }
             state.host = Some(host);
         }
@@ -278,18 +272,27 @@ impl Inner {
     }
 
     /// One request on the running host; a host that died is forgotten (the next call starts one).
-    fn request<T: serde::de::DeserializeOwned>(
+    async fn request<T: serde::de::DeserializeOwned>(
         &self,
         request: Request<'_>,
         timeout: Duration,
     ) -> Result<T, ExecError> {
-        let mut state = self.lock();
-        let host = self.host(&mut state)?;
-        let result = call(host, &self.tool, request, timeout);
+        let mut state = self.state.lock().await;
+        let host = self.host(&mut state).await?;
+        let result = call(host, &self.tool, request, timeout).await;
         if let Err(Lost(_)) = &result {
             state.host = None;
         }
         result.map_err(ExecError::from)
+    }
+
+    /// `request` from a blocking thread (the store's placing, offloading and cache clearing).
+    fn request_blocking<T: serde::de::DeserializeOwned>(
+        &self,
+        request: Request<'_>,
+        timeout: Duration,
+    ) -> Result<T, ExecError> {
+        self.runtime.block_on(self.request(request, timeout))
     }
 }
 
@@ -309,14 +312,15 @@ impl From<CallError> for ExecError {
 }
 
 /// Sends `request` and reads the host's answer as `T`.
-fn call<T: serde::de::DeserializeOwned>(
+async fn call<T: serde::de::DeserializeOwned>(
     host: &Host,
     tool: &str,
     request: Request<'_>,
     timeout: Duration,
 ) -> Result<T, CallError> {
     let reply = host
-        .call_blocking(frames::encode(&request), timeout)
+        .call(frames::encode(&request), timeout)
+        .await
         .map_err(|e| Lost(ExecError::Failed(format!("{tool}: {e}"))))?;
     answer(tool, &reply).map_err(Answered)
 }
@@ -340,74 +344,91 @@ impl Model for PythonModel {
 
     fn to_device(&self, _device: &candle_core::Device) -> Result<Arc<dyn Model>, ExecError> {
         let inner = &self.inner;
-        inner.request::<frames::Empty>(
-            Request::To {
-                device: inner.device,
-            },
-            inner.load_timeout,
-        )?;
-        inner.lock().on_device = true;
+        let to = Request::To {
+            device: inner.device,
+        };
+        inner.request_blocking::<frames::Empty>(to, inner.load_timeout)?;
+        inner.state.blocking_lock().on_device = true;
         Ok(Arc::new(self.clone()))
     }
 
     fn offload(&self) -> Result<(), ExecError> {
         let inner = &self.inner;
-        if !inner.lock().on_device {
+        if !inner.state.blocking_lock().on_device {
             return Ok(());
         }
-        inner.request::<frames::Empty>(Request::To { device: "cpu" }, inner.load_timeout)?;
-        inner.lock().on_device = false;
+        inner
+            .request_blocking::<frames::Empty>(Request::To { device: "cpu" }, inner.load_timeout)?;
+        inner.state.blocking_lock().on_device = false;
         Ok(())
     }
 
     fn clear_cache(&self) -> Option<u64> {
         let inner = &self.inner;
         inner
-            .request::<frames::Released>(Request::ClearCache, inner.load_timeout)
+            .request_blocking::<frames::Released>(Request::ClearCache, inner.load_timeout)
             .ok()
             .and_then(|r| r.released_bytes)
     }
 
+    /// From a blocking thread; the worker awaits `execute_hosted` instead.
     fn execute(&self, inputs: &[Input], _limits: &ExecLimits) -> Result<Vec<Answer>, ExecError> {
-        batch::run(
-            inputs,
-            |index, input| arguments(input).map_err(|message| batch::invalid(index, message)),
-            |items, positions| {
-                let trace =
-                    nomad_telemetry::propagation::inject_map(&nomad_telemetry::Context::current());
-                let frame = frames::encode(&Request::Batch {
-                    items: &items,
-                    trace,
-                });
-                let batch = self.run_with_restart(&frame)?;
-                if batch.results.len() != items.len() {
-                    return Err(ExecError::Failed(format!(
-                        "{}: the model host answered {} results for {} inputs",
-                        self.inner.tool,
-                        batch.results.len(),
-                        items.len()
-                    )));
-                }
-                Ok(positions
-                    .iter()
-                    .zip(batch.results)
-                    .map(|(&position, item)| item.into_answer(position))
-                    .collect())
-            },
-        )
+        self.inner.runtime.block_on(self.execute_hosted(inputs))
+    }
+
+    fn hosted(&self) -> Option<&dyn Hosted> {
+        Some(self)
+    }
+}
+
+impl Hosted for PythonModel {
+    fn execute_hosted<'a>(
+        &'a self,
+        inputs: &'a [Input],
+    ) -> futures::future::BoxFuture<'a, Result<Vec<Answer>, ExecError>> {
+        Box::pin(async move {
+            let (items, places) = batch::split(inputs, |index, input| {
+                arguments(input).map_err(|message| batch::invalid(index, message))
+            });
+            if items.is_empty() {
+                return places.join(Vec::new());
+            }
+            let trace =
+                nomad_telemetry::propagation::inject_map(&nomad_telemetry::Context::current());
+            let frame = frames::encode(&Request::Batch {
+                items: &items,
+                trace,
+            });
+            let batch = self.run_with_restart(&frame).await?;
+            if batch.results.len() != items.len() {
+                return Err(ExecError::Failed(format!(
+                    "{}: the model host answered {} results for {} inputs",
+                    self.inner.tool,
+                    batch.results.len(),
+                    items.len()
+                )));
+            }
+            let answers = places
+                .positions()
+                .iter()
+                .zip(batch.results)
+                .map(|(&position, item)| item.into_answer(position))
+                .collect();
+            places.join(answers)
+        })
     }
 }
 
 impl PythonModel {
     /// Runs a batch; a host that dies under it is started again and the batch runs once more.
-    fn run_with_restart(&self, frame: &Bytes) -> Result<frames::Batch, ExecError> {
+    async fn run_with_restart(&self, frame: &Bytes) -> Result<frames::Batch, ExecError> {
         let inner = &self.inner;
         let tool = &inner.tool;
         let mut first_death: Option<String> = None;
         loop {
-            let mut state = inner.lock();
-            let host = inner.host(&mut state)?;
-            let how = match host.call_blocking(frame.clone(), inner.batch_timeout) {
+            let mut state = inner.state.lock().await;
+            let host = inner.host(&mut state).await?;
+            let how = match host.call(frame.clone(), inner.batch_timeout).await {
                 Ok(reply) => return answer(tool, &reply),
                 Err(HostError::Exited(how)) => how,
                 Err(e) => {
