@@ -30,6 +30,16 @@ pub struct Spec {
     pub registries: nomad_config::registries::Registries,
 }
 
+impl Spec {
+    /// Its source found (cloned, fetched, or read from the Hugging Face cache into `cache`).
+    pub async fn resolve(
+        &self,
+        cache: &std::path::Path,
+    ) -> Result<nomad_sources::Resolved, LoadError> {
+        Ok(nomad_sources::resolve(&self.source, &self.base_dir, cache, &self.registries).await?)
+    }
+}
+
 /// A Python model: what its host imports and the environment it runs in.
 #[derive(Debug, Clone)]
 pub struct PythonSpec {
@@ -83,6 +93,13 @@ pub trait Model: Send + Sync + 'static {
     fn clear_cache(&self) -> Option<u64> {
         None
     }
+}
+
+/// A model read again for another device, as `Model::to_device` answers it.
+pub fn reloaded<M: Model>(loaded: Result<M, LoadError>) -> Result<Arc<dyn Model>, ExecError> {
+    loaded
+        .map(|m| Arc::new(m) as Arc<dyn Model>)
+        .map_err(|e| ExecError::Failed(e.to_string()))
 }
 
 /// A model whose requests each join a running loop and report as they go.

@@ -10,7 +10,6 @@ use nomad_proto::kinds::Kind;
 use crate::models::backends::python::{self, PythonSettings};
 use crate::models::load::{self, Backend};
 use crate::models::model::{LoadError, Model, Spec};
-use crate::models::source;
 
 /// What describing a tool found.
 #[derive(Debug, Default)]
@@ -36,20 +35,22 @@ pub async fn open(
         if spec.kind == Kind::Python {
             return Ok(Arc::new(python::load(&spec, settings).await?));
         }
-        let resolved = source::resolve(
-            &spec.source,
-            &spec.base_dir,
-            &settings.cache,
-            &spec.registries,
-        )
-        .await?;
+        let resolved = spec.resolve(&settings.cache).await?;
         spec.source = resolved.path.to_string_lossy().into_owned();
     }
-    tokio::task::spawn_blocking(move || load::load(&spec, &backend))
+    off_thread("loading", move || load::load(&spec, &backend)).await
+}
+
+/// `work` on the blocking pool (it reads files and builds tokenizers), off the async threads.
+async fn off_thread<T: Send + 'static>(
+    what: &str,
+    work: impl FnOnce() -> Result<T, LoadError> + Send + 'static,
+) -> Result<T, LoadError> {
+    tokio::task::spawn_blocking(work)
         .await
         .map_err(|e| LoadError::Host {
             tool: String::new(),
-            reason: format!("the loading task failed: {e}"),
+            reason: format!("the {what} task failed: {e}"),
         })?
 }
 
@@ -68,21 +69,9 @@ pub async fn describe(
     let (description, resolved) = if kind == Kind::Python {
         python::describe(spec, settings).await?
     } else {
-        let resolved = source::resolve(
-            &spec.source,
-            &spec.base_dir,
-            &settings.cache,
-            &spec.registries,
-        )
-        .await?;
+        let resolved = spec.resolve(&settings.cache).await?;
         let path = resolved.path.clone();
-        // Off the async threads: a decoder's check reads its file and builds its tokenizer.
-        tokio::task::spawn_blocking(move || load::check(kind, &path))
-            .await
-            .map_err(|e| LoadError::Host {
-                tool: String::new(),
-                reason: format!("the checking task failed: {e}"),
-            })??;
+        off_thread("checking", move || load::check(kind, &path)).await?;
         (python::Description::default(), Some(resolved))
     };
     Ok(Described {

@@ -25,25 +25,26 @@ pub(super) struct Reporting {
     pub deadlines: Deadlines,
 }
 
-/// `call`, bounded by `deadline`: a worker that misses it is as good as gone, so the result is
-/// the UNAVAILABLE that marks a lost worker.
+use super::status::WorkerError;
+use crate::config::{Deadlines, ToolConfig};
+use crate::metrics::Metrics;
+use crate::workers::Worker;
+
+/// `call`, bounded by `deadline`, its failure in the driver's terms: a worker that misses the
+/// deadline is as good as gone.
 async fn within<T>(
     deadline: std::time::Duration,
     what: &str,
     call: impl std::future::Future<Output = Result<T, Status>>,
-) -> Result<T, Status> {
+) -> Result<T, WorkerError> {
     match tokio::time::timeout(deadline, call).await {
-        Ok(result) => result,
-        Err(_) => Err(Status::unavailable(format!(
+        Ok(result) => result.map_err(WorkerError::from),
+        Err(_) => Err(WorkerError::Lost(format!(
             "no answer to {what} within {} s",
             deadline.as_secs_f64()
         ))),
     }
 }
-use super::status::lost;
-use crate::config::{Deadlines, ToolConfig};
-use crate::metrics::Metrics;
-use crate::workers::Worker;
 
 /// One batch to run on a worker, with what its report needs.
 pub(super) struct Call {
@@ -129,7 +130,7 @@ async fn report(
     call: Call,
     expected: usize,
     started: Instant,
-    reply: Result<ExecuteBatchResponse, Status>,
+    reply: Result<ExecuteBatchResponse, WorkerError>,
     reporting: Reporting,
 ) {
     let Reporting { metrics, tx, .. } = reporting;
@@ -156,20 +157,15 @@ async fn report(
                 None,
             ),
         },
-        Err(status) if lost(&status) => (
-            BatchResult::Failed(status.message().to_owned()),
+        Err(WorkerError::Lost(message)) => (
+            BatchResult::Failed(message.clone()),
             vec![],
             Some(format!(
-                "worker {} unreachable during a batch: {}",
-                worker.id,
-                status.message()
+                "worker {} unreachable during a batch: {message}",
+                worker.id
             )),
         ),
-        Err(status) => (
-            BatchResult::Failed(format!("{:?}: {}", status.code(), status.message())),
-            vec![],
-            None,
-        ),
+        Err(failed) => (BatchResult::Failed(failed.to_string()), vec![], None),
     };
     let status = match (&result, &lost_reason) {
         (BatchResult::Done(_), None) => "ok",
@@ -275,15 +271,11 @@ pub(super) async fn prepare(
     .await;
     let (result, lost_reason) = match outcome {
         Ok(()) => (Ok(()), None),
-        Err(status) if lost(&status) => (
-            Err(status.message().to_owned()),
-            Some(format!(
-                "worker {} unreachable: {}",
-                worker.id,
-                status.message()
-            )),
+        Err(WorkerError::Lost(message)) => (
+            Err(message.clone()),
+            Some(format!("worker {} unreachable: {message}", worker.id)),
         ),
-        Err(status) => (Err(status.message().to_owned()), None),
+        Err(failed) => (Err(failed.message().to_owned()), None),
     };
     if let Err(e) = &result {
         span.set_error("prepare_failed", e.clone());
@@ -416,14 +408,12 @@ pub(super) async fn maintain(
         }
     };
     let lost_reason = match &result {
-        Err(status) if lost(status) => Some(format!(
-            "worker {} unreachable: {}",
-            worker.id,
-            status.message()
-        )),
-        Err(status) => {
-            span.set_error(format!("{:?}", status.code()), status.message());
-            tracing::warn!(worker_id = %worker.id, "{name} failed: {}", status.message());
+        Err(WorkerError::Lost(message)) => {
+            Some(format!("worker {} unreachable: {message}", worker.id))
+        }
+        Err(WorkerError::Failed { code, message }) => {
+            span.set_error(code.clone(), message.clone());
+            tracing::warn!(worker_id = %worker.id, "{name} failed: {message}");
             None
         }
         Ok(()) => None,

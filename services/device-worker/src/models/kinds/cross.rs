@@ -17,7 +17,9 @@ use crate::models::families::encoder::Encoder;
 use crate::models::formats::row::Row;
 use crate::models::kinds::embed::{pools, tokenizer, weight_bytes};
 use crate::models::kinds::options::Options;
-use crate::models::model::{Answer, ExecError, ExecLimits, Input, LoadError, Model, Output};
+use crate::models::model::{
+    Answer, ExecError, ExecLimits, Input, LoadError, Model, Output, reloaded,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Task {
@@ -244,9 +246,7 @@ impl Model for Scorer {
     }
 
     fn to_device(&self, device: &Device) -> Result<Arc<dyn Model>, ExecError> {
-        Scorer::load(&self.dir, device, self.task)
-            .map(|m| Arc::new(m) as Arc<dyn Model>)
-            .map_err(|e| ExecError::Failed(e.to_string()))
+        reloaded(Scorer::load(&self.dir, device, self.task))
     }
 
     fn execute(&self, inputs: &[Input], limits: &ExecLimits) -> Result<Vec<Answer>, ExecError> {

@@ -18,7 +18,7 @@ use crate::models::formats::row::Row;
 use crate::models::formats::sentence::{Pooling, SentenceConfig};
 use crate::models::kinds::length_groups::Pools;
 use crate::models::kinds::options::Options;
-use crate::models::model::{Answer, ExecError, ExecLimits, Input, LoadError, Model};
+use crate::models::model::{Answer, ExecError, ExecLimits, Input, LoadError, Model, reloaded};
 use nomad_proto::kinds;
 
 pub struct Embedder {
@@ -230,9 +230,7 @@ impl Model for Embedder {
     }
 
     fn to_device(&self, device: &Device) -> Result<Arc<dyn Model>, ExecError> {
-        Embedder::load(&self.dir, device)
-            .map(|m| Arc::new(m) as Arc<dyn Model>)
-            .map_err(|e| ExecError::Failed(e.to_string()))
+        reloaded(Embedder::load(&self.dir, device))
     }
 
     fn execute(&self, inputs: &[Input], limits: &ExecLimits) -> Result<Vec<Answer>, ExecError> {

@@ -20,7 +20,7 @@ use crate::models::formats::weights::{Gguf, Safetensors, Weights, safetensors_fi
 use crate::models::kinds::options::Options;
 use crate::models::model::{
     Answer, Event, ExecError, ExecLimits, Finished, Input, LoadError, Model, Output, StartError,
-    Streaming, Value,
+    Streaming, Value, reloaded,
 };
 use nomad_proto::kinds;
 
@@ -440,9 +440,12 @@ impl Model for Generator {
     }
 
     fn to_device(&self, device: &Device) -> Result<Arc<dyn Model>, ExecError> {
-        Generator::load_configured(&self.path, device, self.q4_1_to_q8_0, self.config)
-            .map(|m| Arc::new(m) as Arc<dyn Model>)
-            .map_err(|e| ExecError::Failed(e.to_string()))
+        reloaded(Generator::load_configured(
+            &self.path,
+            device,
+            self.q4_1_to_q8_0,
+            self.config,
+        ))
     }
 
     /// Every input joins the decode loop at once; the batch ends when the last one does.

@@ -100,10 +100,7 @@ async fn prepare(
 ) -> Result<Prepared, LoadError> {
     let source = match spec.source.trim() {
         "" => None,
-        text => Some(
-            crate::models::source::resolve(text, &spec.base_dir, &settings.cache, &spec.registries)
-                .await?,
-        ),
+        _ => Some(spec.resolve(&settings.cache).await?),
     };
     let cache = EnvCache {
         root: settings.cache.clone(),
