@@ -6,14 +6,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::error::CallError;
 use futures::StreamExt as _;
-use nomad_proto::v1::{
-    DescribeRequest, ToolDescription, ToolInfo, ToolInput, ToolState, tool_input,
-};
+use nomad_proto::kinds::{InputForm, InputType};
+use nomad_proto::v1::{DescribeRequest, ToolDescription, ToolInfo, ToolInput, ToolState};
 
 use crate::config::ToolConfig;
 use crate::driver::Handle;
+use crate::error::CallError;
 use crate::workers::Worker;
 
 /// Tools described at once on one worker.
@@ -138,21 +137,15 @@ impl Catalog {
         let Some(index) = self.index(tool) else {
             return Ok(()); // the driver answers unknown tools
         };
-        let python = self.tools[index].is_python();
-        match (&input.value, python) {
-            (Some(tool_input::Value::Json(_)), false) => {
-                return Err(CallError::WrongInput(format!(
-                    "tool {tool:?} ({}) takes `text` or `tensor` input, not `json`",
-                    self.tools[index].kind
-                )));
-            }
-            (Some(tool_input::Value::Text(_) | tool_input::Value::Tensor(_)), true) => {
-                return Err(CallError::WrongInput(format!(
-                    "tool {tool:?} is a Python model: its input is a JSON object of arguments \
-                     (`json`), as its input schema describes"
-                )));
-            }
-            _ => {}
+        // JSON arguments go to a model host, the other forms to the worker's own passes: a call
+        // on the wrong side of that line is refused here by the kinds table's rule. Text and
+        // tensors are the worker's to tell apart (a simulated worker serves either).
+        let form = input.form();
+        let refusal = nomad_proto::kinds::kind(&self.tools[index].kind)
+            .filter(|kind| (kind.input == InputType::Json) != (form == InputForm::Json))
+            .and_then(|kind| kind.input_refusal(form));
+        if let Some(refusal) = refusal {
+            return Err(CallError::WrongInput(format!("tool {tool:?}: {refusal}")));
         }
         match &self.lock()[index] {
             Described::Failed(error) => Err(CallError::CannotServe {
@@ -272,7 +265,7 @@ mod tests {
     fn catalog() -> Arc<Catalog> {
         let tool = ToolConfig {
             name: "m".into(),
-            kind: "mlp".into(),
+            kind: "embed".into(),
             source: "/nowhere".into(),
             base_dir: String::new(),
             description: String::new(),
@@ -298,9 +291,30 @@ mod tests {
 
     fn text() -> ToolInput {
         ToolInput {
-            value: Some(tool_input::Value::Text("x".into())),
+            value: Some(nomad_proto::v1::tool_input::Value::Text("x".into())),
             ..Default::default()
         }
+    }
+
+    /// The kinds table's rule, before the call is queued: an input of a form the tool's kind
+    /// does not take is refused naming both.
+    #[tokio::test]
+    async fn an_input_of_the_wrong_form_is_refused_before_it_is_queued() {
+        let catalog = catalog();
+        catalog.settle(0, Described::Ready(ToolDescription::default()));
+        let json = ToolInput {
+            value: Some(nomad_proto::v1::tool_input::Value::Json("{}".into())),
+            ..Default::default()
+        };
+        let refused = catalog.ready_for_call("m", &json).await.unwrap_err();
+        assert_eq!(refused.category(), crate::error::Category::InvalidArgument);
+        assert!(
+            refused
+                .to_string()
+                .contains("\"m\": embed takes a text input, got JSON arguments"),
+            "{refused}"
+        );
+        assert!(catalog.ready_for_call("m", &text()).await.is_ok());
     }
 
     #[tokio::test]

@@ -66,6 +66,40 @@ pub enum OutputType {
     Json,
 }
 
+/// The form a request's input came in (which of `ToolInput.value`'s fields it set).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputForm {
+    Text,
+    Tensor,
+    Json,
+    /// No value (a generation may give its conversation as the `messages` option alone).
+    Missing,
+}
+
+impl InputForm {
+    fn name(self) -> &'static str {
+        match self {
+            InputForm::Text => "text",
+            InputForm::Tensor => "a tensor",
+            InputForm::Json => "JSON arguments",
+            InputForm::Missing => "nothing",
+        }
+    }
+}
+
+impl crate::v1::ToolInput {
+    /// The form its value came in.
+    pub fn form(&self) -> InputForm {
+        use crate::v1::tool_input::Value;
+        match &self.value {
+            Some(Value::Text(_)) => InputForm::Text,
+            Some(Value::Tensor(_)) => InputForm::Tensor,
+            Some(Value::Json(_)) => InputForm::Json,
+            None => InputForm::Missing,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KindSpec {
     pub name: &'static str,
@@ -89,6 +123,25 @@ pub struct KindSpec {
 impl KindSpec {
     pub fn option(&self, name: &str) -> Option<&'static OptionSpec> {
         self.options.iter().find(|o| o.name == name)
+    }
+
+    /// Why an input of `form` cannot be this kind's, naming what it takes: the one rule the
+    /// worker applies before it runs an input, and the scheduler before it queues one bound for
+    /// the wrong side (JSON arguments to a model host, the rest to the worker's own passes). An
+    /// empty input is the kind's own to refuse (it knows whether an option stands for it).
+    pub fn input_refusal(&self, form: InputForm) -> Option<String> {
+        let takes = match (self.input, form) {
+            (_, InputForm::Missing)
+            | (InputType::Text, InputForm::Text)
+            | (InputType::Tensor, InputForm::Tensor)
+            | (InputType::Json, InputForm::Json) => return None,
+            (InputType::Text, _) => "a text input",
+            (InputType::Tensor, _) => "a tensor input",
+            (InputType::Json, _) => {
+                "a JSON object of arguments (`json`), as its input schema describes"
+            }
+        };
+        Some(format!("{} takes {takes}, got {}", self.name, form.name()))
     }
 
     /// The option names, for messages.
@@ -425,6 +478,38 @@ mod tests {
         for kind in &built_in {
             assert!(opening.contains(&format!("`{kind}`")), "{kind}: {opening}");
         }
+    }
+
+    #[test]
+    fn each_kind_takes_its_own_input_form_and_names_it_otherwise() {
+        for kind in KINDS {
+            let own = match kind.input {
+                InputType::Text => InputForm::Text,
+                InputType::Tensor => InputForm::Tensor,
+                InputType::Json => InputForm::Json,
+            };
+            assert_eq!(kind.input_refusal(own), None, "{}", kind.name);
+            assert_eq!(
+                kind.input_refusal(InputForm::Missing),
+                None,
+                "{}",
+                kind.name
+            );
+        }
+        assert_eq!(
+            EMBED.input_refusal(InputForm::Tensor).unwrap(),
+            "embed takes a text input, got a tensor"
+        );
+        assert_eq!(
+            MLP.input_refusal(InputForm::Json).unwrap(),
+            "mlp takes a tensor input, got JSON arguments"
+        );
+        assert!(
+            PYTHON
+                .input_refusal(InputForm::Text)
+                .unwrap()
+                .starts_with("python takes a JSON object of arguments")
+        );
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! its own `invalid_input` result; the prepared run together; their answers go back to their
 //! places, so the results stand in input order whatever was refused.
 
+use nomad_proto::kinds::KindSpec;
+
 use crate::models::model::{Answer, ExecError, Input, Output, Value};
 
 /// Runs `inputs` as one batch: `prepare` turns input `index` into what the model runs (or its
@@ -79,17 +81,23 @@ pub fn invalid(index: usize, message: impl std::fmt::Display) -> Answer {
     Answer::Invalid(format!("request {index}: {message}"))
 }
 
-/// The non-empty text of request `index`, or its refusal naming what the `kind` takes.
-pub fn text<'a>(index: usize, input: &'a Input, kind: &str) -> Result<&'a str, Answer> {
+/// Request `index` refused when its input is of a form `kind` does not take (the kinds table's
+/// rule, the scheduler's too).
+pub fn check_form(index: usize, input: &Input, kind: &KindSpec) -> Result<(), Answer> {
+    match kind.input_refusal(input.value.form()) {
+        Some(refusal) => Err(invalid(index, refusal)),
+        None => Ok(()),
+    }
+}
+
+/// The non-empty text of request `index`, or its refusal naming what `kind` takes.
+pub fn text<'a>(index: usize, input: &'a Input, kind: &KindSpec) -> Result<&'a str, Answer> {
+    check_form(index, input, kind)?;
     match &input.value {
         Value::Text(t) if !t.trim().is_empty() => Ok(t),
-        Value::Text(_) | Value::Missing => Err(invalid(
+        _ => Err(invalid(
             index,
-            format!("empty text; {kind} takes a non-empty text"),
-        )),
-        other => Err(invalid(
-            index,
-            format!("{kind} takes a text input, got {}", other.what()),
+            format!("empty text; {} takes a non-empty text", kind.name),
         )),
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::Device;
-use nomad_proto::kinds::Kind;
+use nomad_proto::kinds::{InputForm, Kind};
 
 /// A tool's model as a load or describe request gives it (the gRPC layer converts it once).
 #[derive(Debug, Clone)]
@@ -151,13 +151,14 @@ pub enum Value {
 }
 
 impl Value {
-    /// What the request holds, for a refusal naming it.
-    pub fn what(&self) -> &'static str {
+    /// The form it came in, for the kinds table's rule of what each kind takes.
+    pub fn form(&self) -> InputForm {
         match self {
-            Value::Text(_) => "text",
-            Value::Tensor { .. } => "a tensor",
-            Value::Json(_) => "JSON",
-            Value::Missing | Value::Unreadable(_) => "nothing",
+            Value::Text(_) => InputForm::Text,
+            // Only a tensor can be unreadable.
+            Value::Tensor { .. } | Value::Unreadable(_) => InputForm::Tensor,
+            Value::Json(_) => InputForm::Json,
+            Value::Missing => InputForm::Missing,
         }
     }
 }

@@ -78,10 +78,6 @@ impl ToolConfig {
                 .collect(),
         }
     }
-
-    pub fn is_python(&self) -> bool {
-        self.python.is_some()
-    }
 }
 
 /// Requests a generation tool decodes together on one worker unless configured.

@@ -105,7 +105,7 @@ impl Scorer {
 
     /// The token rows of request `index` (its pairs, or its text), or why it cannot run.
     fn encode(&self, index: usize, input: &Input) -> Result<(Vec<Row>, Options), Answer> {
-        let text = batch::text(index, input, self.task.name())?;
+        let text = batch::text(index, input, self.kind())?;
         let options = Options::parse(index, &input.options, self.kind())?;
         let rows = match self.task {
             Task::Rerank => {

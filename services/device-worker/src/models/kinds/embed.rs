@@ -158,7 +158,7 @@ impl Embedder {
 
     /// The tokens of request `index`, or why it cannot run.
     fn encode(&self, index: usize, input: &Input) -> Result<Row, Answer> {
-        let text = batch::text(index, input, kinds::EMBED.name)?;
+        let text = batch::text(index, input, &kinds::EMBED)?;
         let options = Options::parse(index, &input.options, &kinds::EMBED)?;
         let truncate = options.flag("truncate");
         let prompt = self

@@ -10,7 +10,7 @@ use candle_core::Device;
 use candle_core::quantized::{GgmlDType, gguf_file};
 use tokenizers::Tokenizer;
 
-use crate::models::batch::invalid;
+use crate::models::batch::{self, invalid};
 use crate::models::families::decoder::{Bounds, Decoder, Engine, Params};
 use crate::models::families::llama::Llama;
 use crate::models::formats::chat_template::{ChatTemplate, Message};
@@ -272,19 +272,10 @@ impl Generator {
     /// The prompt and sampling of request `index`, or why it is refused.
     fn request(&self, index: usize, input: &Input) -> Result<(Vec<u32>, Params), Answer> {
         let opts = Options::parse(index, &input.options, &kinds::GENERATE)?;
+        batch::check_form(index, input, &kinds::GENERATE)?;
         let text = match &input.value {
             Value::Text(t) => t.as_str(),
-            Value::Missing => "",
-            Value::Unreadable(why) => return Err(invalid(index, why)),
-            other => {
-                return Err(invalid(
-                    index,
-                    format!(
-                        "generate takes a text prompt (and options), got {}",
-                        other.what()
-                    ),
-                ));
-            }
+            _ => "",
         };
         let messages = opts.messages("messages");
         let prompt = match (text.trim().is_empty(), messages.is_empty()) {

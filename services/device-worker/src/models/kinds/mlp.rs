@@ -86,20 +86,12 @@ impl Mlp {
     /// The rows of one request, or why it cannot run.
     fn row(&self, index: usize, input: &Input) -> Result<Vec<f32>, Answer> {
         let width = self.input_width();
-        let (values, shape) = match &input.value {
-            Value::Tensor { values, shape } => (values, shape),
-            Value::Missing => {
-                return Err(invalid(
-                    index,
-                    format!("empty input; mlp takes a tensor of shape [{width}]"),
-                ));
-            }
-            other => {
-                return Err(invalid(
-                    index,
-                    format!("mlp takes a tensor input, got {}", other.what()),
-                ));
-            }
+        batch::check_form(index, input, &nomad_proto::kinds::MLP)?;
+        let Value::Tensor { values, shape } = &input.value else {
+            return Err(invalid(
+                index,
+                format!("empty input; mlp takes a tensor of shape [{width}]"),
+            ));
         };
         let shape_ok = matches!(shape.as_slice(), [w] if *w as usize == width)
             || matches!(shape.as_slice(), [1, w] if *w as usize == width);

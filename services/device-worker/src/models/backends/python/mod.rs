@@ -449,10 +449,11 @@ impl PythonModel {
 
 /// A request's JSON arguments, checked to be one JSON object.
 fn arguments(input: &Input) -> Result<Box<serde_json::value::RawValue>, String> {
+    if let Some(refusal) = nomad_proto::kinds::PYTHON.input_refusal(input.value.form()) {
+        return Err(refusal);
+    }
     let Value::Json(text) = &input.value else {
-        return Err(
-            "a Python tool takes a JSON object of arguments (`json`), not text or a tensor".into(),
-        );
+        return Err("no arguments: a Python tool takes a JSON object of arguments (`json`)".into());
     };
     let raw: Box<serde_json::value::RawValue> =
         serde_json::from_str(text).map_err(|e| format!("the arguments are not valid JSON: {e}"))?;
