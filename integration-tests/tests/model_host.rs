@@ -265,7 +265,13 @@ async fn a_python_models_faults_are_contained_and_named() {
         .await
         .unwrap_err();
     assert_eq!(text.code(), tonic::Code::InvalidArgument);
-    assert!(text.message().contains("is a Python model"), "{text:?}");
+    assert!(
+        text.message().contains(
+            "\"ToySurrogate\": a Python model takes a JSON object of arguments (`json`), as its \
+             input schema describes, got text"
+        ),
+        "{text:?}"
+    );
 
     // A host that dies under a batch is started again and the batch answered.
     let once = json!({"values": [-66.0, 1.0, 1.0, 1.0]});

@@ -141,7 +141,12 @@ impl KindSpec {
                 "a JSON object of arguments (`json`), as its input schema describes"
             }
         };
-        Some(format!("{} takes {takes}, got {}", self.name, form.name()))
+        // A Python model is the user's own: named as that, not by the kind's name.
+        let subject = match self.input {
+            InputType::Json => "a Python model",
+            _ => self.name,
+        };
+        Some(format!("{subject} takes {takes}, got {}", form.name()))
     }
 
     /// The option names, for messages.
@@ -508,7 +513,7 @@ mod tests {
             PYTHON
                 .input_refusal(InputForm::Text)
                 .unwrap()
-                .starts_with("python takes a JSON object of arguments")
+                .starts_with("a Python model takes a JSON object of arguments")
         );
     }
 

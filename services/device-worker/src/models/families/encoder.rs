@@ -1,6 +1,6 @@
 //! The encoder families `embed`, `rerank` and `classify` run, chosen by `config.json`'s
 //! `model_type` (BERT, DistilBERT, XLM-RoBERTa with RoBERTa and CamemBERT, ModernBERT; on the
-//! CPU all but ModernBERT by Nomad's own forward pass in `bert_cpu`, otherwise by
+//! CPU all but ModernBERT by Nomad's own forward pass in `families/bert.rs`, otherwise by
 //! candle-transformers), with
 //! the classification head a `*ForSequenceClassification` checkpoint carries. A family or head
 //! Nomad does not run is refused at load, naming it and what is supported.

@@ -6,7 +6,7 @@
 //! Every row is computed as it would be alone: the quantized matmuls, norms and activations are
 //! row by row, and attention never mixes sequences, so batching does not change any result. On
 //! the CPU, rotation, the KV cache and attention are the worker's own and run row by row too
-//! (`host_attention.rs`, `attention.rs`), so a token's keys and values are the same bits however
+//! (`kernels/host_attention.rs`, `kernels/attention.rs`), so a token's keys and values are the same bits however
 //! its sequence was split into passes: what lets a kept prefix be copied.
 //!
 //! With dense prefill, each linear weight is also kept as f32 and the rows of prompt chunks
@@ -196,7 +196,7 @@ pub struct Step<'a> {
 }
 
 impl Llama {
-    /// The weights of a decoder of a served family (`architecture.rs`), by llama.cpp's names
+    /// The weights of a decoder of a served family (`formats/architecture.rs`), by llama.cpp's names
     /// from `weights` (a GGUF or a transformers directory); with `dense_prefill`, the linear
     /// weights also as f32 for prompt rows.
     pub fn load(

@@ -1,7 +1,7 @@
 //! Sequence classification heads: `rerank` (a cross-encoder: one label, a query and documents
 //! in, each pair scored by the sigmoid of its logit, best first) and `classify` (labels from
 //! `config.json`'s `id2label`, softmax probabilities, or sigmoid ones for a multi-label model).
-//! The encoder is one of `encoder`'s families; pairs and texts are batched as `embed`'s texts
+//! The encoder is one of `families/encoder.rs`'s; pairs and texts are batched as `embed`'s texts
 //! are, by length, over one single-threaded pool per core.
 
 use std::path::{Path, PathBuf};

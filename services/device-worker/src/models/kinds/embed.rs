@@ -1,7 +1,7 @@
 //! Sentence embeddings (`embed`): an encoder of one of the families `encoder` runs, its token
 //! vectors pooled as the model's own sentence-transformers files say (cls, mean, max,
 //! mean-sqrt-len, last token; several concatenated), normalised when its modules end with
-//! `Normalize`, with its named prompts and its `max_seq_length` (`sentence`).
+//! `Normalize`, with its named prompts and its `max_seq_length` (`formats/sentence.rs`).
 //!
 //! The model directory holds `config.json`, `model.safetensors` and `tokenizer.json`, and the
 //! sentence-transformers files where it has them.

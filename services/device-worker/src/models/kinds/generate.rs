@@ -1,7 +1,8 @@
 //! Text generation (`generate`): a quantized llama-family decoder from a GGUF file
-//! (SmolLM2-135M-Instruct by default; the families in `architecture.rs`), its tokenizer and
-//! chat template from the GGUF's own metadata (`gguf.rs`, `chat_template.rs`), served by a
-//! decode loop that batches every running request's steps (`decoder.rs`, continuous batching).
+//! (SmolLM2-135M-Instruct by default; the families in `formats/architecture.rs`), its tokenizer
+//! and chat template from the GGUF's own metadata (`formats/gguf.rs`,
+//! `formats/chat_template.rs`), served by a decode loop that batches every running request's
+//! steps (`families/decoder.rs`, continuous batching).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
