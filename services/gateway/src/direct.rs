@@ -98,9 +98,7 @@ impl ServerHandler for DirectTools {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
-        let cx = nomad_telemetry::propagation::extract_map(&crate::mcp_call::carrier(
-            &request, &context,
-        ));
+        let cx = crate::mcp_call::trace_context(&request, &context);
         let specs = self.specs().await?;
         let Some(spec) = specs.iter().find(|t| t.name == request.name.as_ref()) else {
             let error = self

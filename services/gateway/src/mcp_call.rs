@@ -8,8 +8,16 @@ use rmcp::RoleServer;
 use rmcp::model::{CallToolRequestParams, ProgressNotificationParam, ProgressToken};
 use rmcp::service::RequestContext;
 
-/// The trace context a call carries in `params._meta` (or the request's own meta).
-pub fn carrier(
+/// The trace context a call carries in `params._meta` (or the request's own meta), extracted.
+pub fn trace_context(
+    request: &CallToolRequestParams,
+    context: &RequestContext<RoleServer>,
+) -> nomad_telemetry::Context {
+    nomad_telemetry::propagation::extract_map(&carrier(request, context))
+}
+
+/// The trace context's fields a call carries in `params._meta` (or the request's own meta).
+fn carrier(
     request: &CallToolRequestParams,
     context: &RequestContext<RoleServer>,
 ) -> HashMap<String, String> {

@@ -201,9 +201,7 @@ impl ServerHandler for McpFrontEnd {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
-        let cx = nomad_telemetry::propagation::extract_map(&crate::mcp_call::carrier(
-            &request, &context,
-        ));
+        let cx = crate::mcp_call::trace_context(&request, &context);
         let args = request.arguments.clone().unwrap_or_default();
         match request.name.as_ref() {
             "search_code_tools" => {

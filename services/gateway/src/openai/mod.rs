@@ -340,7 +340,6 @@ async fn chat(
         return Err(ApiError::invalid(Some("messages"), "`messages` is empty"));
     }
     arguments.insert("messages".into(), json!(messages));
-    model(&gateway, &request.model, &[Kind::Generate]).await?;
     respond(
         &gateway,
         caller(&headers),
@@ -373,7 +372,6 @@ async fn completions(
     };
     arguments.insert("text".into(), json!(prompt));
     arguments.insert("chat".into(), json!(false));
-    model(&gateway, &request.model, &[Kind::Generate]).await?;
     respond(
         &gateway,
         caller(&headers),
@@ -406,6 +404,7 @@ async fn respond(
     sampling: &types::Sampling,
     chat: bool,
 ) -> Result<Response, ApiError> {
+    self::model(gateway, &model, &[Kind::Generate]).await?;
     let id = format!(
         "{}-{}",
         if chat { "chatcmpl" } else { "cmpl" },
