@@ -2,7 +2,9 @@
 
 The worker starts this file with the model's own interpreter (its cached environment) and hands
 it one end of a socket pair as the file descriptor named by ``NOMAD_HOST_FD``. Requests and
-replies are frames on that socket: a 4-byte big-endian length, then a UTF-8 JSON object. The
+replies are Nomad's frames on that socket (``nomad_frame``, which the worker writes beside this
+file), each a UTF-8 JSON object of at most ``NOMAD_HOST_MAX_FRAME`` bytes, a limit the worker
+declares and sets. The
 model's own ``print`` goes to stdout, which the worker logs; it can never reach the protocol.
 
 A model is either
@@ -41,15 +43,12 @@ import json
 import os
 import pkgutil
 import socket
-import struct
 import sys
 import traceback
 
+import nomad_frame
+
 PROTOCOL_VERSION = 1
-# Frames are bounded both ways: the worker sends nothing larger, and a reply that would be larger
-# is answered as a failure instead of being sent.
-MAX_FRAME = int(os.environ.get("NOMAD_HOST_MAX_FRAME", str(64 << 20)))
-HEADER = struct.Struct(">I")
 
 
 class HostError(Exception):
@@ -68,37 +67,37 @@ def failed(message: str) -> HostError:
 
 
 class Channel:
-    """The protocol socket: one frame in, one frame out."""
+    """The protocol socket: one frame in, one frame out, each at most `limit` bytes: the worker
+    sends nothing larger, and a reply that would be larger is answered as a failure instead."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, limit: int):
         os.set_inheritable(fd, False)  # subprocesses of the model never get the protocol
         self.sock = socket.socket(fileno=fd)
         self.reader = self.sock.makefile("rb")
+        self.limit = limit
+
+    def _read_exact(self, n: int) -> bytes:
+        data = self.reader.read(n)
+        if len(data) < n:
+            raise EOFError
+        return data
 
     def receive(self):
-        header = self.reader.read(HEADER.size)
-        if len(header) < HEADER.size:
+        try:
+            return json.loads(nomad_frame.read(self._read_exact, self.limit))
+        except EOFError:
             return None  # the worker is gone
-        (length,) = HEADER.unpack(header)
-        if length > MAX_FRAME:
-            raise HostError("bad_request", f"a frame of {length} bytes is over {MAX_FRAME}")
-        payload = self.reader.read(length)
-        if len(payload) < length:
-            return None
-        return json.loads(payload)
+        except nomad_frame.FrameTooLarge as e:
+            raise HostError("bad_request", str(e)) from None
 
     def send(self, reply: dict) -> None:
         payload = json.dumps(reply, separators=(",", ":"), allow_nan=False).encode()
-        if len(payload) > MAX_FRAME:
-            payload = json.dumps(
-                error_reply(
-                    failed(
-                        f"the reply takes {len(payload)} bytes, over the {MAX_FRAME}-byte frame "
-                        "limit: return smaller outputs or lower the batch size"
-                    )
-                )
-            ).encode()
-        self.sock.sendall(HEADER.pack(len(payload)) + payload)
+        try:
+            frame = nomad_frame.pack(payload, self.limit)
+        except nomad_frame.FrameTooLarge as e:
+            message = f"the reply: {e}: return smaller outputs or lower the batch size"
+            frame = nomad_frame.pack(json.dumps(error_reply(failed(message))).encode(), self.limit)
+        self.sock.sendall(frame)
 
 
 def error_reply(error: HostError) -> dict:
@@ -782,7 +781,12 @@ def main() -> int:
     for path in reversed([p for p in os.environ.get("NOMAD_HOST_PATH", "").split(os.pathsep) if p]):
         if path not in sys.path:
             sys.path.insert(0, path)
-    serve(Channel(int(fd)))
+    try:
+        limit = nomad_frame.limit("host")
+    except RuntimeError as e:
+        print(f"nomad_model_host: {e}", file=sys.stderr)
+        return 2
+    serve(Channel(int(fd), limit))
     return 0
 
 

@@ -14,13 +14,22 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOST = os.path.join(HERE, "..", "nomad_model_host.py")
 FIXTURES = os.path.join(HERE, "fixtures")
+# The worker writes `nomad_frame.py` beside the host; here it is imported from its own folder.
+FRAME_MODULE = os.path.join(HERE, "..", "..", "shared", "frame")
+# The frame limit the worker would declare; the host is told it, as by the worker.
+LIMIT = 64 << 20
 
 
 class Host:
-    def __init__(self, path=FIXTURES):
+    def __init__(self, path=FIXTURES, limit=LIMIT):
         ours, theirs = socket.socketpair()
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        env.update(NOMAD_HOST_FD=str(theirs.fileno()), NOMAD_HOST_PATH=path)
+        env.update(
+            NOMAD_HOST_FD=str(theirs.fileno()),
+            NOMAD_HOST_PATH=path,
+            NOMAD_HOST_MAX_FRAME=str(limit),
+            PYTHONPATH=FRAME_MODULE,
+        )
         self.process = subprocess.Popen(
             [sys.executable, "-u", HOST],
             env=env,
@@ -148,11 +157,12 @@ class HostTests(unittest.TestCase):
         self.assertIn("`env`", unimportable["message"])
 
     def test_a_frame_over_the_limit_is_refused_without_reading_it(self):
-        self.host.sock.sendall(struct.pack(">I", (64 << 20) + 1))
+        self.host.sock.sendall(struct.pack(">I", LIMIT + 1))
         header = self.host.reader.read(4)
         (length,) = struct.unpack(">I", header)
         reply = json.loads(self.host.reader.read(length))
         self.assertEqual(reply["error"]["kind"], "bad_request")
+        self.assertEqual(reply["error"]["message"], f"frame of {LIMIT + 1} bytes exceeds the {LIMIT}-byte limit")
         self.assertEqual(self.host.process.wait(timeout=30), 0)
 
 
@@ -175,6 +185,28 @@ class PlainHostTests(unittest.TestCase):
             self.assertIn("y: Extra inputs are not permitted", results[2]["invalid"])
         finally:
             host.close()
+
+    def test_a_reply_over_the_limit_is_answered_as_a_failure_that_says_what_to_do(self):
+        host = Host(os.pathsep.join([os.path.join(FIXTURES, "no_pydantic"), FIXTURES]), limit=1000)
+        try:
+            self.assertIn("ok", host.call({"op": "load", "entry": "callable", "target": "plain_tools.scale"}))
+            # 80 items fit the request; their 80 outputs do not fit the reply.
+            reply = host.call({"op": "batch", "items": [{"x": 1.5}] * 80, "trace": {}})
+            self.assertEqual(reply["error"]["kind"], "failed")
+            self.assertRegex(
+                reply["error"]["message"],
+                r"^the reply: frame of \d+ bytes exceeds the 1000-byte limit: return smaller outputs",
+            )
+            self.assertEqual(len(host.call({"op": "batch", "items": [{"x": 1}], "trace": {}})["ok"]["results"]), 1)
+        finally:
+            host.close()
+
+    def test_a_host_not_told_its_frame_limit_says_who_tells_it(self):
+        env = dict(os.environ, NOMAD_HOST_FD="3", PYTHONPATH=FRAME_MODULE)
+        env.pop("NOMAD_HOST_MAX_FRAME", None)
+        done = subprocess.run([sys.executable, HOST], env=env, capture_output=True, text=True, timeout=30)
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("NOMAD_HOST_MAX_FRAME is '', not a number of bytes", done.stderr)
 
     def test_arguments_are_checked_against_the_declared_schema_without_pydantic(self):
         host = Host(os.pathsep.join([os.path.join(FIXTURES, "no_pydantic"), FIXTURES]))

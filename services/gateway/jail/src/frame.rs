@@ -1,71 +1,54 @@
-//! The one frame format between the gateway and its sandboxes, on every socket (a run's bridge,
-//! the fork server's control socket, the init's spec and report): a 4-byte big-endian length,
-//! then the body (JSON, but for the run frame; see [`encode_fields`]). The Python side's one
-//! reader and writer are in `runner.py`.
+//! The sandbox's framed protocols (`nomad_frame`'s format) and their limits, each declared here
+//! once and handed to the Python ends in their environment (see [`environment`]): the bridge (a
+//! run and the gateway), the fork server's control socket, and the init's spec and report. Also
+//! what the init and a forked run need below tokio: a blocking read of one frame, and a send
+//! that carries a descriptor.
 
 use std::os::fd::{AsRawFd as _, BorrowedFd};
 
+pub use nomad_frame::{Decoder, FrameError};
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 
-/// Largest frame either side accepts.
+/// The bridge's limit: the largest frame either side of a run's bridge accepts.
 pub const MAX_FRAME: usize = 16 << 20;
 
-#[derive(Debug, thiserror::Error, PartialEq)]
-pub enum FrameError {
-    #[error(
-        "bridge frame of {len} bytes exceeds the {limit}-byte limit (a tool call may send at \
-         most sandbox.max_call_bytes)"
-    )]
-    TooLarge { len: usize, limit: usize },
-    #[error("bridge frame is not JSON: {0}")]
-    NotJson(String),
+/// The fork server's control socket: the run's spec (a few KiB) and requests.
+pub const CONTROL_MAX_FRAME: usize = 1 << 20;
+
+/// What the Python ends read their limits from (`nomad_frame.limit("bridge")`, `("control")`).
+pub fn environment() -> [String; 2] {
+    [
+        format!("{}={MAX_FRAME}", nomad_frame::limit_variable("bridge")),
+        format!(
+            "{}={CONTROL_MAX_FRAME}",
+            nomad_frame::limit_variable("control")
+        ),
+    ]
 }
 
-/// Encodes one JSON frame.
+/// One bridge frame of JSON.
 pub fn encode(value: &impl Serialize) -> Result<Vec<u8>, FrameError> {
-    let body = serde_json::to_vec(value).map_err(|e| FrameError::NotJson(e.to_string()))?;
-    with_length(body)
+    nomad_frame::encode(value, MAX_FRAME)
 }
 
-/// The run frame: text fields, each a 4-byte big-endian length and UTF-8 text (so the runner
-/// decodes it without importing `json`).
+/// The run frame: text fields, decoded by the runner without importing `json`.
 pub fn encode_fields<'a>(fields: impl IntoIterator<Item = &'a str>) -> Result<Vec<u8>, FrameError> {
-    let mut body = Vec::new();
-    for field in fields {
-        body.extend_from_slice(&(field.len() as u32).to_be_bytes());
-        body.extend_from_slice(field.as_bytes());
-    }
-    with_length(body)
+    nomad_frame::encode_fields(fields, MAX_FRAME)
 }
 
-fn with_length(body: Vec<u8>) -> Result<Vec<u8>, FrameError> {
-    if body.len() > MAX_FRAME {
-        return Err(FrameError::TooLarge {
-            len: body.len(),
-            limit: MAX_FRAME,
-        });
-    }
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
-    frame.extend_from_slice(&body);
-    Ok(frame)
+/// A decoder of a run's frames, at most `limit` bytes (never more than the bridge's).
+pub fn decoder(limit: usize) -> Decoder {
+    Decoder::new(limit.min(MAX_FRAME))
 }
 
 /// Reads one frame of at most `limit` bytes from `fd`, exactly (unbuffered: what follows is
 /// someone else's); `None` at end of stream before a frame starts.
 pub fn read_blocking(fd: BorrowedFd<'_>, limit: usize) -> std::io::Result<Option<Vec<u8>>> {
-    let mut length = [0u8; 4];
-    if !read_exact(fd, &mut length)? {
+    let mut header = [0u8; nomad_frame::HEADER];
+    if !read_exact(fd, &mut header)? {
         return Ok(None);
     }
-    let length = u32::from_be_bytes(length) as usize;
-    let limit = limit.min(MAX_FRAME);
-    if length > limit {
-        return Err(std::io::Error::other(format!(
-            "a frame of {length} bytes, more than the {limit} allowed"
-        )));
-    }
+    let length = nomad_frame::length(header, limit).map_err(std::io::Error::other)?;
     let mut body = vec![0u8; length];
     if !read_exact(fd, &mut body)? {
         return Err(std::io::ErrorKind::UnexpectedEof.into());
@@ -122,153 +105,10 @@ pub fn send(
     Ok(())
 }
 
-/// Room a decoder keeps between frames.
-const KEPT_CAPACITY: usize = 128 << 10;
-
-/// Incremental decoder: feed bytes, take complete frames of at most `limit` bytes.
-#[derive(Debug)]
-pub struct Decoder {
-    buffer: Vec<u8>,
-    limit: usize,
-}
-
-impl Default for Decoder {
-    fn default() -> Self {
-        Self::with_limit(MAX_FRAME)
-    }
-}
-
-impl Decoder {
-    /// A decoder that refuses a frame declaring more than `limit` bytes (at most `MAX_FRAME`),
-    /// before any of its body is buffered: what one run may make the gateway hold and parse.
-    pub fn with_limit(limit: usize) -> Self {
-        Self {
-            buffer: Vec::new(),
-            limit: limit.min(MAX_FRAME),
-        }
-    }
-
-    pub fn push(&mut self, bytes: &[u8]) {
-        self.buffer.extend_from_slice(bytes);
-    }
-
-    /// Bytes held, of frames not yet taken.
-    pub fn buffered(&self) -> usize {
-        self.buffer.len()
-    }
-
-    /// The length of the next frame's body once all of it is buffered (`None` before): what
-    /// taking it will cost is known before it is parsed. A length over the limit is an error.
-    pub fn ready_len(&self) -> Result<Option<usize>, FrameError> {
-        if self.buffer.len() < 4 {
-            return Ok(None);
-        }
-        let len = u32::from_be_bytes(self.buffer[..4].try_into().expect("4 bytes")) as usize;
-        if len > self.limit {
-            return Err(FrameError::TooLarge {
-                len,
-                limit: self.limit,
-            });
-        }
-        Ok((self.buffer.len() >= 4 + len).then_some(len))
-    }
-
-    /// The next complete frame as a `T`, if one is buffered. A length over the limit is an
-    /// error before any of its body is buffered, so a hostile peer cannot make the gateway
-    /// allocate it.
-    pub fn next_as<T: DeserializeOwned>(&mut self) -> Result<Option<T>, FrameError> {
-        let Some(len) = self.ready_len()? else {
-            return Ok(None);
-        };
-        // Parsed where it lies: no copy of the body.
-        let parsed = serde_json::from_slice(&self.buffer[4..4 + len])
-            .map(Some)
-            .map_err(|e| FrameError::NotJson(e.to_string()));
-        self.buffer.drain(..4 + len);
-        // A large frame's room is not kept for the rest of the run.
-        if self.buffer.capacity() > KEPT_CAPACITY && self.buffer.len() < self.buffer.capacity() / 4
-        {
-            self.buffer.shrink_to(self.buffer.len().max(KEPT_CAPACITY));
-        }
-        parsed
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::{Value, json};
-
-    #[test]
-    fn frames_round_trip_across_arbitrary_splits() {
-        let mut bytes =
-            encode(&json!({"id": 1, "method": "call_tool", "params": {"tool": "x"}})).unwrap();
-        bytes.extend(encode(&json!({"method": "done", "params": {"result": [1, 2]}})).unwrap());
-        for split in 0..bytes.len() {
-            let mut d = Decoder::default();
-            d.push(&bytes[..split]);
-            let mut got: Vec<Value> = vec![];
-            while let Some(m) = d.next_as().unwrap() {
-                got.push(m);
-            }
-            d.push(&bytes[split..]);
-            while let Some(m) = d.next_as().unwrap() {
-                got.push(m);
-            }
-            assert_eq!(got.len(), 2, "split at {split}");
-            assert_eq!(got[0]["id"], 1);
-            assert_eq!(got[1]["method"], "done");
-        }
-    }
-
-    #[test]
-    fn the_run_frame_is_length_prefixed_fields() {
-        let frame = encode_fields(["code", "<code>", "RESULT = 1", "K", "é"]).unwrap();
-        let body = &frame[4..];
-        assert_eq!(
-            u32::from_be_bytes(frame[..4].try_into().unwrap()) as usize,
-            body.len()
-        );
-        let mut fields = vec![];
-        let mut i = 0;
-        while i < body.len() {
-            let n = u32::from_be_bytes(body[i..i + 4].try_into().unwrap()) as usize;
-            fields.push(std::str::from_utf8(&body[i + 4..i + 4 + n]).unwrap());
-            i += 4 + n;
-        }
-        assert_eq!(fields, ["code", "<code>", "RESULT = 1", "K", "é"]);
-    }
-
-    #[test]
-    fn an_oversized_length_is_refused_before_its_body_arrives() {
-        let mut d = Decoder::default();
-        d.push(&((MAX_FRAME + 1) as u32).to_be_bytes());
-        assert_eq!(
-            d.next_as::<Value>(),
-            Err(FrameError::TooLarge {
-                len: MAX_FRAME + 1,
-                limit: MAX_FRAME
-            })
-        );
-        // A run's own limit, below the bridge's.
-        let mut d = Decoder::with_limit(1000);
-        d.push(&1001u32.to_be_bytes());
-        assert_eq!(
-            d.next_as::<Value>(),
-            Err(FrameError::TooLarge {
-                len: 1001,
-                limit: 1000
-            })
-        );
-    }
-
-    #[test]
-    fn garbage_is_an_error_not_a_panic() {
-        let mut d = Decoder::default();
-        d.push(&3u32.to_be_bytes());
-        d.push(b"{x}");
-        assert!(matches!(d.next_as::<Value>(), Err(FrameError::NotJson(_))));
-    }
+    use serde_json::json;
 
     #[test]
     fn a_blocking_read_takes_one_frame_exactly_and_a_descriptor_travels_with_a_frame() {
@@ -288,49 +128,19 @@ mod tests {
         send(a.as_fd(), &encode(&vec![0u8; 600]).unwrap(), None).unwrap();
         let refused = read_blocking(b.as_fd(), 100).unwrap_err();
         assert!(
-            refused.to_string().contains("more than the 100 allowed"),
+            refused.to_string().contains("exceeds the 100-byte limit"),
             "{refused}"
         );
     }
 
-    mod fuzz {
-        use super::*;
-        use proptest::prelude::*;
-
-        proptest! {
-            /// Any bytes, in any chunks: frames, `None` (wait for more) or an error; never a
-            /// panic, and an error says what was wrong.
-            #[test]
-            fn arbitrary_bytes_never_panic(chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..64), 0..8)) {
-                let mut d = Decoder::default();
-                'feed: for chunk in &chunks {
-                    d.push(chunk);
-                    loop {
-                        match d.next_as::<Value>() {
-                            Ok(Some(_)) => {}
-                            Ok(None) => break,
-                            Err(e) => {
-                                prop_assert!(e.to_string().starts_with("bridge frame"));
-                                break 'feed;
-                            }
-                        }
-                    }
-                }
-            }
-
-            /// Any message survives encoding and decoding, split anywhere.
-            #[test]
-            fn messages_round_trip(id in proptest::option::of(any::<u64>()), method in ".{0,12}", text in ".{0,40}", split in 0usize..200) {
-                let message = json!({"id": id, "method": method, "params": {"text": text}});
-                let bytes = encode(&message).unwrap();
-                let split = split.min(bytes.len());
-                let mut d = Decoder::default();
-                d.push(&bytes[..split]);
-                let early: Option<Value> = d.next_as().unwrap();
-                d.push(&bytes[split..]);
-                let frame = early.or_else(|| d.next_as().unwrap()).unwrap();
-                prop_assert_eq!(frame, message);
-            }
-        }
+    #[test]
+    fn the_python_ends_are_told_each_limit() {
+        assert_eq!(
+            environment(),
+            [
+                format!("NOMAD_BRIDGE_MAX_FRAME={}", 16 << 20),
+                format!("NOMAD_CONTROL_MAX_FRAME={}", 1 << 20)
+            ]
+        );
     }
 }

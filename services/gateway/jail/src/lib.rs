@@ -245,7 +245,10 @@ fn exec_python(spec: &Spec) -> Result<Infallible, Failed> {
         format!("TMPDIR={}", tmp.display()),
         format!("NOMAD_BRIDGE_FD={}", descriptors::BRIDGE),
     ]
-    .map(|v| CString::new(v).expect("no NUL in fixed strings"));
+    .into_iter()
+    .chain(frame::environment())
+    .map(|v| CString::new(v).expect("no NUL in fixed strings"))
+    .collect::<Vec<_>>();
     let Err(e) = nix::unistd::execve(&program, &argv, &env);
     Err(Failed(format!("exec {}: {e}", spec.python.display())))
 }

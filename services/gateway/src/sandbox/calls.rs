@@ -4,13 +4,14 @@
 use std::sync::Arc;
 
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
 use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
 
 use super::ToolHost;
-use super::bridge::{self, Decoder, Response};
+use super::bridge::{self, CallParams, Decoder, Method, Response, ToolParams};
 use crate::tool_error::{ToolError, ToolErrorCode};
 
 #[derive(Debug, Deserialize)]
@@ -133,7 +134,7 @@ pub async fn serve(
                 Ok(Some(len)) => len,
                 Ok(None) => break,
                 Err(e) => {
-                    end.error = Some(e.to_string());
+                    end.error = Some(bridge::refused(&e));
                     eof = true;
                     break;
                 }
@@ -149,31 +150,31 @@ pub async fn serve(
                 Ok(Some(m)) => m,
                 Ok(None) => break,
                 Err(e) => {
-                    end.error = Some(e.to_string());
+                    end.error = Some(bridge::refused(&e));
                     eof = true;
                     break;
                 }
             };
             keep_only(&mut raw, decoder.buffered());
-            match message.method.as_str() {
-                "done" => {
+            match message.method {
+                Method::Done => {
                     end.done = serde_json::from_value(message.params).ok();
                     continue;
                 }
-                "ready" => continue,
+                Method::Ready => continue,
                 _ => {}
             }
             let Some(id) = message.id else { continue };
             let budget_left = total_calls < budget.total;
             total_calls += 1;
-            if message.method == "call_tool" {
+            if message.method == Method::CallTool {
                 end.tool_calls = end.tool_calls.saturating_add(1);
             }
             let writer = writer.clone();
             let max = budget.total;
             calls.push(async move {
                 let response = if budget_left {
-                    handle(host, id, &message.method, message.params).await
+                    handle(host, id, message.method, message.params).await
                 } else {
                     Response::error(
                         id,
@@ -225,42 +226,39 @@ pub async fn serve(
     }
 }
 
-async fn handle(host: &impl ToolHost, id: u64, method: &str, mut params: Value) -> Response {
-    let text = |params: &Value, key: &str| {
-        params
-            .get(key)
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned()
-    };
-    match method {
-        "list_servers" => Response::ok(id, serde_json::json!(host.servers())),
-        "list_tools" => match host.tools(&text(&params, "server")).await {
-            Ok(tools) => Response::ok(id, serde_json::to_value(tools).unwrap_or_default()),
-            Err(e) => Response::error(id, e),
+async fn handle(host: &impl ToolHost, id: u64, method: Method, params: Value) -> Response {
+    // The method's parameters, typed; a missing one is named to the run.
+    fn read<T: DeserializeOwned>(method: Method, params: Value) -> Result<T, ToolError> {
+        serde_json::from_value(params).map_err(|e| {
+            ToolError::invalid_argument(format!("the bridge's {method:?} request: {e}"))
+        })
+    }
+    let answer = match method {
+        Method::ListServers => Ok(serde_json::json!(host.servers())),
+        Method::ListTools => match read::<ToolParams>(method, params) {
+            Ok(p) => host
+                .tools(&p.server)
+                .await
+                .map(|tools| serde_json::to_value(tools).unwrap_or_default()),
+            Err(e) => Err(e),
         },
-        "why_missing" => Response::error(
-            id,
-            host.missing(&text(&params, "server"), &text(&params, "tool"))
-                .await,
-        ),
-        "call_tool" => {
-            let (server, tool) = (text(&params, "server"), text(&params, "tool"));
-            // Taken, not copied: the call holds the run's arguments once.
-            let arguments = params
-                .get_mut("arguments")
-                .map(Value::take)
-                .unwrap_or(Value::Object(Default::default()));
-            drop(params);
-            match host.call(&server, &tool, arguments).await {
-                Ok(value) => Response::ok(id, value),
-                Err(e) => Response::error(id, e),
-            }
-        }
-        other => Response::error(
-            id,
-            ToolError::invalid_argument(format!("unknown bridge method {other:?}")),
-        ),
+        Method::WhyMissing => match read::<ToolParams>(method, params) {
+            Ok(p) => Err(host.missing(&p.server, &p.tool).await),
+            Err(e) => Err(e),
+        },
+        // Moved, not copied: the call holds the run's arguments once.
+        Method::CallTool => match read::<CallParams>(method, params) {
+            Ok(p) => host.call(&p.server, &p.tool, p.arguments).await,
+            Err(e) => Err(e),
+        },
+        Method::Ready | Method::Done | Method::Unknown => Err(ToolError::invalid_argument(
+            "not a bridge request: the runner asks list_servers, list_tools, call_tool or \
+             why_missing",
+        )),
+    };
+    match answer {
+        Ok(value) => Response::ok(id, value),
+        Err(e) => Response::error(id, e),
     }
 }
 
@@ -303,6 +301,40 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_request_is_read_as_its_methods_parameters_and_a_missing_one_is_named() {
+        let host = Slow::default();
+        let answer = |message: serde_json::Value| {
+            let message: bridge::Message = serde_json::from_value(message).unwrap();
+            handle(&host, 1, message.method, message.params)
+        };
+        let called = answer(serde_json::json!({"id": 1, "method": "call_tool",
+            "params": {"server": "s", "tool": "t", "arguments": {"x": 1}}}))
+        .await;
+        assert_eq!(called.result, Some(serde_json::json!({"x": 1})));
+        let missing = answer(serde_json::json!({"id": 1, "method": "call_tool",
+            "params": {"tool": "t"}}))
+        .await
+        .error
+        .unwrap();
+        assert_eq!(missing.code, ToolErrorCode::InvalidArgument);
+        assert!(
+            missing.message.contains("missing field `server`"),
+            "{}",
+            missing.message
+        );
+        let unknown = answer(serde_json::json!({"id": 1, "method": "rm_rf"}))
+            .await
+            .error
+            .unwrap();
+        assert_eq!(unknown.code, ToolErrorCode::InvalidArgument);
+        assert!(
+            unknown.message.starts_with("not a bridge request"),
+            "{}",
+            unknown.message
+        );
+    }
+
+    #[tokio::test]
     async fn frames_past_the_in_flight_budget_wait_and_the_total_budget_refuses() {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         // 40 calls written at once, so every frame is in the first reads.
@@ -324,7 +356,7 @@ mod tests {
         };
         let mut end = BridgeEnd::default();
         let reader = tokio::spawn(async move {
-            let mut decoder = Decoder::default();
+            let mut decoder = bridge::decoder(bridge::MAX_FRAME);
             let mut replies = Vec::new();
             let mut buffer = [0u8; 4096];
             while replies.len() < 40 {
@@ -337,7 +369,14 @@ mod tests {
             replies
         });
         let memory = BridgeMemory::new(1 << 30);
-        let served = serve(ours, Decoder::default(), &host, budget, &memory, &mut end);
+        let served = serve(
+            ours,
+            bridge::decoder(bridge::MAX_FRAME),
+            &host,
+            budget,
+            &memory,
+            &mut end,
+        );
         let (_, replies) = tokio::join!(
             tokio::time::timeout(Duration::from_secs(10), served),
             reader
@@ -396,7 +435,7 @@ mod tests {
                 }
             };
             let read = async {
-                let mut decoder = Decoder::default();
+                let mut decoder = bridge::decoder(bridge::MAX_FRAME);
                 let mut replies = 0;
                 let mut buffer = [0u8; 4096];
                 while replies < 40 {
@@ -411,7 +450,14 @@ mod tests {
             let ((), replies) = tokio::join!(write, read);
             replies
         });
-        let served = serve(ours, Decoder::default(), &host, budget, &memory, &mut end);
+        let served = serve(
+            ours,
+            bridge::decoder(bridge::MAX_FRAME),
+            &host,
+            budget,
+            &memory,
+            &mut end,
+        );
         let (_, replies) =
             tokio::join!(tokio::time::timeout(Duration::from_secs(20), served), peer);
         assert_eq!(replies.unwrap(), 40, "every call is answered");

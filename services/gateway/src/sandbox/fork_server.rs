@@ -27,8 +27,8 @@ use tokio::sync::{Notify, oneshot};
 use super::bridge;
 use super::init::{self, Spec};
 
-/// The largest frame the zygote sends (`exited` and the init's report are small).
-pub(super) const CONTROL_FRAME: usize = 1 << 20;
+/// The largest frame either side of the control socket sends.
+use nomad_jail::frame::CONTROL_MAX_FRAME as CONTROL_FRAME;
 
 pub struct ForkServer {
     control: Mutex<UnixStream>,

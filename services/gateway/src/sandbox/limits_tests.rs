@@ -1,33 +1,24 @@
-//! The frame limits each side of a pipe must agree on are declared in Rust; the Python that
-//! reads the other end states them again (it runs before it can be told). These tests make a
-//! change on one side alone fail here rather than at run time.
+//! The frame limits are declared once, in Rust (`nomad_jail::frame`), and reach the runner and
+//! the zygote in their environment. These tests hold the protocol names each side uses to one
+//! another, and the docs to the bridge's limit, so a change on one side alone fails here rather
+//! than at run time.
 
 use super::{RUNNER, ZYGOTE};
 
-/// `NAME = A << B` (or `NAME = N`) in `source`, evaluated.
-fn python_constant(source: &str, name: &str) -> usize {
-    let line = source
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} = ")))
-        .unwrap_or_else(|| panic!("no `{name} = ...` line"));
-    match line.split_once("<<") {
-        Some((a, b)) => a.trim().parse::<usize>().unwrap() << b.trim().parse::<u32>().unwrap(),
-        None => line.trim().parse().unwrap(),
-    }
-}
-
 #[test]
-fn the_runner_and_zygote_read_the_frames_the_gateway_writes() {
-    assert_eq!(
-        python_constant(RUNNER, "MAX_FRAME"),
-        super::bridge::MAX_FRAME,
-        "runner.py's MAX_FRAME and nomad_jail::frame::MAX_FRAME"
-    );
-    assert_eq!(
-        python_constant(ZYGOTE, "MAX_CONTROL_FRAME"),
-        super::fork_server::CONTROL_FRAME,
-        "zygote.py's MAX_CONTROL_FRAME and fork_server::CONTROL_FRAME"
-    );
+fn the_runner_and_zygote_read_the_limits_the_jail_sets() {
+    let set = nomad_jail::frame::environment();
+    for (source, protocol) in [(RUNNER, "bridge"), (ZYGOTE, "control")] {
+        assert!(
+            source.contains(&format!("limit(\"{protocol}\")")),
+            "the Python end should read the {protocol} limit"
+        );
+        let variable = nomad_frame::limit_variable(protocol);
+        assert!(
+            set.iter().any(|v| v.starts_with(&format!("{variable}="))),
+            "the jail should set {variable}: {set:?}"
+        );
+    }
 }
 
 #[test]

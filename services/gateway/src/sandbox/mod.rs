@@ -241,7 +241,11 @@ impl Sandbox {
             std::fs::create_dir(dir)?;
             set_mode(dir, 0o755)?;
         }
-        for (name, text) in [("runner.py", RUNNER), ("zygote.py", ZYGOTE)] {
+        for (name, text) in [
+            ("runner.py", RUNNER),
+            ("zygote.py", ZYGOTE),
+            (nomad_frame::PYTHON_FILE, nomad_frame::PYTHON),
+        ] {
             std::fs::write(runtime.join(name), text)?;
             set_mode(&runtime.join(name), 0o644)?;
         }

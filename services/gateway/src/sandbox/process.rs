@@ -279,7 +279,7 @@ impl Started {
         Ok(Self {
             process,
             bridge: UnixStream::from_std(bridge)?,
-            decoder: Decoder::with_limit(launch.frame_limit()),
+            decoder: bridge::decoder(launch.frame_limit()),
             stdout,
             stderr,
             report: None,
@@ -341,7 +341,7 @@ impl Started {
         if until_ready {
             loop {
                 let message: Message = self.read_frame().await?.ok_or_else(setup_failure)?;
-                if message.method == "ready" {
+                if message.method == bridge::Method::Ready {
                     break;
                 }
             }
@@ -355,7 +355,7 @@ impl Started {
             if let Some(frame) = self
                 .decoder
                 .next_as()
-                .map_err(|e| Failure::Bridge(e.to_string()))?
+                .map_err(|e| Failure::Bridge(bridge::refused(&e)))?
             {
                 return Ok(Some(frame));
             }

@@ -4,8 +4,8 @@
 
 The runner starts ahead of its run (the gateway keeps a few waiting), reads one run from the
 bridge, executes it and exits; it never serves a second run. The bridge is a socket pair
-inherited as descriptor NOMAD_BRIDGE_FD: frames of a 4-byte big-endian length and a body. The
-first frame the runner reads is the run (fields, each a 4-byte length and UTF-8 text: mode,
+inherited as descriptor NOMAD_BRIDGE_FD: Nomad's frames (`nomad_frame.py`, beside this file;
+their limit, NOMAD_BRIDGE_MAX_FRAME, is set by the gateway). The first frame the runner reads is the run (fields, each a 4-byte length and UTF-8 text: mode,
 file name, source, the limits `call,result,text` in bytes, then environment names and values);
 every later frame either way is JSON. The runner keeps to the limits itself: a call over them
 fails here with a message, RESULT over them is sent as its size alone, and an exception's text
@@ -23,7 +23,21 @@ demand pays for nothing it does not use; `--preload` imports the rest while the 
 import os
 import sys
 
-MAX_FRAME = 16 << 20
+
+
+def _sibling(name):
+    """The module `name` beside this file, compiled and run here: -I leaves this folder off
+    sys.path, and importing importlib.util would cost a run started on demand milliseconds."""
+    path = os.path.join(os.path.dirname(__file__), name + ".py")
+    module = type(sys)(name)
+    module.__file__ = path
+    with open(path, "rb") as f:
+        exec(compile(f.read(), path, "exec"), module.__dict__)
+    return module
+
+
+_frame = _sibling("nomad_frame")
+MAX_FRAME = _frame.limit("bridge")
 # ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, without importing ast.
 _ALLOW_TOP_LEVEL_AWAIT = 0x2000
 _FD = int(os.environ.get("NOMAD_BRIDGE_FD", "3"))
@@ -58,18 +72,14 @@ def _read_exact(n, fd=_FD):
 
 
 def _read_frame():
-    length = int.from_bytes(_read_exact(4), "big")
-    if length > MAX_FRAME:
-        raise ValueError(f"bridge frame of {length} bytes exceeds {MAX_FRAME}")
-    return _read_exact(length)
+    return _frame.read(_read_exact, MAX_FRAME)
 
 
 def _write_frame(body, fd=_FD):
-    if len(body) > MAX_FRAME:
-        raise ToolError(
-            f"message of {len(body)} bytes exceeds the bridge's {MAX_FRAME}-byte limit", "INVALID_ARGUMENT"
-        )
-    data = memoryview(len(body).to_bytes(4, "big") + body)
+    try:
+        data = memoryview(_frame.pack(body, MAX_FRAME))
+    except _frame.FrameTooLarge as e:
+        raise ToolError(f"a bridge message: {e}", "INVALID_ARGUMENT") from None
     while data:
         data = data[os.write(fd, data):]
 
@@ -82,15 +92,6 @@ def _clip(text, limit):
     note = f"\u2026 ({len(data)} bytes in all, cut at {limit})"
     keep = max(0, limit - len(note.encode()))
     return data[:keep].decode("utf-8", "ignore") + note
-
-
-def _fields(body):
-    fields, i = [], 0
-    while i < len(body):
-        n = int.from_bytes(body[i : i + 4], "big")
-        fields.append(body[i + 4 : i + 4 + n].decode())
-        i += 4 + n
-    return fields
 
 
 def _to_json(value):
@@ -321,13 +322,8 @@ def _exit(code):
 def _zygote():
     """`--zygote MODULES`: serve as the sandbox's fork server (zygote.py beside this file);
     returns in each forked child, ready to run."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("nomad_zygote", os.path.join(os.path.dirname(__file__), "zygote.py"))
-    zygote = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(zygote)
     preload = [m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else []
-    zygote.serve(preload, _read_exact, _write_frame)
+    _sibling("zygote").serve(preload, _frame, _read_exact, _write_frame)
 
 
 def main():
@@ -341,7 +337,7 @@ def main():
                 pass
     _write_frame(b'{"method":"ready"}')
     try:
-        fields = _fields(_read_frame())
+        fields = _frame.fields(_read_frame())
     except (EOFError, OSError, ValueError):
         _exit(2)
     mode, filename, source = fields[0], fields[1], fields[2]
@@ -394,7 +390,7 @@ def _user_traceback(error, filename):
         seen.add(id(part))
         frames = list(part.stack)
         start = next((i for i, f in enumerate(frames) if f.filename == filename), 0)
-        kept = [f for f in frames[start:] if f.filename != __file__]
+        kept = [f for f in frames[start:] if f.filename not in (__file__, _frame.__file__)]
         part.stack = traceback.StackSummary.from_list(kept)
         todo += [part.__cause__, part.__context__]
     return "".join(shown.format())

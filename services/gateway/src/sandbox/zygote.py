@@ -31,21 +31,21 @@ import socket
 
 SETUP_FAILED = 125
 LIBRARY = "libnomad_jail.so"
-# The gateway's frames here are small: the spec (a few KiB) and requests.
-MAX_CONTROL_FRAME = 1 << 20
 
 
-def serve(preload, read_exact, write_frame):
+def serve(preload, frame, read_exact, write_frame):
     """The zygote's loop; returns only in a forked child, isolated and ready to run.
 
-    `read_exact(n, fd)` and `write_frame(body, fd)` are the runner's frame reader and writer."""
+    `frame` is the `nomad_frame` module; `read_exact(n, fd)` and `write_frame(body, fd)` are the
+    runner's reader and frame writer."""
+    limit = frame.limit("control")
     for name in preload:
         try:
             __import__(name)
         except ImportError:
             pass
     control = socket.socket(fileno=3)
-    spec, _ = _receive(control, read_exact)
+    spec, _ = _receive(control, frame, limit, read_exact)
     if spec is None:
         os._exit(0)
     jail_lib = ctypes.CDLL(os.path.join(os.path.dirname(__file__), LIBRARY))
@@ -72,7 +72,7 @@ def serve(preload, read_exact, write_frame):
                 reaped[0].recv(4096)
                 _reap(children, write_frame)
                 continue
-            body, fds = _receive(control, read_exact)
+            body, fds = _receive(control, frame, limit, read_exact)
             if body is None:
                 os._exit(0)  # the gateway is gone
             request = json.loads(body)
@@ -115,16 +115,15 @@ def _reap(children, write_frame):
             write_frame(json.dumps(message, separators=(",", ":")).encode(), 3)
 
 
-def _receive(control, read_exact):
+def _receive(control, frame, limit, read_exact):
     """One frame and the descriptors that came with its first bytes; (None, []) at end of stream."""
-    head, fds, _, _ = socket.recv_fds(control, 4, 3)
+    head, fds, _, _ = socket.recv_fds(control, frame.HEADER, 3)
     if not head:
         return None, []
     try:
-        head += read_exact(4 - len(head), 3)
-        length = int.from_bytes(head, "big")
-        if length > MAX_CONTROL_FRAME:
-            os._exit(SETUP_FAILED)
-        return read_exact(length, 3), fds
+        head += read_exact(frame.HEADER - len(head), 3)
+        return read_exact(frame.length(head, limit), 3), fds
     except EOFError:
         return None, []
+    except frame.FrameTooLarge:
+        os._exit(SETUP_FAILED)

@@ -11,13 +11,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use command_fds::{CommandFdExt as _, FdMapping};
 use futures::{SinkExt as _, StreamExt as _};
+use nomad_frame::Codec;
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _};
 use tokio::sync::{mpsc, oneshot};
-use tokio_util::codec::{Framed, LengthDelimitedCodec};
+use tokio_util::codec::Framed;
 
 /// The descriptor the host reads its socket from.
 const HOST_FD: i32 = 3;
-/// The largest frame either side sends (the worker hop's message limit).
+/// The largest frame either side sends (the worker hop's message limit), declared here once: the
+/// host is told it in its environment (`nomad_frame.limit("host")`).
 pub const MAX_FRAME: usize = 64 << 20;
 /// How long a host may take to exit when asked before it is killed.
 const EXIT_GRACE: Duration = Duration::from_secs(5);
@@ -74,7 +76,7 @@ impl Host {
                 .arg("-u")
                 .arg(&launch.host_file)
                 .env("NOMAD_HOST_FD", HOST_FD.to_string())
-                .env("NOMAD_HOST_MAX_FRAME", MAX_FRAME.to_string())
+                .env(nomad_frame::limit_variable("host"), MAX_FRAME.to_string())
                 .env("NOMAD_HOST_SERVICE_NAME", &launch.service_name)
                 .env("CUDA_VISIBLE_DEVICES", &launch.visible_devices)
                 .env(
@@ -118,14 +120,7 @@ impl Host {
             }
         }
         let socket = tokio::net::UnixStream::from_std(ours).map_err(spawn)?;
-        let framed = Framed::new(
-            socket,
-            LengthDelimitedCodec::builder()
-                .length_field_length(4)
-                .big_endian()
-                .max_frame_length(MAX_FRAME)
-                .new_codec(),
-        );
+        let framed = Framed::new(socket, Codec::new(MAX_FRAME));
         let (calls, rx) = mpsc::channel(1);
         tokio::spawn(serve(child, framed, rx));
         Ok(Self { calls, pid })
@@ -185,7 +180,7 @@ async fn copy_to_log(stream: Output, tool: String, name: &'static str) {
 /// answered, also when the process dies under its request.
 async fn serve(
     mut child: tokio::process::Child,
-    mut framed: Framed<tokio::net::UnixStream, LengthDelimitedCodec>,
+    mut framed: Framed<tokio::net::UnixStream, Codec>,
     mut calls: mpsc::Receiver<Call>,
 ) {
     let exited = |status: std::io::Result<std::process::ExitStatus>| match status {
@@ -339,21 +334,13 @@ mod credential_tests {
 
 #[cfg(test)]
 mod limit_tests {
-    /// The host is told the limit (`NOMAD_HOST_MAX_FRAME`); its own default, for a host started
-    /// by hand, is the same number, so the two cannot drift apart unseen.
     #[test]
-    fn the_hosts_default_frame_limit_is_the_workers() {
-        let line = super::super::HOST_PROGRAM
-            .lines()
-            .find(|l| l.starts_with("MAX_FRAME = "))
-            .expect("the host's MAX_FRAME line");
-        let default = line
-            .split("str(")
-            .nth(1)
-            .and_then(|rest| rest.split(')').next())
-            .expect("MAX_FRAME = int(os.environ.get(..., str(A << B)))");
-        let (a, b) = default.split_once("<<").expect("A << B");
-        let bytes = a.trim().parse::<usize>().unwrap() << b.trim().parse::<u32>().unwrap();
-        assert_eq!(bytes, super::MAX_FRAME, "{line}");
+    fn the_docs_state_the_hosts_frame_limit() {
+        let docs = include_str!("../../../../../../docs/python-models.md");
+        let stated = format!("frames of at most {} MiB", super::MAX_FRAME >> 20);
+        assert!(
+            docs.contains(&stated),
+            "docs/python-models.md should say {stated:?}"
+        );
     }
 }

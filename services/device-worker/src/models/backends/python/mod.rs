@@ -29,6 +29,7 @@ use crate::models::model::{
 
 /// The host program, shipped inside this binary and written into the cache at first use.
 const HOST_PROGRAM: &str = include_str!("../../../../../../model-host/nomad_model_host.py");
+const HOST_FILE: &str = "nomad_model_host.py";
 
 /// This worker's settings for Python models.
 #[derive(Debug, Clone)]
@@ -63,21 +64,42 @@ fn spec_of(spec: &Spec) -> Result<&PythonSpec, LoadError> {
     })
 }
 
-/// The host program in the cache (written once per content).
+/// The host program in the cache, beside the frame module it imports: one folder per content
+/// of the two, written once, so workers of other versions sharing the cache keep their own.
 fn host_file(cache: &Path) -> Result<PathBuf, LoadError> {
     use sha2::{Digest as _, Sha256};
-    let digest: String = Sha256::digest(HOST_PROGRAM.as_bytes())[..6]
+    let files = [
+        (HOST_FILE, HOST_PROGRAM),
+        (nomad_frame::PYTHON_FILE, nomad_frame::PYTHON),
+    ];
+    let mut digest = Sha256::new();
+    for (name, text) in files {
+        digest.update(name.as_bytes());
+        digest.update([0]);
+        digest.update(text.as_bytes());
+    }
+    let digest: String = digest.finalize()[..6]
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let dir = cache.join("host");
-    let path = dir.join(format!("nomad_model_host_{digest}.py"));
+    let dir = cache.join("host").join(&digest);
+    let path = dir.join(HOST_FILE);
     if !path.is_file() {
+        // Written whole elsewhere, then renamed into place: a folder seen is a folder complete.
         let write = || -> std::io::Result<()> {
-            std::fs::create_dir_all(&dir)?;
-            let partial = dir.join(format!(".{digest}.{}.partial", std::process::id()));
-            std::fs::write(&partial, HOST_PROGRAM)?;
-            std::fs::rename(&partial, &path)
+            std::fs::create_dir_all(cache.join("host"))?;
+            let partial = cache
+                .join("host")
+                .join(format!(".{digest}.{}.partial", std::process::id()));
+            std::fs::create_dir_all(&partial)?;
+            for (name, text) in files {
+                std::fs::write(partial.join(name), text)?;
+            }
+            match std::fs::rename(&partial, &dir) {
+                // Another worker wrote the same folder first.
+                Err(_) if path.is_file() => std::fs::remove_dir_all(&partial),
+                done => done,
+            }
         };
         write().map_err(|e| LoadError::Invalid {
             path: path.clone(),
