@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use nomad_proto::v1::ListWorkersRequest;
+use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::Value;
 use tokio::process::{Child, Command};
@@ -308,6 +309,41 @@ pub async fn wait_for_file(path: &Path, child: &mut Child, what: &str, log: &Pat
     }
 }
 
+/// Asserts that `output` is a failure whose stderr says each of `needles`.
+pub fn refused_saying(output: &std::process::Output, needles: &[&str]) {
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "succeeded: {said}");
+    for needle in needles {
+        assert!(said.contains(needle), "{needle:?} not in: {said}");
+    }
+}
+
+/// Starts `command` listening on `listen`, its address written to `<dir>/<stem>.addr` and its
+/// stderr to `<dir>/<stem>.stderr` (stdout too when `stdout` is set: `<stem>.stdout`), and waits
+/// until it listens: the child and its address.
+pub async fn listening(
+    mut command: Command,
+    listen: &str,
+    dir: &Path,
+    stem: &str,
+    stdout: bool,
+) -> (Child, String) {
+    let addr_file = dir.join(format!("{stem}.addr"));
+    let log = dir.join(format!("{stem}.stderr"));
+    if stdout {
+        command.stdout(std::fs::File::create(dir.join(format!("{stem}.stdout"))).unwrap());
+    }
+    let mut child = command
+        .args(["--listen", listen, "--addr-file"])
+        .arg(&addr_file)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let addr = wait_for_file(&addr_file, &mut child, stem, &log).await;
+    (child, addr)
+}
+
 impl Fleet {
     pub fn new_dir() -> PathBuf {
         let dir = std::env::temp_dir().join(format!("nomad-it-{}", uuid::Uuid::new_v4().simple()));
@@ -424,6 +460,13 @@ impl Fleet {
         SchedulerClient::new(rpc_channel(&self.scheduler_addr))
     }
 
+    /// A client of this fleet's gateway.
+    pub async fn gateway_client(&self) -> GatewayClient<tonic::transport::Channel> {
+        GatewayClient::connect(format!("http://{}", self.gateway_addr))
+            .await
+            .unwrap()
+    }
+
     /// The process id of the first running `service`.
     pub fn pid(&self, service: Service) -> u32 {
         self.children
@@ -484,9 +527,6 @@ impl Fleet {
         } else {
             format!("{}-{n}", service.name())
         };
-        let addr_file = self.dir.join(format!("{stem}.addr"));
-        let stdout = std::fs::File::create(self.dir.join(format!("{stem}.stdout"))).unwrap();
-        let stderr = std::fs::File::create(self.dir.join(format!("{stem}.stderr"))).unwrap();
         let program = match (service, &self.options.gateway_binary) {
             (Service::Gateway, Some(other)) => other.clone(),
             _ => binary(service.binary()),
@@ -496,24 +536,8 @@ impl Fleet {
         if service == Service::Head {
             cmd.arg("head");
         }
-        let mut child = cmd
-            .arg("--config")
-            .arg(&self.config_path)
-            .args(["--listen", "127.0.0.1:0", "--addr-file"])
-            .arg(&addr_file)
-            .args(args)
-            .stdout(stdout)
-            .stderr(stderr)
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let addr = wait_for_file(
-            &addr_file,
-            &mut child,
-            service.binary(),
-            &self.dir.join(format!("{stem}.stderr")),
-        )
-        .await;
+        cmd.arg("--config").arg(&self.config_path).args(args);
+        let (child, addr) = listening(cmd, "127.0.0.1:0", &self.dir, &stem, true).await;
         self.children.push((service, child));
         addr
     }
@@ -532,26 +556,17 @@ impl Fleet {
 
     /// Starts a scheduler again on the address the first one had.
     pub async fn restart_scheduler(&mut self) {
-        let stem = "scheduler-restarted";
-        let addr_file = self.dir.join(format!("{stem}.addr"));
-        let mut child = command(
+        let mut cmd = command(
             Service::Scheduler,
             &self.options.env_for(Service::Scheduler),
-        )
-        .arg("--config")
-        .arg(&self.config_path)
-        .args(["--listen", &self.scheduler_addr, "--addr-file"])
-        .arg(&addr_file)
-        .stdout(std::fs::File::create(self.dir.join(format!("{stem}.stdout"))).unwrap())
-        .stderr(std::fs::File::create(self.dir.join(format!("{stem}.stderr"))).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-        let addr = wait_for_file(
-            &addr_file,
-            &mut child,
-            "nomad-scheduler (restarted)",
-            &self.dir.join(format!("{stem}.stderr")),
+        );
+        cmd.arg("--config").arg(&self.config_path);
+        let (child, addr) = listening(
+            cmd,
+            &self.scheduler_addr,
+            &self.dir,
+            "scheduler-restarted",
+            true,
         )
         .await;
         assert_eq!(addr, self.scheduler_addr);

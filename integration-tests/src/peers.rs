@@ -104,35 +104,46 @@ pub async fn mcp_client_stdio(command: &[String], calls: &Value) -> Vec<Value> {
 }
 
 async fn run_client(args: &[String], calls: &Value) -> Vec<Value> {
-    let mut command = tokio::process::Command::new(python_sdk());
-    command.arg(script("mcp_client.py")).args(args);
-    let mut child = command
+    let (lines, stderr) = run_script("mcp_client.py", args, calls, Duration::from_secs(120)).await;
+    assert!(
+        !lines.is_empty(),
+        "the MCP client printed nothing; stderr:\n{stderr}"
+    );
+    lines
+}
+
+/// Runs the Python peer `name` (from `integration-tests/python`, in the test environment) with
+/// `args` and `input` as JSON on its stdin, for at most `limit`: the JSON lines it printed, and
+/// its stderr.
+pub async fn run_script(
+    name: &str,
+    args: &[String],
+    input: &Value,
+    limit: Duration,
+) -> (Vec<Value>, String) {
+    use tokio::io::AsyncWriteExt as _;
+    let mut child = tokio::process::Command::new(python_sdk())
+        .arg(script(name))
+        .args(args)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    use tokio::io::AsyncWriteExt as _;
     let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(calls.to_string().as_bytes()).await.unwrap();
+    stdin.write_all(input.to_string().as_bytes()).await.unwrap();
     drop(stdin);
-    let output = tokio::time::timeout(Duration::from_secs(120), child.wait_with_output())
+    let output = tokio::time::timeout(limit, child.wait_with_output())
         .await
-        .expect("the MCP client hung")
+        .unwrap_or_else(|_| panic!("{name} hung"))
         .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let lines: Vec<Value> = stdout
+    let lines = String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter(|l| l.starts_with('{'))
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert!(
-        !lines.is_empty(),
-        "the MCP client printed nothing; stderr:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    lines
+    (lines, String::from_utf8_lossy(&output.stderr).into_owned())
 }
 
 /// A client of the MCP Tasks extension (fastmcp-tasks, `tasks_client.py`) at `url`, held open

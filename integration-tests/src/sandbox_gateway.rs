@@ -13,6 +13,21 @@ use crate::Fleet;
 use crate::fleet::{binary, wait_for_file};
 use crate::users::{RunAs, gateway_users, sandbox_runs};
 
+/// Runs `code` through the gateway's `ExecuteCode`: its answer (the call itself must succeed).
+pub async fn run_code(
+    client: &mut GatewayClient<tonic::transport::Channel>,
+    code: impl Into<String>,
+) -> ExecuteResponse {
+    client
+        .execute_code(ExecuteCodeRequest {
+            code: code.into(),
+            env: Default::default(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 /// How a run's process starts: each containment test runs on both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Start {
@@ -141,6 +156,7 @@ impl Gateway {
     }
 
     pub async fn run(&self, code: impl Into<String>) -> ExecuteResponse {
+        // Its client carries trace context, so it is not `run_code`'s plain one.
         self.client
             .clone()
             .execute_code(ExecuteCodeRequest {

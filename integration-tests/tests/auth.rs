@@ -3,7 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{TEST_TOKEN, clean, rpc_channel, wait_for_file};
+use nomad_integration_tests::fleet::{
+    TEST_TOKEN, clean, listening, refused_saying, rpc_channel, wait_for_file,
+};
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::gateway_client::GatewayClient;
@@ -284,28 +286,14 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
         .output()
         .await
         .unwrap();
-    assert!(!refused.status.success());
-    let said = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        said.contains("no credential") && said.contains("NOMAD_AUTH_TOKEN"),
-        "{said}"
-    );
+    refused_saying(&refused, &["no credential", "NOMAD_AUTH_TOKEN"]);
 
     let config = dir.join("nomad.yaml");
     std::fs::write(&config, "auth: none\n").unwrap();
-    let addr_file = dir.join("open.addr");
-    let log = dir.join("open.stderr");
-    let mut open = clean("nomad-scheduler")
-        .arg("--config")
-        .arg(&config)
-        .args(["--listen", "0.0.0.0:0", "--addr-file"])
-        .arg(&addr_file)
-        .stderr(std::fs::File::create(&log).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    wait_for_file(&addr_file, &mut open, "nomad-scheduler", &log).await;
-    let said = std::fs::read_to_string(&log).unwrap();
+    let mut command = clean("nomad-scheduler");
+    command.arg("--config").arg(&config);
+    let (mut open, _) = listening(command, "0.0.0.0:0", &dir, "open", false).await;
+    let said = std::fs::read_to_string(dir.join("open.stderr")).unwrap();
     assert!(said.contains("NO CREDENTIAL (auth: none)"), "{said}");
     let _ = open.start_kill();
 
@@ -316,12 +304,7 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
         .output()
         .await
         .unwrap();
-    assert!(!refused.status.success());
-    let said = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        said.contains("prometheus_listen") && said.contains("no credential"),
-        "{said}"
-    );
+    refused_saying(&refused, &["prometheus_listen", "no credential"]);
     // With a token, every scrape needs it, on loopback as beyond it (any local user reaches a
     // loopback port); without one, loopback is open.
     for (host, token, open) in [
@@ -334,21 +317,13 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
             .local_addr()
             .unwrap()
             .port();
-        let addr_file = dir.join(format!("metrics-{port}.addr"));
-        let log = dir.join(format!("metrics-{port}.stderr"));
         let mut command = clean("nomad-scheduler");
         if let Some(token) = token {
             command.env("NOMAD_AUTH_TOKEN", token);
         }
-        let mut scraped = command
-            .env("NOMAD_OTEL_PROMETHEUS_LISTEN", format!("{host}:{port}"))
-            .args(["--listen", "127.0.0.1:0", "--addr-file"])
-            .arg(&addr_file)
-            .stderr(std::fs::File::create(&log).unwrap())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        wait_for_file(&addr_file, &mut scraped, "nomad-scheduler", &log).await;
+        command.env("NOMAD_OTEL_PROMETHEUS_LISTEN", format!("{host}:{port}"));
+        let stem = format!("metrics-{port}");
+        let (mut scraped, _) = listening(command, "127.0.0.1:0", &dir, &stem, false).await;
         let url = format!("http://127.0.0.1:{port}/metrics");
         let client = nomad_integration_tests::http().build().unwrap();
         for (authorization, expected) in [
@@ -386,8 +361,7 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
         .output()
         .await
         .unwrap();
-    assert!(!weak.status.success());
-    assert!(String::from_utf8_lossy(&weak.stderr).contains("at least 16"));
+    refused_saying(&weak, &["at least 16"]);
 
     // A run id that is not a plain name never reaches the filesystem.
     let escape = clean("nomad")
@@ -397,12 +371,7 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
         .output()
         .await
         .unwrap();
-    assert!(!escape.status.success());
-    let said = String::from_utf8_lossy(&escape.stderr);
-    assert!(
-        said.contains("run id \"../x\"") && said.contains("1 to 64"),
-        "{said}"
-    );
+    refused_saying(&escape, &["run id \"../x\"", "1 to 64"]);
     assert!(!dir.join("x").exists() && !dir.join("runs").exists());
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -443,12 +412,7 @@ async fn the_collector_writes_only_what_the_token_holder_exports() {
         .output()
         .await
         .unwrap();
-    assert!(!refused.status.success());
-    let said = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        said.contains("nomad collect --listen") && said.contains("no credential"),
-        "{said}"
-    );
+    refused_saying(&refused, &["nomad collect --listen", "no credential"]);
 
     let out = dir.join("otel");
     let (grpc_file, http_file, log) = (

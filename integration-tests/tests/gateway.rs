@@ -9,10 +9,10 @@ use nomad_integration_tests::peers::{
     HttpUpstream, mcp_client, mcp_client_stdio, python_sdk, script,
 };
 use nomad_integration_tests::receiver::MetricRecord;
+use nomad_integration_tests::sandbox_gateway::run_code;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, Service};
 use nomad_proto::v1::ExecuteCodeRequest;
 use nomad_proto::v1::ExecuteScriptRequest;
-use nomad_proto::v1::gateway_client::GatewayClient;
 use serde_json::{Value, json};
 
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -442,9 +442,7 @@ async fn sandboxed_code_cannot_escape_and_the_gateway_keeps_serving() {
     );
     let mut fleet = Fleet::start(options).await;
     let gateway_pid = fleet.pid(Service::Gateway);
-    let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
-        .await
-        .unwrap();
+    let mut gateway = fleet.gateway_client().await;
 
     // Things outside the sandbox that the code will go after.
     let outside = dir.join("outside");
@@ -511,14 +509,7 @@ async fn sandboxed_code_cannot_escape_and_the_gateway_keeps_serving() {
             0,
             "{name}: sandbox processes left behind"
         );
-        let alive = gateway
-            .execute_code(ExecuteCodeRequest {
-                code: "RESULT = 40 + 2".into(),
-                env: Default::default(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let alive = run_code(&mut gateway, "RESULT = 40 + 2").await;
         assert_eq!(alive.result_json, "42", "after {name}: {}", alive.error);
     }
     assert!(
@@ -553,9 +544,7 @@ async fn scripts_run_only_from_inside_the_workspace_root() {
     assert!(made.success());
     std::fs::create_dir(root.join("dir.py")).unwrap();
     std::fs::write(root.join("huge.py"), "#".repeat(5 << 20)).unwrap();
-    let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
-        .await
-        .unwrap();
+    let mut gateway = fleet.gateway_client().await;
     let run = |path: String| {
         let mut gateway = gateway.clone();
         async move {
@@ -680,9 +669,7 @@ async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist(
         "{error}"
     );
     // ...and a direct call is refused too.
-    let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
-        .await
-        .unwrap();
+    let mut gateway = fleet.gateway_client().await;
     let refused = gateway
         .call_tool(nomad_proto::v1::GatewayCallToolRequest {
             server: "echo_http".into(),
@@ -782,9 +769,7 @@ async fn made_up_server_and_tool_names_never_become_metric_attributes() {
     )
     .exporting_to(&receiver);
     let mut fleet = Fleet::start(options).await;
-    let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
-        .await
-        .unwrap();
+    let mut gateway = fleet.gateway_client().await;
     // 10,000 calls, each naming a server or tool nobody has (half of them on the real `nomad`
     // server), straight over the bridge.
     let code = "\
@@ -799,14 +784,7 @@ for i in range(10000):
         failed += 1
 RESULT = failed
 ";
-    let reply = gateway
-        .execute_code(ExecuteCodeRequest {
-            code: code.into(),
-            env: Default::default(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let reply = run_code(&mut gateway, code).await;
     assert_eq!(reply.result_json, "10000", "{}", reply.error);
     fleet.terminate().await;
     let metrics = receiver.latest_metrics();
@@ -854,9 +832,7 @@ async fn a_blackholed_upstream_times_out_without_stalling_the_others() {
         1,
     );
     let mut fleet = Fleet::start(options).await;
-    let gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
-        .await
-        .unwrap();
+    let gateway = fleet.gateway_client().await;
     let call = |server: &str| {
         let mut gateway = gateway.clone();
         let request = nomad_proto::v1::GatewayCallToolRequest {

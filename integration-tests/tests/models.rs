@@ -4,7 +4,6 @@
 use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::{Fleet, FleetOptions};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
-use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::{
     ExecuteBatchRequest, GatewayCallToolRequest, PlaceRequest, ToolInput, execute_batch_response,
     item_result, tool_input, tool_output,
@@ -79,9 +78,7 @@ async fn embed_and_generate_through_the_fleet_equal_the_worker_alone() {
     };
 
     // The full embedding through the gateway.
-    let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
-        .await
-        .unwrap();
+    let mut gateway = fleet.gateway_client().await;
     let full: Value = serde_json::from_str(
         &gateway
             .call_tool(GatewayCallToolRequest {

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use nomad_integration_tests::fleet::{TEST_TOKEN, models_dir};
-use nomad_integration_tests::peers::{python_sdk, script};
+use nomad_integration_tests::peers::run_script;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
 use nomad_proto::v1::{CallToolRequest, ToolInput, tool_input, tool_output};
 use serde_json::{Value, json};
@@ -16,32 +16,13 @@ use serde_json::{Value, json};
 const TRACE_ID: &str = "6bf92f3577b34da6a3ce929d0e0e4736";
 
 async fn openai(base: &str, token: &str, ops: &Value) -> Vec<Value> {
-    use tokio::io::AsyncWriteExt as _;
-    let mut child = tokio::process::Command::new(python_sdk())
-        .arg(script("openai_client.py"))
-        .args([base, token])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(ops.to_string().as_bytes()).await.unwrap();
-    drop(stdin);
-    let output = tokio::time::timeout(Duration::from_secs(300), child.wait_with_output())
-        .await
-        .expect("the openai client hung")
-        .unwrap();
-    let lines: Vec<Value> = String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let args = [base.to_owned(), token.to_owned()];
+    let (lines, stderr) =
+        run_script("openai_client.py", &args, ops, Duration::from_secs(300)).await;
     assert_eq!(
         lines.len(),
         ops.as_array().unwrap().len(),
-        "stderr:\n{}",
-        String::from_utf8_lossy(&output.stderr)
+        "stderr:\n{stderr}"
     );
     lines
 }

@@ -197,9 +197,7 @@ async fn a_restarted_scheduler_gets_its_workers_and_gateway_back_and_a_call_wait
         ..Default::default()
     };
     let mut fleet = Fleet::start(options).await;
-    let gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
-        .await
-        .unwrap();
+    let gateway = fleet.gateway_client().await;
     let call = |mut gateway: GatewayClient<tonic::transport::Channel>| async move {
         let started = std::time::Instant::now();
         let reply = gateway

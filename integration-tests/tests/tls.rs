@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{clean, mlp_tasks};
+use nomad_integration_tests::fleet::{clean, mlp_tasks, refused_saying};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use serde_json::Value;
 
@@ -145,24 +145,11 @@ async fn mutual_tls_refuses_clients_without_the_fleets_certificate() {
         ),
     )
     .unwrap();
-    let addr_file = dir.join("scheduler.addr");
-    let log = dir.join("scheduler.stderr");
-    let mut scheduler = clean("nomad-scheduler")
-        .arg("--config")
-        .arg(&config)
-        .args(["--listen", "127.0.0.1:0", "--addr-file"])
-        .arg(&addr_file)
-        .stderr(std::fs::File::create(&log).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let address = nomad_integration_tests::fleet::wait_for_file(
-        &addr_file,
-        &mut scheduler,
-        "scheduler",
-        &log,
-    )
-    .await;
+    let mut command = clean("nomad-scheduler");
+    command.arg("--config").arg(&config);
+    let (_scheduler, address) =
+        nomad_integration_tests::fleet::listening(command, "127.0.0.1:0", &dir, "scheduler", false)
+            .await;
     let health = |identity: Option<&str>| {
         let mut cmd = clean("nomad");
         cmd.args(["health", &address])
@@ -208,11 +195,6 @@ async fn half_a_tls_config_is_refused_with_what_is_missing() {
         .output()
         .await
         .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("tls.cert is set but tls.key is not"),
-        "{stderr}"
-    );
+    refused_saying(&out, &["tls.cert is set but tls.key is not"]);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -2,9 +2,9 @@
 //! catches `ToolError` with `.code`, and the gateway's gRPC `CallTool` answers with that code.
 
 use nomad_integration_tests::peers::{python_sdk, script};
+use nomad_integration_tests::sandbox_gateway::run_code;
 use nomad_integration_tests::{Fleet, FleetOptions};
-use nomad_proto::v1::gateway_client::GatewayClient;
-use nomad_proto::v1::{ExecuteCodeRequest, GatewayCallToolRequest};
+use nomad_proto::v1::GatewayCallToolRequest;
 use serde_json::{Value, json};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -22,9 +22,7 @@ async fn sandboxed_code_tells_failures_apart_by_code() {
     }
     .in_dir(&dir);
     let mut fleet = Fleet::start(options).await;
-    let mut gateway = GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
-        .await
-        .unwrap();
+    let mut gateway = fleet.gateway_client().await;
     // Each failure as (code, message), caught the way agent code catches it.
     let code = "\
 import sys
@@ -53,14 +51,7 @@ RESULT = {
     ),
 }
 ";
-    let reply = gateway
-        .execute_code(ExecuteCodeRequest {
-            code: code.into(),
-            env: Default::default(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let reply = run_code(&mut gateway, code).await;
     let failures: Value = serde_json::from_str(&reply.result_json)
         .unwrap_or_else(|e| panic!("{e}: {} / {}", reply.result_json, reply.error));
     let expect = |case: &str, code: &str, words: &str| {

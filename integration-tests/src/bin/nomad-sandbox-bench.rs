@@ -13,10 +13,11 @@
 
 use std::time::{Duration, Instant};
 
+use nomad_integration_tests::sandbox_gateway::run_code;
 use nomad_integration_tests::{Fleet, FleetOptions, Service, check_args};
 use nomad_integration_tests::{arg, fleet::models_dir};
 use nomad_proto::v1::gateway_client::GatewayClient;
-use nomad_proto::v1::{ExecuteCodeRequest, GatewayCallToolRequest, GatewayStatusRequest};
+use nomad_proto::v1::{GatewayCallToolRequest, GatewayStatusRequest};
 use tonic::transport::Channel;
 
 const TRIVIAL: &str = "RESULT = 6 * 7";
@@ -44,22 +45,9 @@ async fn fleet(warm: usize, fork_server: bool, gateway: Option<&str>) -> Fleet {
     .await
 }
 
-async fn client(fleet: &Fleet) -> GatewayClient<Channel> {
-    GatewayClient::connect(format!("http://{}", fleet.gateway_addr))
-        .await
-        .unwrap()
-}
-
 async fn execute(client: &mut GatewayClient<Channel>, code: &str) -> Duration {
     let started = Instant::now();
-    let reply = client
-        .execute_code(ExecuteCodeRequest {
-            code: code.into(),
-            env: Default::default(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let reply = run_code(client, code).await;
     assert!(reply.error.is_empty(), "{}", reply.error);
     started.elapsed()
 }
@@ -162,7 +150,7 @@ async fn main() {
     }
     let mut clients = Vec::new();
     for f in &fleets {
-        clients.push(client(f).await);
+        clients.push(f.gateway_client().await);
     }
     let bwrap = bwrap_args(&python);
     let bwrap: Vec<&str> = bwrap.iter().map(String::as_str).collect();
@@ -235,7 +223,7 @@ async fn main() {
             .map(move |(kind, fleet)| (format!("{label}, {kind}"), fleet, code))
     });
     for (name, fleet, code) in runs {
-        let mut status_client = client(fleet).await;
+        let mut status_client = fleet.gateway_client().await;
         let before = status_client
             .status(GatewayStatusRequest {})
             .await
@@ -244,7 +232,7 @@ async fn main() {
         let started = Instant::now();
         let mut tasks = Vec::new();
         for _ in 0..8 {
-            let mut c = client(fleet).await;
+            let mut c = fleet.gateway_client().await;
             tasks.push(tokio::spawn(async move {
                 let mut mine = Vec::new();
                 for _ in 0..samples {

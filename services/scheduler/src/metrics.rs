@@ -8,7 +8,9 @@ use nomad_telemetry::KeyValue;
 use nomad_telemetry::metrics as defs;
 use opentelemetry::metrics::{Counter, Histogram, ObservableGauge, ObservableUpDownCounter};
 
-use nomad_scheduler_core::{SlotId, SlotSnapshot, Snapshot};
+use nomad_proto::v1::WorkerStats;
+use nomad_scheduler_core::{SlotId, SlotSnapshot, Snapshot, ToolSnapshot};
+use nomad_telemetry::metrics::MetricDef;
 
 use crate::workers::{WorkerRegistry, worker_of};
 
@@ -89,52 +91,70 @@ fn read<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Each worker (its first lane's slot) with its device's attributes.
+fn devices(published: &Published) -> impl Iterator<Item = (SlotId, &Vec<KeyValue>)> {
+    published
+        .core
+        .slots
+        .iter()
+        .filter(|s| worker_of(s.slot) == s.slot)
+        .filter_map(|s| published.devices.get(&s.slot).map(|d| (s.slot, d)))
+}
+
+/// A gauge of one figure per tool, read from the published snapshot.
+fn per_tool(
+    def: &MetricDef,
+    published: &Arc<Mutex<Published>>,
+    figure: impl Fn(&ToolSnapshot) -> i64 + Send + Sync + 'static,
+) -> ObservableUpDownCounter<i64> {
+    let p = published.clone();
+    def.i64_observable_up_down_counter(move |o| {
+        for t in &read(&p).core.tools {
+            o.observe(figure(t), &[KeyValue::new("tool", t.name.clone())]);
+        }
+    })
+}
+
+/// A gauge of one figure per worker, from its heartbeats: a figure a worker does not report is
+/// left out, never shown as zero.
+fn per_device(
+    def: &MetricDef,
+    registry: &Arc<WorkerRegistry>,
+    figure: impl Fn(&WorkerStats) -> Option<f64> + Send + Sync + 'static,
+) -> ObservableGauge<f64> {
+    let r = registry.clone();
+    def.f64_observable_gauge(move |o| {
+        for (attributes, stats) in r.stats() {
+            if let Some(v) = figure(&stats) {
+                o.observe(v, &attributes);
+            }
+        }
+    })
+}
+
 /// Registers every observable instrument of the model-serving table. Callbacks run on the
 /// metric reader's thread and only read published state.
 pub fn gauges(published: Arc<Mutex<Published>>, registry: Arc<WorkerRegistry>) -> Gauges {
-    let tool = |name: &str| [KeyValue::new("tool", name.to_owned())];
-    let p = published.clone();
-    let queue = defs::TOOL_QUEUE_LENGTH.i64_observable_up_down_counter(move |o| {
-        for t in &read(&p).core.tools {
-            o.observe(t.queue_length as i64, &tool(&t.name));
-        }
+    let queue = per_tool(&defs::TOOL_QUEUE_LENGTH, &published, |t| {
+        t.queue_length as i64
     });
-    let p = published.clone();
-    let inflight = defs::TOOL_INFLIGHT_REQUESTS.i64_observable_up_down_counter(move |o| {
-        for t in &read(&p).core.tools {
-            o.observe(i64::from(t.inflight), &tool(&t.name));
-        }
+    let inflight = per_tool(&defs::TOOL_INFLIGHT_REQUESTS, &published, |t| {
+        i64::from(t.inflight)
     });
-    let p = published.clone();
-    let configured = defs::TOOL_BATCH_CONFIGURED_SIZE.i64_observable_up_down_counter(move |o| {
-        for t in &read(&p).core.tools {
-            o.observe(i64::from(t.batch_size), &tool(&t.name));
-        }
+    let configured = per_tool(&defs::TOOL_BATCH_CONFIGURED_SIZE, &published, |t| {
+        i64::from(t.batch_size)
     });
     let p = published.clone();
     let pending = defs::TOOL_PENDING_TOOLS.i64_observable_up_down_counter(move |o| {
         o.observe(read(&p).core.pending_tools as i64, &[]);
     });
-    let p = published.clone();
-    let resident = defs::TOOL_RESIDENT.i64_observable_up_down_counter(move |o| {
-        for t in &read(&p).core.tools {
-            o.observe(i64::from(t.resident), &tool(&t.name));
-        }
-    });
+    let resident = per_tool(&defs::TOOL_RESIDENT, &published, |t| i64::from(t.resident));
     let p = published.clone();
     let loaded = defs::DEVICE_TOOL_LOADED.i64_observable_up_down_counter(move |o| {
         let published = read(&p);
         // Once per worker: a CPU worker's lanes together say what it holds.
-        for slot in published
-            .core
-            .slots
-            .iter()
-            .filter(|s| worker_of(s.slot) == s.slot)
-        {
-            let Some(device) = published.devices.get(&slot.slot) else {
-                continue;
-            };
-            let lanes = || lanes_of(&published.core.slots, slot.slot);
+        for (worker, device) in devices(&published) {
+            let lanes = || lanes_of(&published.core.slots, worker);
             for t in &published.core.tools {
                 let mut attributes = device.clone();
                 attributes.push(KeyValue::new("tool", t.name.clone()));
@@ -146,44 +166,18 @@ pub fn gauges(published: Arc<Mutex<Published>>, registry: Arc<WorkerRegistry>) -
     let p = published;
     let busy = defs::DEVICE_SLOT_BUSY.f64_observable_gauge(move |o| {
         let published = read(&p);
-        for slot in published
-            .core
-            .slots
-            .iter()
-            .filter(|s| worker_of(s.slot) == s.slot)
-        {
-            if let Some(device) = published.devices.get(&slot.slot) {
-                let busy = lanes_of(&published.core.slots, slot.slot).any(|l| l.busy);
-                o.observe(if busy { 1.0 } else { 0.0 }, device);
-            }
+        for (worker, device) in devices(&published) {
+            let busy = lanes_of(&published.core.slots, worker).any(|l| l.busy);
+            o.observe(if busy { 1.0 } else { 0.0 }, device);
         }
     });
-    // Device figures come from the workers' heartbeats; a figure a worker does not report is
-    // left out, never shown as zero.
-    let r = registry.clone();
-    let allocated = defs::DEVICE_MEMORY_ALLOCATED.f64_observable_gauge(move |o| {
-        for (attributes, stats) in r.stats() {
-            if let Some(v) = stats.memory_allocated_bytes {
-                o.observe(v as f64, &attributes);
-            }
-        }
+    let allocated = per_device(&defs::DEVICE_MEMORY_ALLOCATED, &registry, |s| {
+        s.memory_allocated_bytes.map(|v| v as f64)
     });
-    let r = registry.clone();
-    let reserved = defs::DEVICE_MEMORY_RESERVED.f64_observable_gauge(move |o| {
-        for (attributes, stats) in r.stats() {
-            if let Some(v) = stats.memory_reserved_bytes {
-                o.observe(v as f64, &attributes);
-            }
-        }
+    let reserved = per_device(&defs::DEVICE_MEMORY_RESERVED, &registry, |s| {
+        s.memory_reserved_bytes.map(|v| v as f64)
     });
-    let r = registry;
-    let utilization = defs::DEVICE_UTILIZATION.f64_observable_gauge(move |o| {
-        for (attributes, stats) in r.stats() {
-            if let Some(v) = stats.utilization {
-                o.observe(v, &attributes);
-            }
-        }
-    });
+    let utilization = per_device(&defs::DEVICE_UTILIZATION, &registry, |s| s.utilization);
     Gauges {
         _up_down: vec![queue, inflight, configured, pending, resident, loaded],
         _gauges: vec![busy, allocated, reserved, utilization],

@@ -156,59 +156,38 @@ impl KindSpec {
 }
 
 const fn flag(name: &'static str, default: bool, description: &'static str) -> OptionSpec {
-    OptionSpec {
-        name,
-        ty: OptionType::Bool,
-        default: if default { 1.0 } else { 0.0 },
-        min: 0.0,
-        max: 1.0,
-        description,
-    }
+    let default = if default { 1.0 } else { 0.0 };
+    ranged(name, OptionType::Bool, [default, 0.0, 1.0], description)
 }
 
-const fn integer(
-    name: &'static str,
-    default: f64,
-    min: f64,
-    max: f64,
-    description: &'static str,
-) -> OptionSpec {
-    OptionSpec {
-        name,
-        ty: OptionType::Integer,
-        default,
-        min,
-        max,
-        description,
-    }
+const fn integer(name: &'static str, range: [f64; 3], description: &'static str) -> OptionSpec {
+    ranged(name, OptionType::Integer, range, description)
 }
 
+/// A list option: `max` is the most items it may hold.
 const fn list(
     name: &'static str,
     ty: OptionType,
     max: f64,
     description: &'static str,
 ) -> OptionSpec {
-    OptionSpec {
-        name,
-        ty,
-        default: 0.0,
-        min: 0.0,
-        max,
-        description,
-    }
+    ranged(name, ty, [0.0, 0.0, max], description)
 }
 
-const fn number(
+const fn number(name: &'static str, range: [f64; 3], description: &'static str) -> OptionSpec {
+    ranged(name, OptionType::Number, range, description)
+}
+
+/// An option of type `ty` with its `[default, min, max]`.
+const fn ranged(
     name: &'static str,
-    default: f64,
-    min: f64,
-    max: f64,
+    ty: OptionType,
+    [default, min, max]: [f64; 3],
     description: &'static str,
 ) -> OptionSpec {
     OptionSpec {
         name,
-        ty: OptionType::Number,
+        ty,
         default,
         min,
         max,
@@ -252,44 +231,32 @@ pub const GENERATE: KindSpec = KindSpec {
     options: &[
         integer(
             "max_tokens",
-            64.0,
-            1.0,
-            2048.0,
+            [64.0, 1.0, 2048.0],
             "Tokens to generate at most.",
         ),
         number(
             "temperature",
-            0.0,
-            0.0,
-            2.0,
+            [0.0, 0.0, 2.0],
             "Sampling temperature; 0 is greedy.",
         ),
         number(
             "top_p",
-            1.0,
-            0.01,
-            1.0,
+            [1.0, 0.01, 1.0],
             "Sample from the smallest set of tokens whose probability reaches this (1: all).",
         ),
         integer(
             "top_k",
-            0.0,
-            0.0,
-            1000.0,
+            [0.0, 0.0, 1000.0],
             "Sample from this many most likely tokens (0: all).",
         ),
         number(
             "repeat_penalty",
-            1.0,
-            0.5,
-            2.0,
+            [1.0, 0.5, 2.0],
             "Divide the logits of tokens among the last 64 by this (1: none).",
         ),
         integer(
             "seed",
-            0.0,
-            0.0,
-            u64::MAX as f64,
+            [0.0, 0.0, u64::MAX as f64],
             "Seed of the sampler (with a temperature above 0).",
         ),
         list(
@@ -341,9 +308,7 @@ pub const RERANK: KindSpec = KindSpec {
         ),
         integer(
             "top_n",
-            0.0,
-            0.0,
-            1024.0,
+            [0.0, 0.0, 1024.0],
             "Return only the best this many (0: every document).",
         ),
         flag(

@@ -311,27 +311,20 @@ mod tests {
             "params": {"server": "s", "tool": "t", "arguments": {"x": 1}}}))
         .await;
         assert_eq!(called.result, Some(serde_json::json!({"x": 1})));
-        let missing = answer(serde_json::json!({"id": 1, "method": "call_tool",
-            "params": {"tool": "t"}}))
-        .await
-        .error
-        .unwrap();
-        assert_eq!(missing.code, ToolErrorCode::InvalidArgument);
-        assert!(
-            missing.message.contains("missing field `server`"),
-            "{}",
-            missing.message
-        );
-        let unknown = answer(serde_json::json!({"id": 1, "method": "rm_rf"}))
-            .await
-            .error
-            .unwrap();
-        assert_eq!(unknown.code, ToolErrorCode::InvalidArgument);
-        assert!(
-            unknown.message.starts_with("not a bridge request"),
-            "{}",
-            unknown.message
-        );
+        for (message, refusal) in [
+            (
+                serde_json::json!({"id": 1, "method": "call_tool", "params": {"tool": "t"}}),
+                "the bridge's CallTool request: missing field `server`",
+            ),
+            (
+                serde_json::json!({"id": 1, "method": "rm_rf"}),
+                "not a bridge request",
+            ),
+        ] {
+            let error = answer(message).await.error.unwrap();
+            assert_eq!(error.code, ToolErrorCode::InvalidArgument);
+            assert!(error.message.starts_with(refusal), "{}", error.message);
+        }
     }
 
     #[tokio::test]

@@ -1,5 +1,5 @@
-//! `fleet.json`, as `nomad up` writes it, read by the commands that join a running fleet
-//! (`nomad run`, `nomad top`).
+//! `fleet.json`: `nomad up` writes it, and the commands that join a running fleet (`nomad run`,
+//! `nomad top`) read it.
 
 use std::path::{Path, PathBuf};
 
@@ -15,6 +15,20 @@ pub struct FleetFile {
     /// The fleet's telemetry variables, for a client to export where the fleet does.
     #[serde(default)]
     pub telemetry_env: std::collections::BTreeMap<String, String>,
+}
+
+/// Writes `fleet` as the run's `fleet.json`, and returns its path. Written whole, then renamed:
+/// whoever waits for the file never reads half of it. It holds the fleet's token: readable by
+/// this user only, from its first byte. A partial file an earlier start left behind is removed (a
+/// link is removed, not followed).
+pub fn write(run_dir: &Path, fleet: &serde_json::Value) -> anyhow::Result<PathBuf> {
+    let path = run_dir.join("fleet.json");
+    let partial = run_dir.join("fleet.json.partial");
+    let _ = std::fs::remove_file(&partial);
+    super::write_private(&partial, format!("{fleet:#}\n").as_bytes())
+        .and_then(|()| std::fs::rename(&partial, &path))
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
 }
 
 impl FleetFile {

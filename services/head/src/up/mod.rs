@@ -29,8 +29,10 @@ pub(crate) mod fleet;
 pub(crate) mod fleet_file;
 pub(crate) mod models;
 pub(crate) mod ready;
+mod run_dir;
 mod summary;
 
+pub(crate) use run_dir::write_private;
 pub(crate) use summary::summarize;
 
 /// The bundled task set of `--demo` and the agent script its tasks run.
@@ -161,31 +163,11 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
     if let Some(path) = &user_config {
         ready::check_tools(&bin_dir, path)?;
     }
-    let run_dir = absolute(&options.runs_dir.join(&run_id))?;
-    if run_dir.exists() {
-        anyhow::bail!(
-            "run directory {} already exists: run id {run_id} was used before \
-             (set another NOMAD_OTEL_RUN_ID, or remove the directory)",
-            run_dir.display()
-        );
-    }
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("creating run directory {}", run_dir.display()))?;
-    // Its logs hold what callers sent: for this user's eyes only.
-    {
-        use std::os::unix::fs::PermissionsExt as _;
-        std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o700))
-            .with_context(|| format!("making {} private", run_dir.display()))?;
-    }
+    let run_dir = run_dir::create(&absolute(&options.runs_dir)?, &run_id)?;
     let (config, kept_config) = match user_config {
         Some(path) => {
-            // Kept with the run, so the run is found again with what it ran on; the fleet reads
-            // the original, whose relative paths are relative to where it is.
-            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("yaml");
-            let copy = run_dir.join(format!("config.{ext}"));
-            std::fs::copy(&path, &copy)
-                .with_context(|| format!("copying {} to {}", path.display(), copy.display()))?;
-            (path, Some(copy))
+            let kept = run_dir::keep_config(&run_dir, &path)?;
+            (path, Some(kept))
         }
         None => {
             let models = absolute(&options.models_dir)?;
@@ -193,10 +175,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
                 models::fetch_models(&models)?;
                 phases.mark("models");
             }
-            let path = run_dir.join("nomad.yaml");
-            std::fs::write(&path, models::default_config(&models))
-                .with_context(|| format!("writing {}", path.display()))?;
-            (path, None)
+            (run_dir::default_config(&run_dir, &models)?, None)
         }
     };
 
@@ -272,7 +251,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
                 total,
                 pins,
             }) => {
-                pin_kept_config(kept_config.as_deref(), &config, pins);
+                run_dir::pin_kept_config(kept_config.as_deref(), &config, pins);
                 for (tool, error) in &failed {
                     eprintln!("nomad: tool {tool} cannot serve: {error}");
                 }
@@ -339,15 +318,7 @@ pub async fn up(options: UpOptions) -> anyhow::Result<Exit> {
             .collect::<serde_json::Map<_, _>>(),
         "servers": servers.iter().map(|(name, pid)| json!({"name": name, "pid": pid})).collect::<Vec<_>>(),
     });
-    // Written whole, then renamed: whoever waits for the file never reads half of it.
-    let fleet_path = run_dir.join("fleet.json");
-    let partial = run_dir.join("fleet.json.partial");
-    // It holds the fleet's token: readable by this user only, from its first byte. A partial
-    // file an earlier start left behind is removed (a link is removed, not followed).
-    let _ = std::fs::remove_file(&partial);
-    write_private(&partial, format!("{fleet:#}\n").as_bytes())
-        .and_then(|()| std::fs::rename(&partial, &fleet_path))
-        .with_context(|| format!("writing {}", fleet_path.display()))?;
+    let fleet_path = fleet_file::write(&run_dir, &fleet)?;
     ready::announce(&ready::Ready {
         who,
         run_id: &run_id,
@@ -516,21 +487,6 @@ pub(crate) fn count(n: usize, thing: &str) -> String {
     }
 }
 
-/// Writes `bytes` to a new file only its owner may read (mode 0600). The file must not exist
-/// yet, and a symbolic link in its place is refused, so a token is never written through a link
-/// another user planted or into a file someone else already opened.
-pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .mode(0o600)
-        .open(path)?;
-    file.write_all(bytes)
-}
-
 /// Where the service binaries are: `given`, else the directory holding `nomad`.
 pub fn bin_dir(given: Option<&Path>) -> anyhow::Result<PathBuf> {
     match given {
@@ -540,23 +496,6 @@ pub fn bin_dir(given: Option<&Path>) -> anyhow::Result<PathBuf> {
             .parent()
             .context("the nomad binary has no directory")?
             .to_owned()),
-    }
-}
-
-/// The run's copy of a YAML config, each source a tag, branch or Hub revision named rewritten to
-/// the digest or commit it served (best effort: the run goes on if it cannot be written).
-fn pin_kept_config(kept: Option<&Path>, config: &Path, pins: Vec<(String, String)>) {
-    let Some(kept) = kept else { return };
-    let yaml = matches!(
-        kept.extension().and_then(|e| e.to_str()),
-        Some("yml" | "yaml")
-    );
-    if pins.is_empty() || !yaml {
-        return;
-    }
-    let pins = pins.into_iter().collect();
-    if let Err(e) = crate::config_sources::pin_file(kept, config, &pins) {
-        eprintln!("nomad: cannot pin the sources in {}: {e:#}", kept.display());
     }
 }
 
@@ -659,30 +598,6 @@ pub async fn command(args: UpArgs) -> anyhow::Result<Exit> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_private_file_is_never_written_through_a_link_or_over_another_file() {
-        use std::os::unix::fs::PermissionsExt as _;
-        let dir = std::env::temp_dir().join(format!("nomad-private-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let token = dir.join("token");
-        write_private(&token, b"secret").unwrap();
-        assert_eq!(
-            std::fs::metadata(&token).unwrap().permissions().mode() & 0o777,
-            0o600
-        );
-        // Someone else's file already there, or a link planted to one: refused, untouched.
-        assert!(write_private(&token, b"again").is_err());
-        assert_eq!(std::fs::read(&token).unwrap(), b"secret");
-        let target = dir.join("target");
-        std::fs::write(&target, "theirs").unwrap();
-        let link = dir.join("link");
-        std::os::unix::fs::symlink(&target, &link).unwrap();
-        assert!(write_private(&link, b"secret").is_err());
-        assert_eq!(std::fs::read_to_string(&target).unwrap(), "theirs");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
 
     #[test]
     fn the_demo_tasks_parse_with_their_agent() {

@@ -17,7 +17,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 pub use api::*;
-pub use snapshot::{SlotSnapshot, Snapshot};
+pub use snapshot::{SlotSnapshot, Snapshot, ToolSnapshot};
 
 pub type RequestId = u64;
 pub type BatchId = u64;
