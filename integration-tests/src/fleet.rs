@@ -309,6 +309,18 @@ pub async fn wait_for_file(path: &Path, child: &mut Child, what: &str, log: &Pat
     }
 }
 
+/// `nomad up --config CONFIG --runs-dir RUNS`, a clean command to add to.
+pub fn up_command(config: &Path, runs: &Path) -> Command {
+    let mut command = clean("nomad");
+    command
+        .arg("up")
+        .arg("--config")
+        .arg(config)
+        .arg("--runs-dir")
+        .arg(runs);
+    command
+}
+
 /// Asserts that `output` is a failure whose stderr says each of `needles`.
 pub fn refused_saying(output: &std::process::Output, needles: &[&str]) {
     let said = String::from_utf8_lossy(&output.stderr);

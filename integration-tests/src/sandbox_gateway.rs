@@ -8,16 +8,20 @@ use std::time::{Duration, Instant};
 use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::{ExecuteCodeRequest, ExecuteResponse};
 use serde_json::Value;
+use tonic::codegen::{Body, Bytes, StdError};
 
 use crate::Fleet;
 use crate::fleet::{binary, wait_for_file};
 use crate::users::{RunAs, gateway_users, sandbox_runs};
 
 /// Runs `code` through the gateway's `ExecuteCode`: its answer (the call itself must succeed).
-pub async fn run_code(
-    client: &mut GatewayClient<tonic::transport::Channel>,
-    code: impl Into<String>,
-) -> ExecuteResponse {
+pub async fn run_code<T>(client: &mut GatewayClient<T>, code: impl Into<String>) -> ExecuteResponse
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<StdError>,
+    T::ResponseBody: Body<Data = Bytes> + Send + 'static,
+    <T::ResponseBody as Body>::Error: Into<StdError> + Send,
+{
     client
         .execute_code(ExecuteCodeRequest {
             code: code.into(),
@@ -156,16 +160,7 @@ impl Gateway {
     }
 
     pub async fn run(&self, code: impl Into<String>) -> ExecuteResponse {
-        // Its client carries trace context, so it is not `run_code`'s plain one.
-        self.client
-            .clone()
-            .execute_code(ExecuteCodeRequest {
-                code: code.into(),
-                env: Default::default(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
+        run_code(&mut self.client.clone(), code).await
     }
 
     /// RESULT of `code`, which must succeed.

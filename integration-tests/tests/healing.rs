@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{TEST_TOKEN, binary, clean};
+use nomad_integration_tests::fleet::{TEST_TOKEN, binary, clean, up_command};
 use nomad_integration_tests::peers::mcp_client;
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, read_jsonl};
@@ -117,12 +117,7 @@ async fn a_run_goes_on_through_a_worker_a_scheduler_and_a_gateway_killed() {
     )
     .unwrap();
     let runs = dir.join("runs");
-    let up = clean("nomad")
-        .arg("up")
-        .arg("--config")
-        .arg(&config)
-        .arg("--runs-dir")
-        .arg(&runs)
+    let up = up_command(&config, &runs)
         .arg("--tasks")
         .arg(&tasks_path)
         .args([
@@ -351,12 +346,7 @@ async fn a_crash_loop_stops_the_fleet_naming_the_server() {
     for name in ["nomad-scheduler", "nomad-device-worker", "nomad-gateway"] {
         std::os::unix::fs::symlink(binary(name), bin.join(name)).unwrap();
     }
-    let up = clean("nomad")
-        .arg("up")
-        .arg("--config")
-        .arg(&config)
-        .arg("--runs-dir")
-        .arg(dir.join("runs"))
+    let up = up_command(&config, &dir.join("runs"))
         .arg("--bin-dir")
         .arg(&bin)
         .env("NOMAD_OTEL_RUN_ID", "looping")

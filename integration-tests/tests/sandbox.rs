@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
 use nomad_integration_tests::fleet::binary;
-use nomad_integration_tests::sandbox_gateway::{Gateway, SYSCALL_HELPER, Start, users_and_starts};
+use nomad_integration_tests::sandbox_gateway::{
+    Gateway, SYSCALL_HELPER, Start, run_code, users_and_starts,
+};
 use nomad_integration_tests::users::{
     RUNNER, RunAs, TEST_GROUP, descendants_running, gateway_users, group_id, sandbox_runs,
 };
@@ -693,14 +695,7 @@ async fn runs_are_admitted_by_the_memory_they_hold() {
                 .map(|_| {
                     let mut client = gateway.client.clone();
                     tokio::spawn(async move {
-                        let reply = client
-                            .execute_code(ExecuteCodeRequest {
-                                code: holder.into(),
-                                env: Default::default(),
-                            })
-                            .await
-                            .unwrap()
-                            .into_inner();
+                        let reply = run_code(&mut client, holder).await;
                         (reply, started.elapsed())
                     })
                 })
@@ -914,16 +909,7 @@ RESULT = 'sent'
         let runs: Vec<_> = (0..2)
             .map(|_| {
                 let mut client = gateway.client.clone();
-                tokio::spawn(async move {
-                    client
-                        .execute_code(ExecuteCodeRequest {
-                            code: code.into(),
-                            env: Default::default(),
-                        })
-                        .await
-                        .unwrap()
-                        .into_inner()
-                })
+                tokio::spawn(async move { run_code(&mut client, code).await })
             })
             .collect();
         for run in runs {

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use nomad_integration_tests::fleet::{binary, clean, models_dir};
+use nomad_integration_tests::fleet::{binary, models_dir, up_command};
 use nomad_integration_tests::hub::{HubDouble, read_with_huggingface_hub};
 use nomad_integration_tests::model_host::described_tools;
 use nomad_integration_tests::registry::Registry;
@@ -479,11 +479,8 @@ async fn hub_models_download_into_the_shared_cache_are_pinned_and_serve_offline(
     .unwrap();
 
     // `nomad up` downloads it and keeps the config it ran pinned to the commit it served.
-    let mut up = clean("nomad")
-        .args(["up", "--ready-timeout", "120", "--config"])
-        .arg(&config)
-        .arg("--runs-dir")
-        .arg(dir.join("runs"))
+    let mut up = up_command(&config, &dir.join("runs"))
+        .args(["--ready-timeout", "120"])
         .env("NOMAD_OTEL_RUN_ID", "hub-run")
         .env("NOMAD_CACHE_DIR", dir.join("cache"))
         .env("HF_ENDPOINT", &hub.endpoint)

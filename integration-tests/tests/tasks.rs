@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{TEST_TOKEN, clean, rpc_channel};
+use nomad_integration_tests::fleet::{TEST_TOKEN, rpc_channel, up_command};
 use nomad_integration_tests::model_host::host_env;
 use nomad_integration_tests::peers::{TasksClient, mcp_client};
 use nomad_integration_tests::read_jsonl;
@@ -49,11 +49,8 @@ fn config(dir: &Path) -> PathBuf {
 
 /// The fleet's `fleet.json`, once `nomad up` wrote it.
 async fn up(dir: &Path, config: &Path) -> (tokio::process::Child, Value) {
-    let mut child = clean("nomad")
-        .args(["up", "--ready-timeout", "300", "--config"])
-        .arg(config)
-        .arg("--runs-dir")
-        .arg(dir.join("runs"))
+    let mut child = up_command(&config, &dir.join("runs"))
+        .args(["--ready-timeout", "300"])
         .envs(host_env())
         .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
         .env("NOMAD_OTEL_RUN_ID", "tasks")

@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{clean, mlp_tasks, refused_saying};
+use nomad_integration_tests::fleet::{clean, mlp_tasks, refused_saying, up_command};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use serde_json::Value;
 
@@ -47,12 +47,7 @@ async fn a_tls_fleet_serves_rollouts_and_refuses_plaintext_and_strangers() {
     )
     .unwrap();
     let runs = dir.join("runs");
-    let _up = clean("nomad")
-        .arg("up")
-        .arg("--config")
-        .arg(&config)
-        .arg("--runs-dir")
-        .arg(&runs)
+    let _up = up_command(&config, &runs)
         .args(["--workers", "1"])
         .env("NOMAD_OTEL_RUN_ID", "tls")
         .stdout(Stdio::null())

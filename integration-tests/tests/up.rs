@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{binary, clean, mlp_tasks, models_dir};
+use nomad_integration_tests::fleet::{binary, clean, mlp_tasks, models_dir, up_command};
 use nomad_integration_tests::jaeger::JaegerQuery;
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, read_jsonl};
@@ -132,12 +132,7 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     let runs = dir.join("runs");
     let run_dir = runs.join(&run_id);
     let up_err = dir.join("up.stderr");
-    let mut up = clean("nomad")
-        .arg("up")
-        .arg("--config")
-        .arg(&config)
-        .arg("--runs-dir")
-        .arg(&runs)
+    let mut up = up_command(&config, &runs)
         .args(["--workers", "1", "--ready-timeout", "60"])
         .env("NOMAD_OTEL_RUN_ID", &run_id)
         .env("NOMAD_OTEL_METRICS_ENABLED", "true")
@@ -557,12 +552,7 @@ async fn a_dead_server_is_reported_and_the_fleet_stops_without_restarts() {
     toml.push_str("\n[supervise]\nrestart = false\n");
     std::fs::write(&config, toml).unwrap();
     let runs = dir.join("runs");
-    let up = clean("nomad")
-        .arg("up")
-        .arg("--config")
-        .arg(&config)
-        .arg("--runs-dir")
-        .arg(&runs)
+    let up = up_command(&config, &runs)
         .args(["--workers", "2"])
         .env("NOMAD_OTEL_RUN_ID", "dies")
         .stdout(Stdio::null())
@@ -772,12 +762,7 @@ async fn ctrl_c_stops_the_run_with_130_and_every_task_gets_its_line() {
     let tasks_path = dir.join("tasks.jsonl");
     write_tasks(&tasks_path, &tasks);
     let runs = dir.join("runs");
-    let up = clean("nomad")
-        .arg("up")
-        .arg("--config")
-        .arg(&config)
-        .arg("--runs-dir")
-        .arg(&runs)
+    let up = up_command(&config, &runs)
         .arg("--tasks")
         .arg(&tasks_path)
         .args(["--concurrency", "3", "--ready-timeout", "120"])
