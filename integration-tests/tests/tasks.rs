@@ -49,7 +49,7 @@ fn config(dir: &Path) -> PathBuf {
 
 /// The fleet's `fleet.json`, once `nomad up` wrote it.
 async fn up(dir: &Path, config: &Path) -> (tokio::process::Child, Value) {
-    let mut child = up_command(&config, &dir.join("runs"))
+    let mut child = up_command(config, &dir.join("runs"))
         .args(["--ready-timeout", "300"])
         .envs(host_env())
         .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
