@@ -300,6 +300,10 @@ mod tests {
         }
     }
 
+    fn run_decoder() -> Decoder {
+        bridge::decoder(bridge::MAX_FRAME)
+    }
+
     #[tokio::test]
     async fn a_request_is_read_as_its_methods_parameters_and_a_missing_one_is_named() {
         let host = Slow::default();
@@ -349,7 +353,7 @@ mod tests {
         };
         let mut end = BridgeEnd::default();
         let reader = tokio::spawn(async move {
-            let mut decoder = bridge::decoder(bridge::MAX_FRAME);
+            let mut decoder = run_decoder();
             let mut replies = Vec::new();
             let mut buffer = [0u8; 4096];
             while replies.len() < 40 {
@@ -362,14 +366,7 @@ mod tests {
             replies
         });
         let memory = BridgeMemory::new(1 << 30);
-        let served = serve(
-            ours,
-            bridge::decoder(bridge::MAX_FRAME),
-            &host,
-            budget,
-            &memory,
-            &mut end,
-        );
+        let served = serve(ours, run_decoder(), &host, budget, &memory, &mut end);
         let (_, replies) = tokio::join!(
             tokio::time::timeout(Duration::from_secs(10), served),
             reader
@@ -428,7 +425,7 @@ mod tests {
                 }
             };
             let read = async {
-                let mut decoder = bridge::decoder(bridge::MAX_FRAME);
+                let mut decoder = run_decoder();
                 let mut replies = 0;
                 let mut buffer = [0u8; 4096];
                 while replies < 40 {
@@ -443,14 +440,7 @@ mod tests {
             let ((), replies) = tokio::join!(write, read);
             replies
         });
-        let served = serve(
-            ours,
-            bridge::decoder(bridge::MAX_FRAME),
-            &host,
-            budget,
-            &memory,
-            &mut end,
-        );
+        let served = serve(ours, run_decoder(), &host, budget, &memory, &mut end);
         let (_, replies) =
             tokio::join!(tokio::time::timeout(Duration::from_secs(20), served), peer);
         assert_eq!(replies.unwrap(), 40, "every call is answered");
