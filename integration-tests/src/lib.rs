@@ -8,6 +8,7 @@ pub mod hub;
 pub mod jaeger;
 pub mod model_host;
 pub mod peers;
+pub mod process;
 pub mod receiver;
 pub mod reference;
 pub mod registry;

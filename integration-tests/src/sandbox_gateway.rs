@@ -11,7 +11,7 @@ use serde_json::Value;
 use tonic::codegen::{Body, Bytes, StdError};
 
 use crate::Fleet;
-use crate::fleet::{binary, wait_for_file};
+use crate::process::{binary, wait_for_file};
 use crate::users::{RunAs, gateway_users, sandbox_runs};
 
 /// Runs `code` through the gateway's `ExecuteCode`: its answer (the call itself must succeed).

@@ -3,9 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{
-    TEST_TOKEN, clean, listening, refused_saying, rpc_channel, wait_for_file,
-};
+use nomad_integration_tests::fleet::{TEST_TOKEN, rpc_channel};
+use nomad_integration_tests::process::{clean, listening, refused_saying, wait_for_file};
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::gateway_client::GatewayClient;

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::{Duration, Instant, SystemTime};
 
-use nomad_integration_tests::fleet::{TEST_TOKEN, binary, models_dir, rpc_channel};
+use nomad_integration_tests::fleet::{TEST_TOKEN, models_dir, rpc_channel};
+use nomad_integration_tests::process::binary;
 use nomad_integration_tests::spans::{SpanRecord, check_rollout_traces, from_otlp};
 use nomad_proto::jaeger::query_service_client::QueryServiceClient;
 use nomad_proto::jaeger::{FindTracesRequest, TraceQueryParameters};

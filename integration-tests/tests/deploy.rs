@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use nomad_config::ConfigFile;
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::binary;
+use nomad_integration_tests::process::binary;
 use serde_json::Value;
 
 fn root() -> PathBuf {

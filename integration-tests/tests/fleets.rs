@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{clean, nomad_up};
+use nomad_integration_tests::fleet::nomad_up;
+use nomad_integration_tests::process::clean;
 use serde_json::Value;
 
 async fn nomad(args: &[&str]) -> (Option<i32>, String, String) {

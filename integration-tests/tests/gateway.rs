@@ -4,10 +4,11 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use nomad_integration_tests::fleet::{binary, models_dir};
+use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::peers::{
     HttpUpstream, mcp_client, mcp_client_stdio, python_sdk, script,
 };
+use nomad_integration_tests::process::binary;
 use nomad_integration_tests::receiver::MetricRecord;
 use nomad_integration_tests::sandbox_gateway::run_code;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, Service};

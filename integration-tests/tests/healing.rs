@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{TEST_TOKEN, binary, clean, up_command};
+use nomad_integration_tests::fleet::TEST_TOKEN;
 use nomad_integration_tests::peers::mcp_client;
+use nomad_integration_tests::process::{binary, clean, up_command};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, read_jsonl};
 use serde_json::{Value, json};

@@ -9,7 +9,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{clean, nomad_up};
+use nomad_integration_tests::fleet::nomad_up;
+use nomad_integration_tests::process::clean;
 use serde_json::Value;
 
 async fn get(url: &str) -> Value {

@@ -4,7 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use nomad_integration_tests::fleet::{clean, models_dir};
+use nomad_integration_tests::fleet::models_dir;
+use nomad_integration_tests::process::clean;
 use nomad_integration_tests::spans::from_console;
 use nomad_integration_tests::{Fleet, read_jsonl};
 use serde_json::Value;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::binary;
+use nomad_integration_tests::process::binary;
 use nomad_integration_tests::sandbox_gateway::{
     Gateway, SYSCALL_HELPER, Start, run_code, users_and_starts,
 };

@@ -6,11 +6,12 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{TEST_TOKEN, binary, clean, rpc_channel};
+use nomad_integration_tests::fleet::{TEST_TOKEN, rpc_channel};
 use nomad_integration_tests::model_host::{
     assert_close, host_env, reference_toy, toy_entry, toy_weights,
 };
 use nomad_integration_tests::peers::{TasksClient, mcp_client, mcp_client_stdio};
+use nomad_integration_tests::process::{binary, clean};
 use nomad_integration_tests::read_jsonl;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::{Value, json};

@@ -8,7 +8,8 @@ use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{clean, models_dir};
+use nomad_integration_tests::fleet::models_dir;
+use nomad_integration_tests::process::clean;
 use nomad_integration_tests::spans::{SpanRecord, check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, read_jsonl};
 use serde_json::Value;

@@ -9,9 +9,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use nomad_integration_tests::fleet::{binary, models_dir, up_command};
+use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::hub::{HubDouble, read_with_huggingface_hub};
 use nomad_integration_tests::model_host::described_tools;
+use nomad_integration_tests::process::{binary, up_command};
 use nomad_integration_tests::registry::Registry;
 use nomad_integration_tests::{Fleet, FleetOptions};
 use nomad_proto::v1::{CallToolRequest, ToolInput, ToolState, tool_input, tool_output};

@@ -9,9 +9,10 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{TEST_TOKEN, rpc_channel, up_command};
+use nomad_integration_tests::fleet::{TEST_TOKEN, rpc_channel};
 use nomad_integration_tests::model_host::host_env;
 use nomad_integration_tests::peers::{TasksClient, mcp_client};
+use nomad_integration_tests::process::up_command;
 use nomad_integration_tests::read_jsonl;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::{Value, json};

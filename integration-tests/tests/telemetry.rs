@@ -3,7 +3,8 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use nomad_integration_tests::fleet::{binary, mlp_tasks};
+use nomad_integration_tests::fleet::mlp_tasks;
+use nomad_integration_tests::process::binary;
 use nomad_integration_tests::reference::mlp_forward;
 use nomad_integration_tests::spans::{check_batch_links, check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, FleetOptions, HeadRun, OtlpReceiver, Service, SpanRecord};

@@ -6,7 +6,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{clean, mlp_tasks, refused_saying, up_command};
+use nomad_integration_tests::fleet::mlp_tasks;
+use nomad_integration_tests::process::{clean, refused_saying, up_command};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use serde_json::Value;
 
@@ -142,9 +143,14 @@ async fn mutual_tls_refuses_clients_without_the_fleets_certificate() {
     .unwrap();
     let mut command = clean("nomad-scheduler");
     command.arg("--config").arg(&config);
-    let (_scheduler, address) =
-        nomad_integration_tests::fleet::listening(command, "127.0.0.1:0", &dir, "scheduler", false)
-            .await;
+    let (_scheduler, address) = nomad_integration_tests::process::listening(
+        command,
+        "127.0.0.1:0",
+        &dir,
+        "scheduler",
+        false,
+    )
+    .await;
     let health = |identity: Option<&str>| {
         let mut cmd = clean("nomad");
         cmd.args(["health", &address])

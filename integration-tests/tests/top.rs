@@ -5,7 +5,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::{binary, clean, nomad_up};
+use nomad_integration_tests::fleet::nomad_up;
+use nomad_integration_tests::process::{binary, clean};
 
 fn tmux(args: &[&str]) -> std::process::Output {
     std::process::Command::new("tmux")

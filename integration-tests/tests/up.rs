@@ -8,8 +8,9 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{binary, clean, mlp_tasks, models_dir, up_command};
+use nomad_integration_tests::fleet::{mlp_tasks, models_dir};
 use nomad_integration_tests::jaeger::JaegerQuery;
+use nomad_integration_tests::process::{binary, clean, up_command};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, read_jsonl};
 use serde_json::Value;

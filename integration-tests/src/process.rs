@@ -1,0 +1,117 @@
+//! Nomad's binaries as child processes: found where the test command built them, started clean
+//! of the caller's settings, waited on until they listen, and their refusals read.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tokio::process::{Child, Command};
+
+/// The workspace's built binary `name`. The test command builds them first
+/// (`cargo build --workspace --bins`).
+pub fn binary(name: &str) -> PathBuf {
+    // Test executables live in target/<profile>/deps, the service binaries one level up; a
+    // harness binary (nomad-bench) lives beside them.
+    let exe = std::env::current_exe().expect("current_exe");
+    let here = exe.parent().expect("exe dir");
+    let candidates = [
+        here.join(name),
+        here.parent().expect("target dir").join(name),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| {
+            panic!(
+                "{name} is missing beside {}: build the services first with \
+                 `cargo build --workspace --bins` (add --release for nomad-bench)",
+                here.display()
+            )
+        })
+}
+
+/// A command for the Nomad binary `name` with none of the caller's settings that a Nomad
+/// process reads (`OTEL_*`, `NOMAD_*`, `SLURM_JOB_ID`), logging at info.
+pub fn clean(name: &str) -> Command {
+    clean_at(&binary(name))
+}
+
+/// [`clean`] for the program at `program`.
+pub(crate) fn clean_at(program: &Path) -> Command {
+    let mut cmd = Command::new(program);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("OTEL_") || key.starts_with("NOMAD_") || key == "SLURM_JOB_ID" {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("RUST_LOG", "info");
+    cmd
+}
+
+/// Waits until `path` holds something (an address a service wrote); panics with the log when
+/// the process exits first or 30 s pass.
+pub async fn wait_for_file(path: &Path, child: &mut Child, what: &str, log: &Path) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path)
+            && !text.trim().is_empty()
+        {
+            return text.trim().to_owned();
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "{what} exited ({status}) before listening:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        assert!(Instant::now() < deadline, "{what} did not start in 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `nomad up --config CONFIG --runs-dir RUNS`, a clean command to add to.
+pub fn up_command(config: &Path, runs: &Path) -> Command {
+    let mut command = clean("nomad");
+    command
+        .arg("up")
+        .arg("--config")
+        .arg(config)
+        .arg("--runs-dir")
+        .arg(runs);
+    command
+}
+
+/// Asserts that `output` is a failure whose stderr says each of `needles`.
+pub fn refused_saying(output: &std::process::Output, needles: &[&str]) {
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "succeeded: {said}");
+    for needle in needles {
+        assert!(said.contains(needle), "{needle:?} not in: {said}");
+    }
+}
+
+/// Starts `command` listening on `listen`, its address written to `<dir>/<stem>.addr` and its
+/// stderr to `<dir>/<stem>.stderr` (stdout too when `stdout` is set: `<stem>.stdout`), and waits
+/// until it listens: the child and its address.
+pub async fn listening(
+    mut command: Command,
+    listen: &str,
+    dir: &Path,
+    stem: &str,
+    stdout: bool,
+) -> (Child, String) {
+    let addr_file = dir.join(format!("{stem}.addr"));
+    let log = dir.join(format!("{stem}.stderr"));
+    if stdout {
+        command.stdout(std::fs::File::create(dir.join(format!("{stem}.stdout"))).unwrap());
+    }
+    let mut child = command
+        .args(["--listen", listen, "--addr-file"])
+        .arg(&addr_file)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let addr = wait_for_file(&addr_file, &mut child, stem, &log).await;
+    (child, addr)
+}
