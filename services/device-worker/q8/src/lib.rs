@@ -22,12 +22,18 @@ use std::mem::MaybeUninit;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Result, Tensor};
-use half::f16;
 
+mod activations;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
+mod weights;
+
+use activations::Activations;
+#[cfg(test)]
+use activations::{quantize_block, round_half_away};
+use weights::{Weights, q4_tile_weights, row_weights, tile_weights};
 
 const BLOCK: usize = 32;
 /// Bytes of one Q8_0 block as stored: an f16 scale, then 32 signed bytes.
@@ -104,41 +110,6 @@ pub struct QuantMatrix {
     weights: Weights,
 }
 
-enum Weights {
-    /// Row after row: `quants[row][block][32]`, `scales[row][block]`.
-    Rows { quants: Vec<i8>, scales: Vec<f32> },
-    /// Tiles of eight rows (the last one padded with zero rows), as [`TileBlocks`] holds
-    /// them, `scales[tile][block][row]` as f16; `vnni` picks the instruction set that
-    /// multiplies them and the layout of the quants: `quants[tile][block][group][row][4]` plus
-    /// 128 for VNNI, `quants[tile][block][pair][row][2]` as signed bytes for AVX2.
-    Tiles {
-        quants: Vec<u8>,
-        scales: Vec<u16>,
-        vnni: bool,
-    },
-    /// Q4_1 in tiles of eight rows (the last one padded with zero rows), as [`Q4TileBlocks`]
-    /// holds them; `vnni` picks the instruction set (the layout is the same).
-    Q4Tiles {
-        quants: Vec<u8>,
-        scales: Vec<u16>,
-        mins: Vec<u16>,
-        vnni: bool,
-    },
-}
-
-/// Activation rows quantized to Q8_0 the way candle quantizes them.
-struct Activations {
-    rows: usize,
-    quants: Vec<i8>,
-    scales: Vec<f32>,
-    /// Each block's quants added up (what the VNNI tile kernel takes off again, times 128).
-    sums: Vec<i32>,
-    /// Each block's scale times that sum: the activations' sum that Q4_1's minimums multiply.
-    scaled_sums: Vec<f32>,
-    /// The quants widened to 16 bit, for the AVX2 tile kernel (empty for the others).
-    wide: Vec<i16>,
-}
-
 /// Some rows of blocks: `quants[row][block][32]`, `scales[row][block]`.
 struct RowBlocks<'a> {
     quants: &'a [i8],
@@ -171,6 +142,9 @@ struct ActivationBlocks<'a> {
     scaled_sums: &'a [f32],
     wide: &'a [i16],
 }
+
+/// Just below one half: added to a value and truncated, it rounds halves away from zero.
+const JUST_BELOW_HALF: f32 = 0.5f32.next_down();
 
 impl QuantMatrix {
     /// The matrix of a Q8_0 or Q4_1 tensor in host memory, `[rows, inputs]`, for the kernel
@@ -419,153 +393,6 @@ impl OutputRows {
         // SAFETY: as the caller promises.
         unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
     }
-}
-
-fn row_weights(data: &[u8]) -> Weights {
-    let blocks = data.len() / BLOCK_BYTES;
-    let mut quants = Vec::with_capacity(blocks * BLOCK);
-    let mut scales = Vec::with_capacity(blocks);
-    for block in data.chunks_exact(BLOCK_BYTES) {
-        scales.push(f16::from_le_bytes([block[0], block[1]]).to_f32());
-        quants.extend(block[2..].iter().map(|&b| b as i8));
-    }
-    Weights::Rows { quants, scales }
-}
-
-fn tile_weights(data: &[u8], rows: usize, blocks: usize, vnni: bool) -> Weights {
-    let tiles = rows.div_ceil(TILE);
-    // Inputs side by side per row: four for `vpdpbusd`, two for `vpmaddwd` (`avx2::tile`).
-    let run = if vnni { 4 } else { 2 };
-    // A zero weight (stored plus 128 for VNNI); a zero scale zeroes a padding row's outputs.
-    let zero = if vnni { 128u8 } else { 0 };
-    let mut quants = vec![zero; tiles * blocks * TILE_BLOCK];
-    let mut scales = vec![0u16; tiles * blocks * TILE];
-    for (c, row) in data.chunks_exact(blocks * BLOCK_BYTES).enumerate() {
-        let (t, lane) = (c / TILE, c % TILE);
-        for (b, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
-            let at = t * blocks + b;
-            scales[at * TILE + lane] = u16::from_le_bytes([block[0], block[1]]);
-            for (g, inputs) in block[2..].chunks_exact(run).enumerate() {
-                let to = &mut quants[at * TILE_BLOCK + g * run * TILE + lane * run..][..run];
-                // For VNNI an i8 plus 128 as a u8: the sign bit flipped.
-                for (to, &q) in to.iter_mut().zip(inputs) {
-                    *to = if vnni { q ^ 0x80 } else { q };
-                }
-            }
-        }
-    }
-    Weights::Tiles {
-        quants,
-        scales,
-        vnni,
-    }
-}
-
-fn q4_tile_weights(data: &[u8], rows: usize, blocks: usize, vnni: bool) -> Weights {
-    let tiles = rows.div_ceil(TILE);
-    // Zero scales and minimums zero a padding row's outputs.
-    let mut quants = vec![0u8; tiles * blocks * Q4_TILE_BLOCK];
-    let mut scales = vec![0u16; tiles * blocks * TILE];
-    let mut mins = vec![0u16; tiles * blocks * TILE];
-    for (c, row) in data.chunks_exact(blocks * Q4_BLOCK_BYTES).enumerate() {
-        let (t, lane) = (c / TILE, c % TILE);
-        for (b, block) in row.chunks_exact(Q4_BLOCK_BYTES).enumerate() {
-            let at = t * blocks + b;
-            scales[at * TILE + lane] = u16::from_le_bytes([block[0], block[1]]);
-            mins[at * TILE + lane] = u16::from_le_bytes([block[2], block[3]]);
-            for (g, four) in block[4..].chunks_exact(4).enumerate() {
-                quants[at * Q4_TILE_BLOCK + g * 4 * TILE + lane * 4..][..4].copy_from_slice(four);
-            }
-        }
-    }
-    Weights::Q4Tiles {
-        quants,
-        scales,
-        mins,
-        vnni,
-    }
-}
-
-impl Activations {
-    /// Each row's blocks: scale = max |x| / 127 rounded to f16, quants = round(x / scale), as
-    /// candle's `BlockQ8_0::from_float` does (its dot products are what the row kernel
-    /// reproduces).
-    /// `wide`: also keep the quants widened to 16 bit.
-    fn quantize(x: &[f32], rows: usize, blocks: usize, wide: bool) -> Self {
-        let mut quants = vec![0i8; x.len()];
-        let mut scales = Vec::with_capacity(rows * blocks);
-        let mut sums = Vec::with_capacity(rows * blocks);
-        let mut scaled_sums = Vec::with_capacity(rows * blocks);
-        #[cfg(target_arch = "x86_64")]
-        let vectors = is_x86_feature_detected!("avx2");
-        for (block, q) in x.chunks_exact(BLOCK).zip(quants.chunks_exact_mut(BLOCK)) {
-            #[cfg(target_arch = "x86_64")]
-            let (d, sum) = if vectors {
-                // SAFETY: the CPU has AVX2 (checked above).
-                unsafe { avx2::quantize_block(block, q) }
-            } else {
-                quantize_block(block, q)
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let (d, sum) = quantize_block(block, q);
-            let d = f16::from_f32(d).to_f32();
-            scales.push(d);
-            sums.push(sum);
-            scaled_sums.push(d * sum as f32);
-        }
-        let wide = if wide {
-            quants.iter().map(|&q| i16::from(q)).collect()
-        } else {
-            Vec::new()
-        };
-        Self {
-            rows,
-            quants,
-            scales,
-            sums,
-            scaled_sums,
-            wide,
-        }
-    }
-
-    /// Rows `r..r + tall` of `k` blocks each.
-    fn blocks(&self, r: usize, tall: usize, k: usize) -> ActivationBlocks<'_> {
-        ActivationBlocks {
-            quants: &self.quants[r * k * BLOCK..(r + tall) * k * BLOCK],
-            scales: &self.scales[r * k..(r + tall) * k],
-            sums: &self.sums[r * k..(r + tall) * k],
-            scaled_sums: &self.scaled_sums[r * k..(r + tall) * k],
-            wide: self
-                .wide
-                .get(r * k * BLOCK..(r + tall) * k * BLOCK)
-                .unwrap_or(&[]),
-        }
-    }
-}
-
-/// One block: scale = max |x| / 127 (returned before its rounding to f16), quants =
-/// round(x / scale) (into `quants`), and their sum.
-fn quantize_block(x: &[f32], quants: &mut [i8]) -> (f32, i32) {
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    let mut sum = 0;
-    for (q, v) in quants.iter_mut().zip(x) {
-        *q = round_half_away(v * id);
-        sum += *q as i32;
-    }
-    (d, sum)
-}
-
-/// Just below one half: added to a value and truncated, it rounds halves away from zero.
-const JUST_BELOW_HALF: f32 = 0.5f32.next_down();
-
-/// `v.round() as i8` for |v| <= 127.5 without a call into libm per value (the hot part of
-/// quantizing activations): adding the float just below one half and truncating rounds
-/// halves away from zero as `round` does, and nothing else up (a value just below n + 0.5 plus
-/// that float stays below n + 1 in single precision at these magnitudes).
-fn round_half_away(v: f32) -> i8 {
-    (v + JUST_BELOW_HALF.copysign(v)) as i8
 }
 
 /// How far past the block it multiplies a kernel asks for weights: far enough that they arrive

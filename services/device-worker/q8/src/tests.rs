@@ -1,6 +1,7 @@
 use super::*;
 use candle_core::quantized::QMatMul;
 use candle_core::{Device, Module};
+use half::f16;
 
 fn numbers(count: usize, seed: u32) -> Vec<f32> {
     let mut x = seed.wrapping_mul(2_654_435_761).max(1);
