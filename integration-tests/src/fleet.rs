@@ -120,34 +120,21 @@ pub fn make_mlp(dir: &Path, layers: &str) -> PathBuf {
 /// in `dir/runs`, as a newcomer starts it (no `RUST_LOG`: the fleet's own default); returns it
 /// and its `fleet.json` once that is written (at most 150 s).
 pub async fn nomad_up(dir: &Path, run_id: &str) -> (tokio::process::Child, PathBuf) {
-    let mut up = clean("nomad")
-        .env_remove("RUST_LOG")
-        .args(["up", "--ready-timeout", "120", "--runs-dir"])
-        .arg(dir.join("runs"))
-        .arg("--models-dir")
-        .arg(models_dir())
-        .env("NOMAD_OTEL_RUN_ID", run_id)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(dir.join("up.stderr")).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let fleet = dir.join("runs").join(run_id).join("fleet.json");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(150);
-    while !fleet.is_file() {
-        if let Some(status) = up.try_wait().unwrap() {
-            panic!(
-                "nomad up exited ({status}):\n{}",
-                std::fs::read_to_string(dir.join("up.stderr")).unwrap_or_default()
-            );
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the fleet did not start in 150 s"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
-    (up, fleet)
+    let run_dir = dir.join("runs").join(run_id);
+    let (up, _) = crate::process::start_fleet(
+        clean("nomad")
+            .env_remove("RUST_LOG")
+            .args(["up", "--ready-timeout", "120", "--runs-dir"])
+            .arg(dir.join("runs"))
+            .arg("--models-dir")
+            .arg(models_dir())
+            .env("NOMAD_OTEL_RUN_ID", run_id),
+        &run_dir,
+        Some(&dir.join("up.stderr")),
+        Duration::from_secs(150),
+    )
+    .await;
+    (up, run_dir.join("fleet.json"))
 }
 
 #[derive(Debug, Default, Clone)]
@@ -176,6 +163,24 @@ pub struct FleetOptions {
 }
 
 impl FleetOptions {
+    /// A fleet serving `tools_yaml` (its `tools:` and `tool_manager:` blocks) on real workers.
+    pub fn serving(tools_yaml: impl Into<String>) -> Self {
+        FleetOptions {
+            tools_yaml: Some(tools_yaml.into()),
+            ..Default::default()
+        }
+    }
+
+    /// A fleet of `workers` simulated device workers serving `tools_yaml`, with `config_yaml`
+    /// appended (a `sim:` block shapes the workers).
+    pub fn simulated(workers: usize, tools_yaml: &str, config_yaml: &str) -> Self {
+        FleetOptions {
+            sim_workers: workers,
+            config_yaml: config_yaml.to_owned(),
+            ..FleetOptions::serving(tools_yaml)
+        }
+    }
+
     pub fn env(mut self, key: &str, value: impl Into<String>) -> Self {
         self.env.push((key.to_owned(), value.into()));
         self
@@ -477,16 +482,21 @@ impl Fleet {
         self.children.insert(0, (Service::Scheduler, child));
     }
 
+    /// The workers registered with the scheduler now.
+    pub async fn workers(&self) -> Vec<nomad_proto::v1::WorkerInfo> {
+        self.scheduler_client()
+            .await
+            .list_workers(ListWorkersRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .workers
+    }
+
     pub async fn wait_for_workers(&self, count: usize) {
-        let mut client = SchedulerClient::new(rpc_channel(&self.scheduler_addr));
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let workers = client
-                .list_workers(ListWorkersRequest {})
-                .await
-                .unwrap()
-                .into_inner()
-                .workers;
+            let workers = self.workers().await;
             if workers.len() >= count {
                 return;
             }

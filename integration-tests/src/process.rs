@@ -81,8 +81,75 @@ pub fn up_command(config: &Path, runs: &Path) -> Command {
     command
 }
 
-/// Asserts that `output` is a failure whose stderr says each of `needles`.
-pub fn refused_saying(output: &std::process::Output, needles: &[&str]) {
+/// Spawns `command` (`nomad up` or `nomad serve`, its run id set) in the background, stdout
+/// discarded and stderr written to `log` (`None`: piped, for the test to read), and waits at most
+/// `within` until its run directory `run_dir` holds a `fleet.json` that parses; the child and
+/// that file. Panics, with the log where there is one, when the command exits first.
+pub async fn start_fleet(
+    command: &mut Command,
+    run_dir: &Path,
+    log: Option<&Path>,
+    within: Duration,
+) -> (Child, serde_json::Value) {
+    command.stdout(std::process::Stdio::null());
+    match log {
+        Some(log) => command.stderr(std::fs::File::create(log).unwrap()),
+        None => command.stderr(std::process::Stdio::piped()),
+    };
+    let mut child = command.kill_on_drop(true).spawn().unwrap();
+    let said = || log.map(|log| std::fs::read_to_string(log).unwrap_or_default());
+    let path = run_dir.join("fleet.json");
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(&path)
+            && let Ok(fleet) = serde_json::from_str(&text)
+        {
+            return (child, fleet);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "the fleet exited ({status}) before it was ready:\n{}",
+                said().unwrap_or_default()
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the fleet did not start in {within:?}:\n{}",
+            said().unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Runs `command` to its end and asserts that it succeeded (else shows its stderr); its output.
+pub async fn succeeded(command: &mut Command) -> std::process::Output {
+    let output = command.output().await.unwrap();
+    assert!(
+        output.status.success(),
+        "{:?} failed ({}): {}",
+        command.as_std().get_program(),
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// [`succeeded`] for a blocking command.
+pub fn succeeded_blocking(command: &mut std::process::Command) -> std::process::Output {
+    let output = command.output().unwrap();
+    assert!(
+        output.status.success(),
+        "{:?} failed ({}): {}",
+        command.get_program(),
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// Runs `command` to its end and asserts that it failed saying each of `needles` on stderr.
+pub async fn refused_saying(command: &mut Command, needles: &[&str]) {
+    let output = command.output().await.unwrap();
     let said = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "succeeded: {said}");
     for needle in needles {

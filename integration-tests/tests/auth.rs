@@ -11,8 +11,8 @@ use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::head_client::HeadClient;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{
-    DeviceInfo, GetRunRequest, ListToolsRequest, ListWorkersRequest, RegisterWorkerRequest,
-    SearchToolsRequest, StatsRequest,
+    DeviceInfo, GetRunRequest, ListToolsRequest, RegisterWorkerRequest, SearchToolsRequest,
+    StatsRequest,
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
@@ -64,14 +64,7 @@ async fn every_service_refuses_calls_without_the_fleets_token() {
     })
     .await;
     let head = fleet.start_head_server().await;
-    let workers = fleet
-        .scheduler_client()
-        .await
-        .list_workers(ListWorkersRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let workers = fleet.workers().await;
     let worker = workers[0].address.clone();
 
     for (token, expected) in [
@@ -135,13 +128,8 @@ async fn every_service_refuses_calls_without_the_fleets_token() {
     };
     assert!(said.contains("requires its bearer token"), "{said}");
     let ids: Vec<String> = fleet
-        .scheduler_client()
+        .workers()
         .await
-        .list_workers(ListWorkersRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .workers
         .into_iter()
         .map(|w| w.worker_id)
         .collect();
@@ -163,14 +151,7 @@ async fn every_service_refuses_calls_without_the_fleets_token() {
         "{}",
         impostor.message()
     );
-    let after = fleet
-        .scheduler_client()
-        .await
-        .list_workers(ListWorkersRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let after = fleet.workers().await;
     assert_eq!(
         after[0].address, workers[0].address,
         "the real worker stays registered"
@@ -280,12 +261,11 @@ async fn a_refused_call_records_no_span_and_health_streams_need_the_token() {
 #[tokio::test]
 async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none() {
     let dir = Fleet::new_dir();
-    let refused = clean("nomad-scheduler")
-        .args(["--listen", "0.0.0.0:0"])
-        .output()
-        .await
-        .unwrap();
-    refused_saying(&refused, &["no credential", "NOMAD_AUTH_TOKEN"]);
+    refused_saying(
+        clean("nomad-scheduler").args(["--listen", "0.0.0.0:0"]),
+        &["no credential", "NOMAD_AUTH_TOKEN"],
+    )
+    .await;
 
     let config = dir.join("nomad.yaml");
     std::fs::write(&config, "auth: none\n").unwrap();
@@ -297,13 +277,13 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
     let _ = open.start_kill();
 
     // /metrics: beyond loopback without a token, the server does not start.
-    let refused = clean("nomad-scheduler")
-        .env("NOMAD_OTEL_PROMETHEUS_LISTEN", "0.0.0.0:0")
-        .args(["--listen", "127.0.0.1:0"])
-        .output()
-        .await
-        .unwrap();
-    refused_saying(&refused, &["prometheus_listen", "no credential"]);
+    refused_saying(
+        clean("nomad-scheduler")
+            .env("NOMAD_OTEL_PROMETHEUS_LISTEN", "0.0.0.0:0")
+            .args(["--listen", "127.0.0.1:0"]),
+        &["prometheus_listen", "no credential"],
+    )
+    .await;
     // With a token, every scrape needs it, on loopback as beyond it (any local user reaches a
     // loopback port); without one, loopback is open.
     for (host, token, open) in [
@@ -354,23 +334,23 @@ async fn nothing_listens_beyond_loopback_without_a_credential_unless_auth_none()
     }
 
     // A token that is too short to be a credential is refused at start-up.
-    let weak = clean("nomad-scheduler")
-        .env("NOMAD_AUTH_TOKEN", "short")
-        .args(["--listen", "127.0.0.1:0"])
-        .output()
-        .await
-        .unwrap();
-    refused_saying(&weak, &["at least 16"]);
+    refused_saying(
+        clean("nomad-scheduler")
+            .env("NOMAD_AUTH_TOKEN", "short")
+            .args(["--listen", "127.0.0.1:0"]),
+        &["at least 16"],
+    )
+    .await;
 
     // A run id that is not a plain name never reaches the filesystem.
-    let escape = clean("nomad")
-        .args(["up", "--workers", "1", "--runs-dir"])
-        .arg(dir.join("runs"))
-        .env("NOMAD_OTEL_RUN_ID", "../x")
-        .output()
-        .await
-        .unwrap();
-    refused_saying(&escape, &["run id \"../x\"", "1 to 64"]);
+    refused_saying(
+        clean("nomad")
+            .args(["up", "--workers", "1", "--runs-dir"])
+            .arg(dir.join("runs"))
+            .env("NOMAD_OTEL_RUN_ID", "../x"),
+        &["run id \"../x\"", "1 to 64"],
+    )
+    .await;
     assert!(!dir.join("x").exists() && !dir.join("runs").exists());
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -404,14 +384,14 @@ async fn the_collector_writes_only_what_the_token_holder_exports() {
     use opentelemetry_proto::tonic::collector::trace::v1::trace_service_client::TraceServiceClient;
     use prost::Message as _;
     let dir = Fleet::new_dir();
-    let refused = clean("nomad")
-        .args(["collect", "--out"])
-        .arg(dir.join("open"))
-        .args(["--listen", "0.0.0.0:0", "--http-listen", "127.0.0.1:0"])
-        .output()
-        .await
-        .unwrap();
-    refused_saying(&refused, &["nomad collect --listen", "no credential"]);
+    refused_saying(
+        clean("nomad")
+            .args(["collect", "--out"])
+            .arg(dir.join("open"))
+            .args(["--listen", "0.0.0.0:0", "--http-listen", "127.0.0.1:0"]),
+        &["nomad collect --listen", "no credential"],
+    )
+    .await;
 
     let out = dir.join("otel");
     let (grpc_file, http_file, log) = (

@@ -8,7 +8,7 @@ use std::process::Output;
 use std::time::{Duration, Instant, SystemTime};
 
 use nomad_integration_tests::fleet::{TEST_TOKEN, models_dir, rpc_channel};
-use nomad_integration_tests::process::binary;
+use nomad_integration_tests::process::{binary, succeeded_blocking};
 use nomad_integration_tests::spans::{SpanRecord, check_rollout_traces, from_otlp};
 use nomad_proto::jaeger::query_service_client::QueryServiceClient;
 use nomad_proto::jaeger::{FindTracesRequest, TraceQueryParameters};
@@ -296,15 +296,13 @@ async fn the_compose_stack_serves_rollouts_as_whole_traces_and_survives_a_stoppe
         assert_eq!(all.len(), 4, "four services in four containers: {hosts:?}");
     }
     // The README's query, from the host.
-    let out = std::process::Command::new(binary("nomad"))
-        .args(["traces", &run_id, "--jaeger", "127.0.0.1:16685", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = succeeded_blocking(std::process::Command::new(binary("nomad")).args([
+        "traces",
+        &run_id,
+        "--jaeger",
+        "127.0.0.1:16685",
+        "--json",
+    ]));
     let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed.as_array().unwrap().len(), 40);
 
@@ -317,14 +315,8 @@ async fn the_compose_stack_serves_rollouts_as_whole_traces_and_survives_a_stoppe
     let (stop_run, results) = run(&embed_tasks("stop", 300), 16, |done| {
         if !stopped && done >= 30 {
             stopped = true;
-            let out = std::process::Command::new("docker")
-                .args(["stop", "--time", "10", &victim])
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
+            succeeded_blocking(
+                std::process::Command::new("docker").args(["stop", "--time", "10", &victim]),
             );
         }
     })

@@ -53,14 +53,7 @@ async fn decoders_of_each_family_answer_as_transformers_does_and_the_rest_are_re
     }
     tools.push_str("tool_manager:\n  heartbeat_interval_ms: 200\n");
     let dir = Fleet::new_dir();
-    let fleet = Fleet::start(
-        FleetOptions {
-            tools_yaml: Some(tools),
-            ..Default::default()
-        }
-        .in_dir(&dir),
-    )
-    .await;
+    let fleet = Fleet::start(FleetOptions::serving(tools).in_dir(&dir)).await;
     let mut client = fleet.scheduler_client().await;
     let listed = described_tools(&mut client, Duration::from_secs(120)).await;
     for (name, expected) in &refused {

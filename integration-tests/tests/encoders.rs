@@ -142,14 +142,7 @@ async fn encoders_answer_as_sentence_transformers_and_transformers_do_and_refuse
         ));
     }
     tools.push_str("tool_manager:\n  heartbeat_interval_ms: 200\n");
-    let mut fleet = Fleet::start(
-        FleetOptions {
-            tools_yaml: Some(tools),
-            ..Default::default()
-        }
-        .in_dir(&dir),
-    )
-    .await;
+    let mut fleet = Fleet::start(FleetOptions::serving(tools).in_dir(&dir)).await;
     let mut client = fleet.scheduler_client().await;
     let listed = described_tools(&mut client, Duration::from_secs(120)).await;
     for (name, _, _, expected) in &refused {

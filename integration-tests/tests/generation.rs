@@ -64,11 +64,7 @@ const PROMPTS: [&str; 8] = [
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_concurrent_generations_run_together_and_answer_as_each_would_alone() {
-    let mut fleet = Fleet::start(FleetOptions {
-        tools_yaml: Some(tools(8, 1)),
-        ..Default::default()
-    })
-    .await;
+    let mut fleet = Fleet::start(FleetOptions::serving(tools(8, 1))).await;
     let client = fleet.scheduler_client().await;
     let mut alone = Vec::new();
     for p in PROMPTS {
@@ -91,11 +87,7 @@ async fn eight_concurrent_generations_run_together_and_answer_as_each_would_alon
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_yields_the_text_of_the_unary_call_as_it_is_made() {
-    let mut fleet = Fleet::start(FleetOptions {
-        tools_yaml: Some(tools(8, 1)),
-        ..Default::default()
-    })
-    .await;
+    let mut fleet = Fleet::start(FleetOptions::serving(tools(8, 1))).await;
     let client = fleet.scheduler_client().await;
     let unary = answer(&call(&client, PROMPTS[4], 24).await.unwrap());
     let mut stream = client
@@ -126,9 +118,8 @@ async fn a_stream_yields_the_text_of_the_unary_call_as_it_is_made() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_decode_has_its_running_requests_served_by_the_other() {
     let mut fleet = Fleet::start(FleetOptions {
-        tools_yaml: Some(tools(8, 1)),
         candle_workers: 2,
-        ..Default::default()
+        ..FleetOptions::serving(tools(8, 1))
     })
     .await;
     let client = fleet.scheduler_client().await;
@@ -186,11 +177,7 @@ async fn a_worker_killed_mid_decode_has_its_running_requests_served_by_the_other
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mcp_caller_asking_for_progress_gets_the_text_as_it_is_generated() {
-    let mut fleet = Fleet::start(FleetOptions {
-        tools_yaml: Some(tools(4, 1)),
-        ..Default::default()
-    })
-    .await;
+    let mut fleet = Fleet::start(FleetOptions::serving(tools(4, 1))).await;
     let code = "from mcp_tools.nomad import generate\n\
                 RESULT = generate(text='Why is the sky blue? Answer in one sentence.', max_tokens=24)['text']\n";
     // The same run on the newest protocol and on the initialize handshake, and once without

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nomad_integration_tests::fleet::TEST_TOKEN;
 use nomad_integration_tests::peers::mcp_client;
-use nomad_integration_tests::process::{binary, clean, up_command};
+use nomad_integration_tests::process::{binary, clean, start_fleet, up_command};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, read_jsonl};
 use serde_json::{Value, json};
@@ -284,24 +284,20 @@ async fn nomad_serve_answers_again_after_its_worker_is_killed() {
         .local_addr()
         .unwrap()
         .port();
-    let mut serve = clean("nomad")
-        .arg("serve")
-        .arg(&config)
-        .args(["-t", "http", "--port", &port.to_string(), "--runs-dir"])
-        .arg(dir.join("runs"))
-        .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
-        .env("NOMAD_OTEL_RUN_ID", "serving")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join("serve.stderr")).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
     let run_dir = dir.join("runs/serving");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !run_dir.join("fleet.json").is_file() {
-        assert!(Instant::now() < deadline, "nomad serve did not start");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (mut serve, _) = start_fleet(
+        clean("nomad")
+            .arg("serve")
+            .arg(&config)
+            .args(["-t", "http", "--port", &port.to_string(), "--runs-dir"])
+            .arg(dir.join("runs"))
+            .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
+            .env("NOMAD_OTEL_RUN_ID", "serving"),
+        &run_dir,
+        Some(&dir.join("serve.stderr")),
+        Duration::from_secs(120),
+    )
+    .await;
     let url = format!("http://127.0.0.1:{port}/mcp");
     let call = json!([{"tool": "mlp", "arguments": {"input": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]}}]);
     let answered =
@@ -347,21 +343,17 @@ async fn a_crash_loop_stops_the_fleet_naming_the_server() {
     for name in ["nomad-scheduler", "nomad-device-worker", "nomad-gateway"] {
         std::os::unix::fs::symlink(binary(name), bin.join(name)).unwrap();
     }
-    let up = up_command(&config, &dir.join("runs"))
-        .arg("--bin-dir")
-        .arg(&bin)
-        .env("NOMAD_OTEL_RUN_ID", "looping")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
     let run_dir = dir.join("runs/looping");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !run_dir.join("fleet.json").is_file() {
-        assert!(Instant::now() < deadline, "nomad up did not start");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (up, _) = start_fleet(
+        up_command(&config, &dir.join("runs"))
+            .arg("--bin-dir")
+            .arg(&bin)
+            .env("NOMAD_OTEL_RUN_ID", "looping"),
+        &run_dir,
+        None,
+        Duration::from_secs(120),
+    )
+    .await;
     let worker = bin.join("nomad-device-worker");
     std::fs::remove_file(&worker).unwrap();
     std::fs::write(

@@ -29,9 +29,8 @@ fn numpy_requirements() -> Vec<String> {
 /// Every process's environment: [`host_env`], and where the toy model marks its first death.
 fn options(dir: &Path, tools_yaml: String) -> FleetOptions {
     FleetOptions {
-        tools_yaml: Some(tools_yaml),
         env: host_env(),
-        ..Default::default()
+        ..FleetOptions::serving(tools_yaml)
     }
     .env(
         "TOY_SCIFM_ONCE",

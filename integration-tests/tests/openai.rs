@@ -70,9 +70,8 @@ async fn the_official_openai_client_gets_what_the_tools_give() {
     );
     let mut fleet = Fleet::start(
         FleetOptions {
-            tools_yaml: Some(tools),
             auth: true,
-            ..Default::default()
+            ..FleetOptions::serving(tools)
         }
         .exporting_to(&receiver)
         .env("OTEL_BSP_SCHEDULE_DELAY", "100")

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
 use nomad_integration_tests::fleet::nomad_up;
-use nomad_integration_tests::process::clean;
+use nomad_integration_tests::process::{clean, succeeded};
 use serde_json::Value;
 
 async fn get(url: &str) -> Value {
@@ -130,24 +130,19 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     .await;
     // Load: the demo's tasks through the fleet's gateway.
     let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../services/head/demo");
-    let run = clean("nomad")
-        .env("NOMAD_OTEL_PROMETHEUS_LISTEN", &runner)
-        .args(["run", "--concurrency", "2", "--fleet"])
-        .arg(&fleet_path)
-        .arg("--tasks")
-        .arg(demo.join("tasks.jsonl"))
-        .arg("--template")
-        .arg(demo.join("agent.py"))
-        .arg("--out")
-        .arg(dir.join("results.jsonl"))
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    succeeded(
+        clean("nomad")
+            .env("NOMAD_OTEL_PROMETHEUS_LISTEN", &runner)
+            .args(["run", "--concurrency", "2", "--fleet"])
+            .arg(&fleet_path)
+            .arg("--tasks")
+            .arg(demo.join("tasks.jsonl"))
+            .arg("--template")
+            .arg(demo.join("agent.py"))
+            .arg("--out")
+            .arg(dir.join("results.jsonl")),
+    )
+    .await;
 
     // The scheduler's request counter reaches what the run sent (scraped after it ended).
     wait_for(

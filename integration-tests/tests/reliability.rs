@@ -62,22 +62,17 @@ impl Rng {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_cancelled_requests_leave_the_books_balanced_and_the_queues_empty() {
     let receiver = OtlpReceiver::grpc().await;
-    let options = FleetOptions {
-        sim_workers: 2,
-        tools_yaml: Some(
-            "tools:\n\
+    let options = FleetOptions::simulated(
+        2,
+        "tools:\n\
              \x20 - {name: t, kind: mlp, source: sim, batch_size: 8, max_devices: 2, max_pending: 20000}\n\
              tool_manager:\n\
              \x20 heartbeat_interval_ms: 200\n\
-             \x20 max_batch_delay_ms: 2\n"
-                .into(),
-        ),
-        config_yaml: "sim:\n  base_latency_ms: 4\n  per_item_latency_ms: 1\n".into(),
-        ..Default::default()
-    }
-    .env("NOMAD_OTEL_ENABLED", "true")
-    .env("NOMAD_OTEL_SPAN_GROUPS", "none")
-    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone());
+             \x20 max_batch_delay_ms: 2\n",
+        "sim:\n  base_latency_ms: 4\n  per_item_latency_ms: 1\n",
+    )
+    .exporting_to(&receiver)
+    .env("NOMAD_OTEL_SPAN_GROUPS", "none");
     let mut fleet = Fleet::start(options).await;
     let client = fleet.scheduler_client().await;
 
@@ -186,16 +181,12 @@ async fn ten_thousand_cancelled_requests_leave_the_books_balanced_and_the_queues
 async fn a_restarted_scheduler_gets_its_workers_and_gateway_back_and_a_call_waits_for_it() {
     use nomad_proto::v1::GatewayCallToolRequest;
     use nomad_proto::v1::gateway_client::GatewayClient;
-    let options = FleetOptions {
-        sim_workers: 1,
-        tools_yaml: Some(
-            "tools:\n  - {name: t, kind: mlp, source: sim}\n\
-             tool_manager:\n  heartbeat_interval_ms: 200\n"
-                .into(),
-        ),
-        config_yaml: "gateway:\n  scheduler_wait_seconds: 2\n".into(),
-        ..Default::default()
-    };
+    let options = FleetOptions::simulated(
+        1,
+        "tools:\n  - {name: t, kind: mlp, source: sim}\n\
+             tool_manager:\n  heartbeat_interval_ms: 200\n",
+        "gateway:\n  scheduler_wait_seconds: 2\n",
+    );
     let mut fleet = Fleet::start(options).await;
     let gateway = fleet.gateway_client().await;
     let call = |mut gateway: GatewayClient<tonic::transport::Channel>| async move {

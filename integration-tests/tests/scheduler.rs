@@ -98,10 +98,9 @@ fn attributes_of<'a>(metrics: &'a [MetricRecord], name: &str) -> Vec<&'a BTreeMa
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_model_serving_metric_is_exported_with_its_type_unit_and_attributes() {
     let receiver = OtlpReceiver::grpc().await;
-    let options = FleetOptions {
-        sim_workers: 1,
-        tools_yaml: Some(
-            "tools:\n\
+    let options = FleetOptions::simulated(
+        1,
+        "tools:\n\
              \x20 - {name: a, kind: mlp, source: sim, batch_size: 8, max_pending: 64}\n\
              \x20 - {name: b, kind: mlp, source: sim, batch_size: 1, max_pending: 3}\n\
              tool_manager:\n\
@@ -109,19 +108,15 @@ async fn every_model_serving_metric_is_exported_with_its_type_unit_and_attribute
              \x20 idle_seconds: 0.4\n\
              \x20 disk_idle_seconds: 0.8\n\
              \x20 gc_idle_seconds: 1.2\n\
-             \x20 max_batch_delay_ms: 300\n"
-                .into(),
-        ),
+             \x20 max_batch_delay_ms: 300\n",
         // A batch of 8 of `a` needs 900 bytes of 700: out of memory; 4 need 500 and fit.
-        config_yaml: "sim:\n\
+        "sim:\n\
                       \x20 memory_bytes: 700\n\
                       \x20 model_bytes: 100\n\
                       \x20 activation_bytes_per_item: 100\n\
                       \x20 models:\n\
-                      \x20   b: {base_latency_ms: 300}\n"
-            .into(),
-        ..Default::default()
-    }
+                      \x20   b: {base_latency_ms: 300}\n",
+    )
     .exporting_to(&receiver)
     .env("NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS", "0.2");
     let mut fleet = Fleet::start(options).await;
@@ -316,22 +311,17 @@ async fn every_model_serving_metric_is_exported_with_its_type_unit_and_attribute
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_batch_under_load_loses_no_request() {
     let receiver = OtlpReceiver::grpc().await;
-    let options = FleetOptions {
-        sim_workers: 2,
-        tools_yaml: Some(
-            "tools:\n\
+    let options = FleetOptions::simulated(
+        2,
+        "tools:\n\
              \x20 - {name: t, kind: mlp, source: sim, batch_size: 8, max_devices: 2, max_pending: 8000}\n\
              tool_manager:\n\
              \x20 heartbeat_interval_ms: 100\n\
-             \x20 max_batch_delay_ms: 1\n"
-                .into(),
-        ),
-        config_yaml: "sim:\n  base_latency_ms: 5\n".into(),
-        ..Default::default()
-    }
-    .env("NOMAD_OTEL_ENABLED", "true")
-    .env("NOMAD_OTEL_SPAN_GROUPS", "none")
-    .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint.clone());
+             \x20 max_batch_delay_ms: 1\n",
+        "sim:\n  base_latency_ms: 5\n",
+    )
+    .exporting_to(&receiver)
+    .env("NOMAD_OTEL_SPAN_GROUPS", "none");
     let mut fleet = Fleet::start(options).await;
     let client = fleet.scheduler_client().await;
 
@@ -431,20 +421,16 @@ async fn a_worker_killed_mid_batch_under_load_loses_no_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_model_hangs_is_dropped_at_the_deadline_and_its_batch_served_elsewhere() {
-    let options = FleetOptions {
-        sim_workers: 2,
-        tools_yaml: Some(
-            "tools:\n\
+    let options = FleetOptions::simulated(
+        2,
+        "tools:\n\
              \x20 - {name: a, kind: mlp, source: sim, batch_size: 4, max_devices: 2}\n\
              tool_manager:\n\
              \x20 heartbeat_interval_ms: 200\n\
              \x20 max_batch_delay_ms: 50\n\
-             \x20 execute_timeout_seconds: 1\n"
-                .into(),
-        ),
-        config_yaml: "sim:\n  hang_worker: worker-1\n".into(),
-        ..Default::default()
-    };
+             \x20 execute_timeout_seconds: 1\n",
+        "sim:\n  hang_worker: worker-1\n",
+    );
     let fleet = Fleet::start(options).await;
     let client = fleet.scheduler_client().await;
     // Rounds of eight at once (a batch of four for each slot) until worker-1 has had a batch:
@@ -480,20 +466,16 @@ async fn a_worker_whose_model_hangs_is_dropped_at_the_deadline_and_its_batch_ser
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_input_that_kills_workers_fails_alone_while_its_seven_neighbours_are_served() {
-    let options = FleetOptions {
-        sim_workers: 3,
-        tools_yaml: Some(
-            "tools:\n\
+    let options = FleetOptions::simulated(
+        3,
+        "tools:\n\
              \x20 - {name: t, kind: mlp, source: sim, batch_size: 8, max_devices: 3}\n\
              tool_manager:\n\
              \x20 heartbeat_interval_ms: 100\n\
-             \x20 max_batch_delay_ms: 200\n"
-                .into(),
-        ),
+             \x20 max_batch_delay_ms: 200\n",
         // The load is slow enough that all eight are queued before the first slot is ready.
-        config_yaml: "sim:\n  load_ms: 300\n  base_latency_ms: 20\n  crash_on: poison\n".into(),
-        ..Default::default()
-    };
+        "sim:\n  load_ms: 300\n  base_latency_ms: 20\n  crash_on: poison\n",
+    );
     let mut fleet = Fleet::start(options).await;
     let client = fleet.scheduler_client().await;
     let inputs: Vec<String> = (0..8)
@@ -553,18 +535,14 @@ async fn an_input_that_kills_workers_fails_alone_while_its_seven_neighbours_are_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thirty_two_one_mib_inputs_go_in_batches_under_the_byte_budget_and_are_all_answered() {
     let receiver = OtlpReceiver::grpc().await;
-    let options = FleetOptions {
-        sim_workers: 1,
-        tools_yaml: Some(
-            "tools:\n\
+    let options = FleetOptions::simulated(
+        1,
+        "tools:\n\
              \x20 - {name: big, kind: mlp, source: sim, batch_size: 32}\n\
              tool_manager:\n\
-             \x20 max_batch_delay_ms: 500\n"
-                .into(),
-        ),
-        config_yaml: "sim:\n  load_ms: 300\n  base_latency_ms: 50\n".into(),
-        ..Default::default()
-    }
+             \x20 max_batch_delay_ms: 500\n",
+        "sim:\n  load_ms: 300\n  base_latency_ms: 50\n",
+    )
     .exporting_to(&receiver)
     .env("NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS", "0.2");
     let mut fleet = Fleet::start(options).await;
@@ -598,11 +576,11 @@ async fn thirty_two_one_mib_inputs_go_in_batches_under_the_byte_budget_and_are_a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_request_on_an_idle_slot_waits_zero_in_the_queue() {
-    let options = FleetOptions {
-        sim_workers: 1,
-        tools_yaml: Some("tools:\n  - {name: a, kind: mlp, source: sim, batch_size: 16}\n".into()),
-        ..Default::default()
-    };
+    let options = FleetOptions::simulated(
+        1,
+        "tools:\n  - {name: a, kind: mlp, source: sim, batch_size: 16}\n",
+        "",
+    );
     let mut fleet = Fleet::start(options).await;
     let client = fleet.scheduler_client().await;
     let ask = |i: usize| {

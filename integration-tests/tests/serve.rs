@@ -11,7 +11,7 @@ use nomad_integration_tests::model_host::{
     assert_close, host_env, reference_toy, toy_entry, toy_weights,
 };
 use nomad_integration_tests::peers::{TasksClient, mcp_client, mcp_client_stdio};
-use nomad_integration_tests::process::{binary, clean};
+use nomad_integration_tests::process::{binary, clean, start_fleet};
 use nomad_integration_tests::read_jsonl;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::{Value, json};
@@ -49,30 +49,22 @@ fn config(dir: &Path) -> PathBuf {
 
 /// `nomad serve CONFIG -t http` running in `dir`; its run directory once the fleet is ready.
 async fn serve_http(dir: &Path, config: &Path, port: u16) -> (tokio::process::Child, PathBuf) {
-    let child = clean("nomad")
-        .arg("serve")
-        .arg(config)
-        .args(["-t", "http", "--port", &port.to_string(), "--runs-dir"])
-        .arg(dir.join("runs"))
-        .envs(host_env())
-        .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
-        .env("NOMAD_OTEL_RUN_ID", "serve-http")
-        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(dir.join("serve.stderr")).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
     let run_dir = dir.join("runs/serve-http");
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while !run_dir.join("fleet.json").is_file() {
-        assert!(
-            Instant::now() < deadline,
-            "nomad serve did not become ready:\n{}",
-            std::fs::read_to_string(dir.join("serve.stderr")).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let (child, _) = start_fleet(
+        clean("nomad")
+            .arg("serve")
+            .arg(config)
+            .args(["-t", "http", "--port", &port.to_string(), "--runs-dir"])
+            .arg(dir.join("runs"))
+            .envs(host_env())
+            .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
+            .env("NOMAD_OTEL_RUN_ID", "serve-http")
+            .env("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        &run_dir,
+        Some(&dir.join("serve.stderr")),
+        Duration::from_secs(600),
+    )
+    .await;
     (child, run_dir)
 }
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::hub::{HubDouble, read_with_huggingface_hub};
 use nomad_integration_tests::model_host::described_tools;
-use nomad_integration_tests::process::{binary, up_command};
+use nomad_integration_tests::process::{binary, start_fleet, succeeded_blocking, up_command};
 use nomad_integration_tests::registry::Registry;
 use nomad_integration_tests::{Fleet, FleetOptions};
 use nomad_proto::v1::{CallToolRequest, ToolInput, ToolState, tool_input, tool_output};
@@ -82,11 +82,8 @@ fn fleet_dir(dir: &Path, name: &str) -> PathBuf {
 /// A fleet in `fleet_dir` with a cache of its own (so every pull is a real one); environments
 /// build with uv when scripts/test installed it.
 fn options(fleet_dir: &Path, cache: &Path, tools: String) -> FleetOptions {
-    let mut options = FleetOptions {
-        tools_yaml: Some(tools),
-        ..Default::default()
-    }
-    .env("NOMAD_CACHE_DIR", cache.display().to_string());
+    let mut options =
+        FleetOptions::serving(tools).env("NOMAD_CACHE_DIR", cache.display().to_string());
     if let Some(uv) = nomad_integration_tests::model_host::uv() {
         options = options.env("NOMAD_UV", uv.display().to_string());
     }
@@ -442,15 +439,10 @@ async fn nomad_export_pushes_every_model_and_its_pinned_config_serves_the_same_a
     );
     assert_eq!(files(&on_disk.join("models/embed")), files(&minilm));
     assert_eq!(files(&on_disk.join("models/scale")), files(&scale));
-    let checked = std::process::Command::new(binary("nomad-scheduler"))
-        .args(["--check", "--config"])
-        .arg(on_disk.join("nomad.yml"))
-        .output()
-        .unwrap();
-    assert!(
-        checked.status.success(),
-        "{}",
-        String::from_utf8_lossy(&checked.stderr)
+    succeeded_blocking(
+        std::process::Command::new(binary("nomad-scheduler"))
+            .args(["--check", "--config"])
+            .arg(on_disk.join("nomad.yml")),
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -480,31 +472,19 @@ async fn hub_models_download_into_the_shared_cache_are_pinned_and_serve_offline(
     .unwrap();
 
     // `nomad up` downloads it and keeps the config it ran pinned to the commit it served.
-    let mut up = up_command(&config, &dir.join("runs"))
-        .args(["--ready-timeout", "120"])
-        .env("NOMAD_OTEL_RUN_ID", "hub-run")
-        .env("NOMAD_CACHE_DIR", dir.join("cache"))
-        .env("HF_ENDPOINT", &hub.endpoint)
-        .env("HF_HUB_CACHE", &hf_cache)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(dir.join("up.stderr")).unwrap())
-        .spawn()
-        .unwrap();
     let run = dir.join("runs/hub-run");
-    let deadline = std::time::Instant::now() + Duration::from_secs(150);
-    while !run.join("fleet.json").is_file() {
-        if let Some(status) = up.try_wait().unwrap() {
-            panic!(
-                "nomad up exited ({status}): {}",
-                std::fs::read_to_string(dir.join("up.stderr")).unwrap()
-            );
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "nomad up did not start in 150 s"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let (mut up, _) = start_fleet(
+        up_command(&config, &dir.join("runs"))
+            .args(["--ready-timeout", "120"])
+            .env("NOMAD_OTEL_RUN_ID", "hub-run")
+            .env("NOMAD_CACHE_DIR", dir.join("cache"))
+            .env("HF_ENDPOINT", &hub.endpoint)
+            .env("HF_HUB_CACHE", &hf_cache),
+        &run,
+        Some(&dir.join("up.stderr")),
+        Duration::from_secs(150),
+    )
+    .await;
     // SAFETY: kill(2) on the child we spawned.
     unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
     assert!(up.wait().await.unwrap().success());
@@ -692,26 +672,21 @@ async fn a_registry_that_requires_a_login_is_read_with_the_users_credentials_onl
         ),
     )
     .unwrap();
-    let exported = std::process::Command::new(binary("nomad"))
-        .arg("export")
-        .arg(source.join("nomad.yml"))
-        .arg(dir.join("exported"))
-        .args([
-            "--to",
-            "oras",
-            "--oras-registry",
-            &format!("{addr}/team/exported"),
-        ])
-        .env("NOMAD_CACHE_DIR", dir.join("export-cache"))
-        .env("DOCKER_CONFIG", dir.join("no-docker-config"))
-        .env("NOMAD_REGISTRY_USERNAME", "scientist")
-        .env("NOMAD_REGISTRY_PASSWORD", password)
-        .output()
-        .unwrap();
-    assert!(
-        exported.status.success(),
-        "{}",
-        String::from_utf8_lossy(&exported.stderr)
+    succeeded_blocking(
+        std::process::Command::new(binary("nomad"))
+            .arg("export")
+            .arg(source.join("nomad.yml"))
+            .arg(dir.join("exported"))
+            .args([
+                "--to",
+                "oras",
+                "--oras-registry",
+                &format!("{addr}/team/exported"),
+            ])
+            .env("NOMAD_CACHE_DIR", dir.join("export-cache"))
+            .env("DOCKER_CONFIG", dir.join("no-docker-config"))
+            .env("NOMAD_REGISTRY_USERNAME", "scientist")
+            .env("NOMAD_REGISTRY_PASSWORD", password),
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use nomad_integration_tests::fleet::{TEST_TOKEN, rpc_channel};
 use nomad_integration_tests::model_host::host_env;
 use nomad_integration_tests::peers::{TasksClient, mcp_client};
-use nomad_integration_tests::process::up_command;
+use nomad_integration_tests::process::{start_fleet, up_command};
 use nomad_integration_tests::read_jsonl;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::{Value, json};
@@ -50,31 +50,18 @@ fn config(dir: &Path) -> PathBuf {
 
 /// The fleet's `fleet.json`, once `nomad up` wrote it.
 async fn up(dir: &Path, config: &Path) -> (tokio::process::Child, Value) {
-    let mut child = up_command(config, &dir.join("runs"))
-        .args(["--ready-timeout", "300"])
-        .envs(host_env())
-        .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
-        .env("NOMAD_OTEL_RUN_ID", "tasks")
-        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(dir.join("up.stderr")).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let fleet = dir.join("runs/tasks/fleet.json");
-    let deadline = Instant::now() + Duration::from_secs(330);
-    while !fleet.is_file() {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!(
-                "nomad up exited ({status}):\n{}",
-                std::fs::read_to_string(dir.join("up.stderr")).unwrap_or_default()
-            );
-        }
-        assert!(Instant::now() < deadline, "the fleet did not start");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let fleet = serde_json::from_str(&std::fs::read_to_string(fleet).unwrap()).unwrap();
-    (child, fleet)
+    start_fleet(
+        up_command(config, &dir.join("runs"))
+            .args(["--ready-timeout", "300"])
+            .envs(host_env())
+            .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
+            .env("NOMAD_OTEL_RUN_ID", "tasks")
+            .env("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        &dir.join("runs/tasks"),
+        Some(&dir.join("up.stderr")),
+        Duration::from_secs(330),
+    )
+    .await
 }
 
 /// Polls `task_id` until its status is `want` (at most `within`); the last answer.

@@ -2,14 +2,12 @@
 //! only TLS, verified against the fleet's CA; plaintext and strangers are turned away.
 
 use std::path::Path;
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nomad_integration_tests::Fleet;
 use nomad_integration_tests::fleet::mlp_tasks;
-use nomad_integration_tests::process::{clean, refused_saying, up_command};
+use nomad_integration_tests::process::{clean, refused_saying, start_fleet, succeeded, up_command};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-use serde_json::Value;
 
 /// A CA, and a server certificate it signed for localhost and 127.0.0.1, as PEM files in `dir`.
 fn make_certificates(dir: &Path, name: &str) {
@@ -48,26 +46,15 @@ async fn a_tls_fleet_serves_rollouts_and_refuses_plaintext_and_strangers() {
     )
     .unwrap();
     let runs = dir.join("runs");
-    let _up = up_command(&config, &runs)
-        .args(["--workers", "1"])
-        .env("NOMAD_OTEL_RUN_ID", "tls")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join("up.stderr")).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let fleet_json = runs.join("tls/fleet.json");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !fleet_json.is_file() {
-        assert!(
-            Instant::now() < deadline,
-            "the TLS fleet did not come up:\n{}",
-            std::fs::read_to_string(dir.join("up.stderr")).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let fleet: Value =
-        serde_json::from_str(&std::fs::read_to_string(&fleet_json).unwrap()).unwrap();
+    let (_up, fleet) = start_fleet(
+        up_command(&config, &runs)
+            .args(["--workers", "1"])
+            .env("NOMAD_OTEL_RUN_ID", "tls"),
+        &runs.join("tls"),
+        Some(&dir.join("up.stderr")),
+        Duration::from_secs(60),
+    )
+    .await;
     let gateway = fleet["gateway"].as_str().unwrap();
     let scheduler = fleet["scheduler"].as_str().unwrap();
 
@@ -77,24 +64,19 @@ async fn a_tls_fleet_serves_rollouts_and_refuses_plaintext_and_strangers() {
     let results_path = dir.join("results.jsonl");
     let text: String = mlp_tasks(10).iter().map(|t| format!("{t}\n")).collect();
     std::fs::write(&tasks_path, text).unwrap();
-    let run = clean("nomad")
-        .arg("run")
-        .arg("--config")
-        .arg(&config)
-        .arg("--tasks")
-        .arg(&tasks_path)
-        .arg("--out")
-        .arg(&results_path)
-        .arg("--fleet")
-        .arg(runs.join("tls/fleet.json"))
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    succeeded(
+        clean("nomad")
+            .arg("run")
+            .arg("--config")
+            .arg(&config)
+            .arg("--tasks")
+            .arg(&tasks_path)
+            .arg("--out")
+            .arg(&results_path)
+            .arg("--fleet")
+            .arg(runs.join("tls/fleet.json")),
+    )
+    .await;
     let results = std::fs::read_to_string(&results_path).unwrap();
     assert_eq!(
         results
@@ -189,13 +171,13 @@ async fn half_a_tls_config_is_refused_with_what_is_missing() {
         format!("tls:\n  cert: {}/fleet-cert.pem\n", dir.display()),
     )
     .unwrap();
-    let out = clean("nomad-scheduler")
-        .arg("--config")
-        .arg(&config)
-        .args(["--listen", "127.0.0.1:0"])
-        .output()
-        .await
-        .unwrap();
-    refused_saying(&out, &["tls.cert is set but tls.key is not"]);
+    refused_saying(
+        clean("nomad-scheduler")
+            .arg("--config")
+            .arg(&config)
+            .args(["--listen", "127.0.0.1:0"]),
+        &["tls.cert is set but tls.key is not"],
+    )
+    .await;
     let _ = std::fs::remove_dir_all(&dir);
 }

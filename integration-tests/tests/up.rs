@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nomad_integration_tests::fleet::{mlp_tasks, models_dir};
 use nomad_integration_tests::jaeger::JaegerQuery;
-use nomad_integration_tests::process::{binary, clean, up_command};
+use nomad_integration_tests::process::{binary, clean, start_fleet, up_command};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, read_jsonl};
 use serde_json::Value;
@@ -133,35 +133,16 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     let runs = dir.join("runs");
     let run_dir = runs.join(&run_id);
     let up_err = dir.join("up.stderr");
-    let mut up = up_command(&config, &runs)
-        .args(["--workers", "1", "--ready-timeout", "60"])
-        .env("NOMAD_OTEL_RUN_ID", &run_id)
-        .env("NOMAD_OTEL_METRICS_ENABLED", "true")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&up_err).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-
-    let deadline = Instant::now() + Duration::from_secs(90);
-    let fleet: Value = loop {
-        if let Ok(text) = std::fs::read_to_string(run_dir.join("fleet.json"))
-            && let Ok(v) = serde_json::from_str(&text)
-        {
-            break v;
-        }
-        if let Ok(Some(status)) = up.try_wait() {
-            panic!(
-                "nomad up exited ({status}) before the fleet was ready:\n{}",
-                std::fs::read_to_string(&up_err).unwrap_or_default()
-            );
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the fleet did not come up in 90 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let (mut up, fleet) = start_fleet(
+        up_command(&config, &runs)
+            .args(["--workers", "1", "--ready-timeout", "60"])
+            .env("NOMAD_OTEL_RUN_ID", &run_id)
+            .env("NOMAD_OTEL_METRICS_ENABLED", "true"),
+        &run_dir,
+        Some(&up_err),
+        Duration::from_secs(90),
+    )
+    .await;
     let servers: Vec<(String, u64)> = fleet["servers"]
         .as_array()
         .unwrap()
@@ -553,22 +534,15 @@ async fn a_dead_server_is_reported_and_the_fleet_stops_without_restarts() {
     toml.push_str("\n[supervise]\nrestart = false\n");
     std::fs::write(&config, toml).unwrap();
     let runs = dir.join("runs");
-    let up = up_command(&config, &runs)
-        .args(["--workers", "2"])
-        .env("NOMAD_OTEL_RUN_ID", "dies")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let fleet_json = runs.join("dies/fleet.json");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !fleet_json.is_file() {
-        assert!(Instant::now() < deadline, "the fleet did not come up");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let fleet: Value =
-        serde_json::from_str(&std::fs::read_to_string(&fleet_json).unwrap()).unwrap();
+    let (up, fleet) = start_fleet(
+        up_command(&config, &runs)
+            .args(["--workers", "2"])
+            .env("NOMAD_OTEL_RUN_ID", "dies"),
+        &runs.join("dies"),
+        None,
+        Duration::from_secs(60),
+    )
+    .await;
     let pid_of = |name: &str| {
         fleet["servers"]
             .as_array()

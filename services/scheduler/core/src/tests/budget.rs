@@ -8,15 +8,7 @@ fn oom(h: &mut Harness, batch: BatchId) -> Vec<Action> {
 }
 
 fn size_changes(actions: &[Action]) -> Vec<(u32, u32, SizeChange)> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::BatchSizeChanged {
-                old, new, cause, ..
-            } => Some((*old, *new, *cause)),
-            _ => None,
-        })
-        .collect()
+    picked!(actions, Action::BatchSizeChanged { old, new, cause, .. } => (*old, *new, *cause))
 }
 
 #[test]
@@ -24,8 +16,7 @@ fn a_full_batch_of_16_out_of_memory_sets_8_and_a_stale_batch_never_raises_it() {
     // Two slots, so a second batch of 16 is in flight when the first runs out of memory.
     let mut h = Harness::new(vec![spec("a", 16, 2, 1000)], 2);
     let ids: Vec<_> = (0..40).map(|_| h.submit("a")).collect();
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!((d[0].2.len(), d[1].2.len()), (16, 16));
     let after = oom(&mut h, d[0].0);
     assert_eq!(size_changes(&after), [(16, 8, SizeChange::OutOfMemory)]);
@@ -52,8 +43,7 @@ fn fifty_good_batches_at_a_reduced_size_double_it_back_in_steps() {
     for _ in 0..16 {
         h.submit("a");
     }
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     let mut pending = oom(&mut h, d[0].0);
     assert_eq!(h.core.snapshot().tools[0].batch_size, 8);
     let mut changes = Vec::new();
@@ -85,8 +75,7 @@ fn fifty_good_batches_at_a_reduced_size_double_it_back_in_steps() {
     for _ in 0..8 {
         h.submit("b");
     }
-    let actions = h.take();
-    let mut d = dispatches(&h.prepare_ok(&actions));
+    let mut d = h.placed();
     for _ in 0..2 {
         let after = oom(&mut h, d[0].0);
         d = dispatches(&after);
@@ -122,8 +111,7 @@ fn requests_beyond_the_byte_budget_wait_for_the_next_batch_in_order() {
     let ids: Vec<_> = (0..7)
         .map(|_| h.submit_costing("a", mib).unwrap())
         .collect();
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!(d[0].2, ids[..3], "three 1 MiB inputs fill a 3 MiB budget");
     let next = dispatches(&h.finish(d[0].0, BatchResult::Done(vec![None; 3])));
     assert_eq!(next[0].2, ids[3..6]);
@@ -141,8 +129,7 @@ fn requests_beyond_the_byte_budget_wait_for_the_next_batch_in_order() {
         )
         .unwrap();
     let small = h.submit("b");
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!(d[0].2, [big]);
     h.finish(d[0].0, BatchResult::Done(vec![None]));
     // The small one alone is a partial batch: it goes when the batch delay is up.
@@ -163,8 +150,7 @@ fn the_token_budget_and_grouping_keep_long_inputs_from_padding_short_ones() {
         .iter()
         .map(|&t| h.submit_costing("a", cost(t)).unwrap())
         .collect();
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     // The front (short) request's batch is all short inputs.
     assert_eq!(d[0].2, [ids[0], ids[2], ids[3], ids[5]]);
     let next = dispatches(&h.finish(d[0].0, BatchResult::Done(vec![None; 4])));
@@ -178,8 +164,7 @@ fn the_token_budget_and_grouping_keep_long_inputs_from_padding_short_ones() {
         .iter()
         .map(|&t| h.submit_costing("b", cost(t)).unwrap())
         .collect();
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!(d[0].2, ids[..2], "100 + 150 fit, the next 100 would not");
 }
 
@@ -241,21 +226,14 @@ fn a_failed_prepare_on_one_of_two_slots_leaves_the_tool_served_by_the_other() {
 }
 
 fn prepares_of(actions: &[Action]) -> Vec<SlotId> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Prepare { slot, .. } => Some(*slot),
-            _ => None,
-        })
-        .collect()
+    picked!(actions, Action::Prepare { slot, .. } => *slot)
 }
 
 #[test]
 fn a_batch_size_set_once_the_model_says_it_forms_the_next_batches() {
     let mut h = Harness::new(vec![spec("a", 1, 1, 1000)], 1);
     let first: Vec<_> = (0..3).map(|_| h.submit("a")).collect();
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!(d[0].2, first[..1], "one at a time before the size is known");
     h.core.set_batch_size(0, 4);
     assert_eq!(h.core.snapshot().tools[0].batch_size, 4);

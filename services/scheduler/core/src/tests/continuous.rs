@@ -10,13 +10,7 @@ fn continuous(name: &str, max_running: u32, max_devices: u32) -> ToolSpec {
 }
 
 fn running_of(actions: &[Action]) -> Vec<u32> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Dispatch { running, .. } => Some(*running),
-            _ => None,
-        })
-        .collect()
+    picked!(actions, Action::Dispatch { running, .. } => *running)
 }
 
 #[test]
@@ -53,8 +47,7 @@ fn out_of_memory_halves_max_running_requeues_the_request_and_regrows() {
     spec.oom_regrow_after = 2;
     let mut h = Harness::new(vec![spec], 1);
     let ids: Vec<_> = (0..4).map(|_| h.submit("g")).collect();
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!(d.len(), 4);
     // The fourth ran out of memory beside three others: the bound becomes min(4, 4) / 2.
     let after = h.finish(d[3].0, BatchResult::OutOfMemory("KV cache".into()));
@@ -93,8 +86,7 @@ fn out_of_memory_halves_max_running_requeues_the_request_and_regrows() {
 fn a_lost_worker_requeues_every_running_request_once() {
     let mut h = Harness::new(vec![continuous("g", 4, 1)], 2);
     let ids: Vec<_> = (0..3).map(|_| h.submit("g")).collect();
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     let slot = d[0].1;
     assert!(
         d.iter().all(|(_, s, _)| *s == slot),
@@ -116,8 +108,7 @@ fn a_lost_worker_requeues_every_running_request_once() {
 fn a_cancelled_running_request_is_answered_now_and_frees_its_place_when_the_worker_stops_it() {
     let mut h = Harness::new(vec![continuous("g", 2, 1)], 1);
     let ids: Vec<_> = (0..3).map(|_| h.submit("g")).collect();
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!(d.len(), 2);
     h.core.cancel(ids[0], h.now);
     assert_eq!(completions(&h.take()), vec![(ids[0], Outcome::Cancelled)]);

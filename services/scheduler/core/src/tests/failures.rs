@@ -6,8 +6,7 @@ use super::*;
 fn oom_halves_the_batch_8_4_2_1_and_requeues_at_the_front() {
     let mut h = Harness::new(vec![spec("a", 8, 1, 64)], 1);
     let ids: Vec<_> = (0..10).map(|_| h.submit("a")).collect();
-    let actions = h.take();
-    let mut d = dispatches(&h.prepare_ok(&actions));
+    let mut d = h.placed();
     assert_eq!(d[0].2, ids[..8]);
     for (old, new) in [(8, 4), (4, 2), (2, 1)] {
         let after = h.finish(d[0].0, BatchResult::OutOfMemory("too big".into()));
@@ -58,8 +57,7 @@ fn cancelling_an_executing_request_answers_now_and_drops_its_result() {
     let mut h = Harness::new(vec![spec("a", 2, 1, 64)], 1);
     let a = h.submit("a");
     let b = h.submit("a");
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     h.core.cancel(a, h.now);
     assert_eq!(completions(&h.take()), vec![(a, Outcome::Cancelled)]);
     let done = h.finish(d[0].0, BatchResult::Done(vec![None, None]));
@@ -98,8 +96,7 @@ fn each_rejection_reason() {
     );
     // Closing keeps what was accepted: both queued requests still get served.
     h.core.worker_registered(9, h.now);
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!(d.len(), 1);
 }
 
@@ -112,8 +109,7 @@ fn a_lost_workers_batch_is_requeued_one_request_per_batch_then_a_second_loss_fai
     h.core.worker_lost(0, "heartbeats stopped", h.now);
     assert!(completions(&h.take()).is_empty(), "requeued, not failed");
     h.core.worker_registered(1, h.now);
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!(d[0].2, [ids[0]], "requeued at the front, each alone");
     h.core.worker_lost(1, "connection refused", h.now);
     let failed = completions(&h.take());
@@ -125,8 +121,7 @@ fn a_lost_workers_batch_is_requeued_one_request_per_batch_then_a_second_loss_fai
     );
     // Its neighbour was never on the second worker: it is still served, alone.
     h.core.worker_registered(2, h.now);
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!(d[0].2, [ids[1]]);
     let done = h.finish(d[0].0, BatchResult::Done(vec![None]));
     assert_eq!(completions(&done), vec![(ids[1], Outcome::Ok)]);
@@ -196,8 +191,7 @@ fn a_failed_prepare_fails_the_requests_waiting_for_that_tool() {
 fn model_errors_fail_the_whole_batch_and_item_failures_only_their_request() {
     let mut h = Harness::new(vec![spec("a", 2, 1, 64)], 1);
     let ids = [h.submit("a"), h.submit("a")];
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     let done = h.finish(
         d[0].0,
         BatchResult::Done(vec![

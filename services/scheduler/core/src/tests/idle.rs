@@ -44,8 +44,7 @@ fn idle_eviction_takes_the_least_recently_used_slot_first() {
 fn disk_unload_waits_for_no_slot_no_queue_and_nothing_in_flight() {
     let mut h = Harness::new(vec![spec("a", 1, 1, 8)], 1);
     h.submit("a");
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     // In flight: nothing is unloaded however long it runs.
     assert!(
         h.advance(DISK_IDLE * 2)
@@ -83,8 +82,7 @@ fn disk_unload_waits_for_no_slot_no_queue_and_nothing_in_flight() {
 fn a_queued_request_blocks_disk_unload() {
     let mut h = Harness::new(vec![spec("a", 1, 1, 8), spec("b", 1, 1, 8)], 1);
     h.submit("a");
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     h.finish(d[0].0, BatchResult::Done(vec![None]));
     h.advance(IDLE);
     h.core.slot_freed(0, h.now);
@@ -111,8 +109,7 @@ fn cache_clear_runs_once_after_whole_server_idleness() {
         "nothing used, nothing to clear"
     );
     h.submit("a");
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     h.finish(d[0].0, BatchResult::Done(vec![None]));
     let t = h.advance(GC_IDLE);
     // The eviction at IDLE came first and keeps its slot busy until freed.

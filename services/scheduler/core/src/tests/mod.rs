@@ -1,5 +1,18 @@
 //! The core under a fake clock: one module per concern, the harness here.
 
+/// What each of `actions` that matches the pattern carries, in order.
+macro_rules! picked {
+    ($actions:expr, $pattern:pat => $value:expr) => {
+        $actions
+            .iter()
+            .filter_map(|a| match a {
+                $pattern => Some($value),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+}
+
 mod budget;
 mod continuous;
 mod failures;
@@ -90,6 +103,12 @@ impl Harness {
         out
     }
 
+    /// Answers the pending Prepares with success: the batches then dispatched.
+    fn placed(&mut self) -> Vec<(BatchId, SlotId, Vec<RequestId>)> {
+        let actions = self.take();
+        dispatches(&self.prepare_ok(&actions))
+    }
+
     fn finish(&mut self, batch: BatchId, result: BatchResult) -> Vec<Action> {
         self.core.batch_finished(batch, result, self.now);
         self.take()
@@ -97,43 +116,13 @@ impl Harness {
 }
 
 fn prepares(actions: &[Action]) -> Vec<(SlotId, ToolId, Option<ToolId>)> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Prepare {
-                slot,
-                tool,
-                offload,
-                ..
-            } => Some((*slot, *tool, *offload)),
-            _ => None,
-        })
-        .collect()
+    picked!(actions, Action::Prepare { slot, tool, offload, .. } => (*slot, *tool, *offload))
 }
 
 fn dispatches(actions: &[Action]) -> Vec<(BatchId, SlotId, Vec<RequestId>)> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Dispatch {
-                batch,
-                slot,
-                requests,
-                ..
-            } => Some((*batch, *slot, requests.clone())),
-            _ => None,
-        })
-        .collect()
+    picked!(actions, Action::Dispatch { batch, slot, requests, .. } => (*batch, *slot, requests.clone()))
 }
 
 fn completions(actions: &[Action]) -> Vec<(RequestId, Outcome)> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Complete {
-                request, outcome, ..
-            } => Some((*request, outcome.clone())),
-            _ => None,
-        })
-        .collect()
+    picked!(actions, Action::Complete { request, outcome, .. } => (*request, outcome.clone()))
 }

@@ -74,8 +74,7 @@ fn without_a_delay_a_free_slot_takes_one_request_and_a_batch_forms_while_it_work
 fn batch_size_is_capped_by_max_pending() {
     let mut h = Harness::new(vec![spec("a", 8, 1, 3)], 1);
     let ids: Vec<_> = (0..3).map(|_| h.submit("a")).collect();
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     assert_eq!(d, vec![(0, 0, ids)]);
 }
 
@@ -115,8 +114,7 @@ fn max_devices_caps_the_slots_a_tool_holds() {
 fn placing_on_a_slot_holding_another_tool_offloads_it_first() {
     let mut h = Harness::new(vec![spec("a", 1, 1, 8), spec("b", 1, 1, 8)], 1);
     h.submit("a");
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     h.finish(d[0].0, BatchResult::Done(vec![None]));
     h.submit("b");
     let actions = h.take();
@@ -148,8 +146,7 @@ fn placing_on_a_slot_holding_another_tool_offloads_it_first() {
 fn a_slot_whose_tool_still_has_work_waiting_is_not_taken() {
     let mut h = Harness::new(vec![spec("a", 1, 1, 8), spec("b", 1, 1, 8)], 1);
     h.submit("a");
-    let actions = h.take();
-    let d = dispatches(&h.prepare_ok(&actions));
+    let d = h.placed();
     h.submit("a");
     h.submit("b");
     let after = h.finish(d[0].0, BatchResult::Done(vec![None]));
@@ -163,14 +160,7 @@ fn a_second_device_for_the_same_tool_is_a_replica_load() {
     let mut h = Harness::new(vec![spec("a", 1, 2, 64)], 2);
     h.submit("a");
     h.submit("a");
-    let actions = h.take();
-    let loads: Vec<_> = actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Prepare { load, .. } => Some(*load),
-            _ => None,
-        })
-        .collect();
+    let loads = picked!(h.take(), Action::Prepare { load, .. } => *load);
     assert_eq!(
         loads,
         vec![Some(LoadKind::Resident), Some(LoadKind::Replica)]

@@ -24,31 +24,8 @@ fn every_accepted_request_completes_exactly_once_under_random_events() {
         let mut h = Harness::new(tools, 0);
         let mut next_slot = 0;
         let mut accepted = Vec::new();
-        let mut completed: HashMap<RequestId, usize> = HashMap::new();
-        let mut pending_prepares: Vec<(SlotId, ToolId)> = Vec::new();
-        let mut running: Vec<(BatchId, usize)> = Vec::new();
-        let mut maintenance: Vec<SlotId> = Vec::new();
+        let mut open = Open::default();
         let mut slots: Vec<SlotId> = Vec::new();
-
-        let absorb = |actions: Vec<Action>,
-                      completed: &mut HashMap<RequestId, usize>,
-                      pending_prepares: &mut Vec<(SlotId, ToolId)>,
-                      running: &mut Vec<(BatchId, usize)>,
-                      maintenance: &mut Vec<SlotId>| {
-            for a in actions {
-                match a {
-                    Action::Complete { request, .. } => *completed.entry(request).or_default() += 1,
-                    Action::Prepare { slot, tool, .. } => pending_prepares.push((slot, tool)),
-                    Action::Dispatch {
-                        batch, requests, ..
-                    } => running.push((batch, requests.len())),
-                    Action::Evict { slot, .. }
-                    | Action::Unload { slot, .. }
-                    | Action::ClearCache { slot } => maintenance.push(slot),
-                    Action::BatchSizeChanged { .. } => {}
-                }
-            }
-        };
 
         for step in 0..400 {
             let now = h.now;
@@ -72,8 +49,8 @@ fn every_accepted_request_completes_exactly_once_under_random_events() {
                     let slot = slots.swap_remove(rng.random_range(0..slots.len()));
                     h.core.worker_lost(slot, "killed", now);
                 }
-                48..=59 if !pending_prepares.is_empty() => {
-                    let (slot, tool) = pending_prepares.swap_remove(0);
+                48..=59 if !open.pending_prepares.is_empty() => {
+                    let (slot, tool) = open.pending_prepares.swap_remove(0);
                     let result = if rng.random_range(0..10) == 0 {
                         Err("load failed".into())
                     } else {
@@ -81,8 +58,10 @@ fn every_accepted_request_completes_exactly_once_under_random_events() {
                     };
                     h.core.prepare_finished(slot, tool, result, now);
                 }
-                60..=84 if !running.is_empty() => {
-                    let (batch, len) = running.swap_remove(rng.random_range(0..running.len()));
+                60..=84 if !open.running.is_empty() => {
+                    let (batch, len) = open
+                        .running
+                        .swap_remove(rng.random_range(0..open.running.len()));
                     let result = match rng.random_range(0..10) {
                         0 => BatchResult::OutOfMemory("oom".into()),
                         1 => BatchResult::Failed("boom".into()),
@@ -98,8 +77,8 @@ fn every_accepted_request_completes_exactly_once_under_random_events() {
                     };
                     h.core.batch_finished(batch, result, now);
                 }
-                85..=89 if !maintenance.is_empty() => {
-                    let slot = maintenance.swap_remove(0);
+                85..=89 if !open.maintenance.is_empty() => {
+                    let slot = open.maintenance.swap_remove(0);
                     h.core.slot_freed(slot, now);
                 }
                 _ => {
@@ -107,14 +86,7 @@ fn every_accepted_request_completes_exactly_once_under_random_events() {
                     h.core.tick(h.now);
                 }
             }
-            let actions = h.take();
-            absorb(
-                actions,
-                &mut completed,
-                &mut pending_prepares,
-                &mut running,
-                &mut maintenance,
-            );
+            open.absorb(h.take());
             if step == 300 {
                 h.core.close();
             }
@@ -128,13 +100,7 @@ fn every_accepted_request_completes_exactly_once_under_random_events() {
                     !progressed.is_empty() || h.core.next_deadline().is_none_or(|d| d > h.now),
                     "seed {seed}: deadline {deadline:?} due but ticking did nothing"
                 );
-                absorb(
-                    progressed,
-                    &mut completed,
-                    &mut pending_prepares,
-                    &mut running,
-                    &mut maintenance,
-                );
+                open.absorb(progressed);
             }
         }
         // Drain: bring a worker, answer everything, until nothing is open.
@@ -144,34 +110,60 @@ fn every_accepted_request_completes_exactly_once_under_random_events() {
                 break;
             }
             let now = h.now;
-            if let Some((slot, tool)) = pending_prepares.pop() {
+            if let Some((slot, tool)) = open.pending_prepares.pop() {
                 h.core.prepare_finished(slot, tool, Ok(()), now);
-            } else if let Some((batch, len)) = running.pop() {
+            } else if let Some((batch, len)) = open.running.pop() {
                 h.core
                     .batch_finished(batch, BatchResult::Done(vec![None; len]), now);
-            } else if let Some(slot) = maintenance.pop() {
+            } else if let Some(slot) = open.maintenance.pop() {
                 h.core.slot_freed(slot, now);
             } else {
                 h.now += Duration::from_millis(10);
                 h.core.tick(h.now);
             }
-            let actions = h.take();
-            absorb(
-                actions,
-                &mut completed,
-                &mut pending_prepares,
-                &mut running,
-                &mut maintenance,
-            );
+            open.absorb(h.take());
         }
         assert_eq!(h.core.open_requests(), 0, "seed {seed}: requests left open");
         for id in &accepted {
-            assert_eq!(completed.get(id), Some(&1), "seed {seed}: request {id}");
+            assert_eq!(
+                open.completed.get(id),
+                Some(&1),
+                "seed {seed}: request {id}"
+            );
         }
         assert_eq!(
-            completed.len(),
+            open.completed.len(),
             accepted.len(),
             "seed {seed}: completions of unknown ids"
         );
+    }
+}
+
+/// What the core has asked for and the test has not answered yet, and what it completed.
+#[derive(Default)]
+struct Open {
+    completed: HashMap<RequestId, usize>,
+    pending_prepares: Vec<(SlotId, ToolId)>,
+    running: Vec<(BatchId, usize)>,
+    maintenance: Vec<SlotId>,
+}
+
+impl Open {
+    fn absorb(&mut self, actions: Vec<Action>) {
+        for a in actions {
+            match a {
+                Action::Complete { request, .. } => {
+                    *self.completed.entry(request).or_default() += 1
+                }
+                Action::Prepare { slot, tool, .. } => self.pending_prepares.push((slot, tool)),
+                Action::Dispatch {
+                    batch, requests, ..
+                } => self.running.push((batch, requests.len())),
+                Action::Evict { slot, .. }
+                | Action::Unload { slot, .. }
+                | Action::ClearCache { slot } => self.maintenance.push(slot),
+                Action::BatchSizeChanged { .. } => {}
+            }
+        }
     }
 }
