@@ -29,6 +29,18 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Waits until `done` holds, checking every 50 ms; panics naming `what` after `within`.
+pub async fn wait_until(what: &str, within: std::time::Duration, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + within;
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {within:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// An HTTP client for tests and benches: the process's TLS provider installed first (the
 /// workspace's reqwest has rustls without a provider of its own).
 pub fn http() -> reqwest::ClientBuilder {

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::model_host::{described_tools, uv};
-use nomad_integration_tests::{Fleet, FleetOptions, Service};
+use nomad_integration_tests::{Fleet, FleetOptions, Service, wait_until};
 use nomad_proto::v1::{CallToolRequest, ToolInput, ToolState, tool_input, tool_output};
 use serde_json::{Value, json};
 
@@ -63,17 +63,16 @@ fn entries(dir: &Path) -> Vec<String> {
 
 /// Waits until the worker's log says the environment's build started.
 async fn build_started(fleet: &Fleet) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !fleet
-        .stderr(Service::DeviceWorker)
-        .contains("building the model environment")
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the environment's build never started"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        "the environment's build never started",
+        Duration::from_secs(120),
+        || {
+            fleet
+                .stderr(Service::DeviceWorker)
+                .contains("building the model environment")
+        },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -279,11 +279,7 @@ async fn a_run_goes_on_through_a_worker_a_scheduler_and_a_gateway_killed() {
 async fn nomad_serve_answers_again_after_its_worker_is_killed() {
     let dir = Fleet::new_dir();
     let config = mlp_config(&dir, "");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = nomad_integration_tests::free_port();
     let run_dir = dir.join("runs/serving");
     let (mut serve, _) = start_fleet(
         clean("nomad")

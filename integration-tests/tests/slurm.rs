@@ -6,12 +6,12 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Output;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::process::clean;
 use nomad_integration_tests::spans::{SpanRecord, check_rollout_traces, from_console};
-use nomad_integration_tests::{Fleet, read_jsonl};
+use nomad_integration_tests::{Fleet, read_jsonl, wait_until};
 use serde_json::Value;
 
 /// One job at a time: the two nodes have two cores between them.
@@ -80,17 +80,6 @@ fn job_id(out: &Output) -> String {
 
 fn in_queue(job: &str) -> bool {
     !slurm("squeue", &["-h", "-j", job]).trim().is_empty()
-}
-
-async fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !done() {
-        assert!(
-            Instant::now() < deadline,
-            "{what} did not happen in {timeout:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// Processes whose command line names `needle` (the run directory), other than this one.

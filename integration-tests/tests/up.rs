@@ -12,7 +12,7 @@ use nomad_integration_tests::fleet::{mlp_tasks, models_dir};
 use nomad_integration_tests::jaeger::JaegerQuery;
 use nomad_integration_tests::process::{binary, clean, start_fleet, up_command};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
-use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, read_jsonl};
+use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, read_jsonl, wait_until};
 use serde_json::Value;
 
 fn write_tasks(path: &Path, tasks: &[Value]) {
@@ -244,17 +244,16 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     );
 
     // Memory samples reach the head's metrics while the fleet runs.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !records(&run_dir, "head.jsonl", "metric")
-        .iter()
-        .any(|m| m["name"] == "nomad.servers.active" && m["value"] == 1)
-    {
-        assert!(
-            Instant::now() < deadline,
-            "no nomad.servers.active export while running"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_until(
+        "no nomad.servers.active export while running",
+        Duration::from_secs(20),
+        || {
+            records(&run_dir, "head.jsonl", "metric")
+                .iter()
+                .any(|m| m["name"] == "nomad.servers.active" && m["value"] == 1)
+        },
+    )
+    .await;
 
     // SIGTERM: the fleet stops in order, flushed, and nothing is left running.
     // SAFETY: kill(2) on the child we spawned.
@@ -748,14 +747,12 @@ async fn ctrl_c_stops_the_run_with_130_and_every_task_gets_its_line() {
         .spawn()
         .unwrap();
     let results = runs.join("interrupted/results.jsonl");
-    let deadline = Instant::now() + Duration::from_secs(150);
-    while read_jsonl(&results).len() < 3 {
-        assert!(
-            Instant::now() < deadline,
-            "the quick rollouts did not finish"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_until(
+        "the quick rollouts did not finish",
+        Duration::from_secs(150),
+        || read_jsonl(&results).len() >= 3,
+    )
+    .await;
     // SAFETY: kill(2) on the child we spawned.
     unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGINT) };
     let out = tokio::time::timeout(Duration::from_secs(60), up.wait_with_output())

@@ -267,11 +267,7 @@ struct LlamaServer {
 
 impl LlamaServer {
     async fn start(binary: &str, model: &std::path::Path, parallel: usize, jinja: bool) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = nomad_integration_tests::free_port();
         let dir = std::path::Path::new(binary).parent().unwrap().to_owned();
         let child = std::process::Command::new(binary)
             .args(["-m", model.to_str().unwrap(), "--host", "127.0.0.1"])
