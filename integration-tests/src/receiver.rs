@@ -41,6 +41,36 @@ pub struct MetricRecord {
     pub max: Option<f64>,
 }
 
+/// Sum of the latest values of `name` from the scheduler whose attributes include `filter`.
+pub fn scheduler_value(metrics: &[MetricRecord], name: &str, filter: &[(&str, &str)]) -> f64 {
+    metrics
+        .iter()
+        .filter(|m| m.service_name == "nomad/scheduler" && m.name == name)
+        .filter(|m| {
+            filter
+                .iter()
+                .all(|(k, v)| m.attributes.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|m| m.value)
+        .sum()
+}
+
+/// Asserts that the scheduler exported its queue and in-flight gauges for `tool`, both at zero:
+/// nothing is left queued or in flight.
+pub fn assert_drained(metrics: &[MetricRecord], tool: &str) {
+    for gauge in ["nomad.tool.queue.length", "nomad.tool.inflight.requests"] {
+        assert!(
+            metrics.iter().any(|m| m.name == gauge),
+            "{gauge} was not exported"
+        );
+        assert_eq!(
+            scheduler_value(metrics, gauge, &[("tool", tool)]),
+            0.0,
+            "{gauge}"
+        );
+    }
+}
+
 #[derive(Default)]
 struct State {
     spans: Mutex<Vec<SpanRecord>>,

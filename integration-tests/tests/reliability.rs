@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use nomad_integration_tests::fleet::mlp_tasks;
-use nomad_integration_tests::receiver::MetricRecord;
+use nomad_integration_tests::receiver::{assert_drained, scheduler_value};
 use nomad_integration_tests::spans::{check_batch_links, check_rollout_traces};
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
 use nomad_proto::v1::{CallToolRequest, ToolInput, tool_input};
@@ -32,19 +32,6 @@ async fn a_thousand_rollouts_at_concurrency_64_are_whole_traces_after_sigterm() 
     // on every span, all four services.
     check_rollout_traces(&spans, &run.results, &run.run_id());
     check_batch_links(&spans);
-}
-
-fn value(metrics: &[MetricRecord], name: &str, filter: &[(&str, &str)]) -> f64 {
-    metrics
-        .iter()
-        .filter(|m| m.service_name == "nomad/scheduler" && m.name == name)
-        .filter(|m| {
-            filter
-                .iter()
-                .all(|(k, v)| m.attributes.get(*k).map(String::as_str) == Some(*v))
-        })
-        .map(|m| m.value)
-        .sum()
 }
 
 /// xorshift64*: test randomness, reproducible from the seed.
@@ -140,15 +127,15 @@ async fn ten_thousand_cancelled_requests_leave_the_books_balanced_and_the_queues
     tokio::time::sleep(Duration::from_millis(500)).await;
     fleet.terminate().await;
     let metrics = receiver.latest_metrics();
-    let accepted = value(&metrics, "nomad.tool.requests", &[("tool", "t")]);
+    let accepted = scheduler_value(&metrics, "nomad.tool.requests", &[("tool", "t")]);
     let ended = |status: &str| {
-        value(
+        scheduler_value(
             &metrics,
             "nomad.tool.request.duration",
             &[("tool", "t"), ("status", status)],
         )
     };
-    let cancelled = value(
+    let cancelled = scheduler_value(
         &metrics,
         "nomad.tool.request_cancellations",
         &[("tool", "t")],
@@ -163,13 +150,7 @@ async fn ten_thousand_cancelled_requests_leave_the_books_balanced_and_the_queues
     assert!(cancelled <= abandoned as f64, "{cancelled} > {abandoned}");
     assert!(ended("ok") >= counts.get("ok").copied().unwrap_or(0) as f64);
     assert!(accepted <= TOTAL as f64);
-    for gauge in ["nomad.tool.queue.length", "nomad.tool.inflight.requests"] {
-        assert!(
-            metrics.iter().any(|m| m.name == gauge),
-            "{gauge} not exported"
-        );
-        assert_eq!(value(&metrics, gauge, &[("tool", "t")]), 0.0, "{gauge}");
-    }
+    assert_drained(&metrics, "t");
 }
 
 /// The scheduler SIGKILLed while the gateway and a worker keep running: a call made during the

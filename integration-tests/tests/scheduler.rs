@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use nomad_integration_tests::receiver::MetricRecord;
+use nomad_integration_tests::receiver::{MetricRecord, assert_drained, scheduler_value};
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{CallToolRequest, ToolInput, tool_input, tool_output};
@@ -71,20 +71,6 @@ async fn call(
         Some(tool_output::Value::Text(t)) => Ok(t),
         other => panic!("unexpected output {other:?}"),
     }
-}
-
-/// Sum of the latest values of `name` from the scheduler whose attributes include `filter`.
-fn value(metrics: &[MetricRecord], name: &str, filter: &[(&str, &str)]) -> f64 {
-    metrics
-        .iter()
-        .filter(|m| m.service_name == "nomad/scheduler" && m.name == name)
-        .filter(|m| {
-            filter
-                .iter()
-                .all(|(k, v)| m.attributes.get(*k).map(String::as_str) == Some(*v))
-        })
-        .map(|m| m.value)
-        .sum()
 }
 
 fn attributes_of<'a>(metrics: &'a [MetricRecord], name: &str) -> Vec<&'a BTreeMap<String, String>> {
@@ -262,7 +248,11 @@ async fn every_model_serving_metric_is_exported_with_its_type_unit_and_attribute
         ("nomad.tool.inflight.requests", vec![("tool", "a")], 0.0),
     ];
     for (name, filter, expected) in counts {
-        assert_eq!(value(&metrics, name, &filter), expected, "{name}{filter:?}");
+        assert_eq!(
+            scheduler_value(&metrics, name, &filter),
+            expected,
+            "{name}{filter:?}"
+        );
     }
     for name in [
         "nomad.tool.device.offloads",
@@ -270,17 +260,20 @@ async fn every_model_serving_metric_is_exported_with_its_type_unit_and_attribute
         "nomad.tool.disk.unloads",
         "nomad.device.cache_clears",
     ] {
-        assert!(value(&metrics, name, &[]) >= 1.0, "{name} never counted");
+        assert!(
+            scheduler_value(&metrics, name, &[]) >= 1.0,
+            "{name} never counted"
+        );
     }
     // Each tool was loaded from disk at least once (again if its unload came first), and after
     // the final idle period every load has been matched by an unload.
     for tool in ["a", "b"] {
-        let loads = value(
+        let loads = scheduler_value(
             &metrics,
             "nomad.tool.disk.loads",
             &[("tool", tool), ("load.kind", "resident")],
         );
-        let unloads = value(&metrics, "nomad.tool.disk.unloads", &[("tool", tool)]);
+        let unloads = scheduler_value(&metrics, "nomad.tool.disk.unloads", &[("tool", tool)]);
         assert!(
             loads >= 1.0 && loads == unloads,
             "{tool}: {loads} loads, {unloads} unloads"
@@ -388,11 +381,11 @@ async fn a_worker_killed_mid_batch_under_load_loses_no_request() {
     fleet.terminate().await;
     // The scheduler's own count: every accepted request ended exactly once.
     let metrics = receiver.latest_metrics();
-    let accepted = value(&metrics, "nomad.tool.requests", &[("tool", "t")]);
+    let accepted = scheduler_value(&metrics, "nomad.tool.requests", &[("tool", "t")]);
     let ended: f64 = ["ok", "error", "cancelled"]
         .iter()
         .map(|s| {
-            value(
+            scheduler_value(
                 &metrics,
                 "nomad.tool.request.duration",
                 &[("tool", "t"), ("status", s)],
@@ -402,7 +395,7 @@ async fn a_worker_killed_mid_batch_under_load_loses_no_request() {
     assert_eq!(accepted, TOTAL as f64);
     assert_eq!(ended, TOTAL as f64);
     assert_eq!(
-        value(
+        scheduler_value(
             &metrics,
             "nomad.tool.request.duration",
             &[("tool", "t"), ("status", "ok")]
@@ -410,13 +403,7 @@ async fn a_worker_killed_mid_batch_under_load_loses_no_request() {
         (TOTAL - codes.values().sum::<usize>()) as f64
     );
     // Nothing is left queued or in flight once every answer is in.
-    for gauge in ["nomad.tool.queue.length", "nomad.tool.inflight.requests"] {
-        assert!(
-            metrics.iter().any(|m| m.name == gauge),
-            "{gauge} was not exported"
-        );
-        assert_eq!(value(&metrics, gauge, &[("tool", "t")]), 0.0, "{gauge}");
-    }
+    assert_drained(&metrics, "t");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
