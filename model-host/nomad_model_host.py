@@ -4,8 +4,8 @@ The worker starts this file with the model's own interpreter (its cached environ
 it one end of a socket pair as the file descriptor named by ``NOMAD_HOST_FD``. Requests and
 replies are Nomad's frames on that socket (``nomad_frame``, which the worker writes beside this
 file), each a UTF-8 JSON object of at most ``NOMAD_HOST_MAX_FRAME`` bytes, a limit the worker
-declares and sets. The
-model's own ``print`` goes to stdout, which the worker logs; it can never reach the protocol.
+declares and sets. The model's own ``print`` goes to stdout, which the worker logs; it can never
+reach the protocol.
 
 A model is either
 

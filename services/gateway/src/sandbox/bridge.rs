@@ -1,6 +1,6 @@
 //! The bridge between sandboxed code and the gateway: frames (`nomad_frame`'s format, with the
-//! bridge's limit declared in `nomad_jail::frame`) over a socketpair the sandbox inherits as descriptor 3. No
-//! TCP listener exists for sandboxed code to find.
+//! bridge's limit declared in `nomad_jail::frame`) over a socketpair the sandbox inherits as
+//! descriptor 3. No TCP listener exists for sandboxed code to find.
 //!
 //! In order: the sandbox reports what isolation holds (JSON, [`super::init::Report`], with a
 //! pidfd of the run's first process attached);

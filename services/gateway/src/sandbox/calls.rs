@@ -227,38 +227,40 @@ pub async fn serve(
 }
 
 async fn handle(host: &impl ToolHost, id: u64, method: Method, params: Value) -> Response {
-    // The method's parameters, typed; a missing one is named to the run.
+    match answer(host, method, params).await {
+        Ok(value) => Response::ok(id, value),
+        Err(e) => Response::error(id, e),
+    }
+}
+
+/// What a request asks, answered; its parameters read as the method's own (a missing one is
+/// named to the run).
+async fn answer(host: &impl ToolHost, method: Method, params: Value) -> Result<Value, ToolError> {
     fn read<T: DeserializeOwned>(method: Method, params: Value) -> Result<T, ToolError> {
         serde_json::from_value(params).map_err(|e| {
             ToolError::invalid_argument(format!("the bridge's {method:?} request: {e}"))
         })
     }
-    let answer = match method {
+    match method {
         Method::ListServers => Ok(serde_json::json!(host.servers())),
-        Method::ListTools => match read::<ToolParams>(method, params) {
-            Ok(p) => host
-                .tools(&p.server)
-                .await
-                .map(|tools| serde_json::to_value(tools).unwrap_or_default()),
-            Err(e) => Err(e),
-        },
-        Method::WhyMissing => match read::<ToolParams>(method, params) {
-            Ok(p) => Err(host.missing(&p.server, &p.tool).await),
-            Err(e) => Err(e),
-        },
+        Method::ListTools => {
+            let p: ToolParams = read(method, params)?;
+            let tools = host.tools(&p.server).await?;
+            Ok(serde_json::to_value(tools).unwrap_or_default())
+        }
+        Method::WhyMissing => {
+            let p: ToolParams = read(method, params)?;
+            Err(host.missing(&p.server, &p.tool).await)
+        }
         // Moved, not copied: the call holds the run's arguments once.
-        Method::CallTool => match read::<CallParams>(method, params) {
-            Ok(p) => host.call(&p.server, &p.tool, p.arguments).await,
-            Err(e) => Err(e),
-        },
+        Method::CallTool => {
+            let p: CallParams = read(method, params)?;
+            host.call(&p.server, &p.tool, p.arguments).await
+        }
         Method::Ready | Method::Done | Method::Unknown => Err(ToolError::invalid_argument(
             "not a bridge request: the runner asks list_servers, list_tools, call_tool or \
              why_missing",
         )),
-    };
-    match answer {
-        Ok(value) => Response::ok(id, value),
-        Err(e) => Response::error(id, e),
     }
 }
 

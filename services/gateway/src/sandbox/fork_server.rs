@@ -27,9 +27,6 @@ use tokio::sync::{Notify, oneshot};
 use super::bridge;
 use super::init::{self, Spec};
 
-/// The largest frame either side of the control socket sends.
-use nomad_jail::frame::CONTROL_MAX_FRAME as CONTROL_FRAME;
-
 pub struct ForkServer {
     control: Mutex<UnixStream>,
     exits: Arc<Mutex<HashMap<u64, oneshot::Sender<i32>>>>,
@@ -69,7 +66,7 @@ impl ForkServer {
         // killed with its handle when this gives up).
         reader.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
         let report = tokio::task::spawn_blocking(move || {
-            nomad_jail::frame::read_blocking(reader.as_fd(), CONTROL_FRAME)
+            nomad_jail::frame::read_blocking(reader.as_fd(), nomad_jail::frame::CONTROL_MAX_FRAME)
         })
         .await
         .map_err(std::io::Error::other)??
@@ -96,9 +93,10 @@ impl ForkServer {
         std::thread::Builder::new()
             .name("nomad-zygote".into())
             .spawn(move || {
-                while let Ok(Some(body)) =
-                    nomad_jail::frame::read_blocking(ours.as_fd(), CONTROL_FRAME)
-                {
+                while let Ok(Some(body)) = nomad_jail::frame::read_blocking(
+                    ours.as_fd(),
+                    nomad_jail::frame::CONTROL_MAX_FRAME,
+                ) {
                     if let Ok(exited) = serde_json::from_slice::<Exited>(&body)
                         && let Some(tx) = lock(&exits).remove(&exited.id)
                     {

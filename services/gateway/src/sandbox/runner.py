@@ -5,8 +5,9 @@
 The runner starts ahead of its run (the gateway keeps a few waiting), reads one run from the
 bridge, executes it and exits; it never serves a second run. The bridge is a socket pair
 inherited as descriptor NOMAD_BRIDGE_FD: Nomad's frames (`nomad_frame.py`, beside this file;
-their limit, NOMAD_BRIDGE_MAX_FRAME, is set by the gateway). The first frame the runner reads is the run (fields, each a 4-byte length and UTF-8 text: mode,
-file name, source, the limits `call,result,text` in bytes, then environment names and values);
+their limit, NOMAD_BRIDGE_MAX_FRAME, is set by the gateway). The first frame the runner reads
+is the run (fields, each a 4-byte length and UTF-8 text: mode, file name, source, the limits
+`call,result,text` in bytes, then environment names and values);
 every later frame either way is JSON. The runner keeps to the limits itself: a call over them
 fails here with a message, RESULT over them is sent as its size alone, and an exception's text
 is cut (the gateway ends a run whose frame is larger, unread).
@@ -22,7 +23,6 @@ demand pays for nothing it does not use; `--preload` imports the rest while the 
 
 import os
 import sys
-
 
 
 def _sibling(name):

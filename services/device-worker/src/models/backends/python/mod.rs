@@ -82,15 +82,13 @@ fn host_file(cache: &Path) -> Result<PathBuf, LoadError> {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let dir = cache.join("host").join(&digest);
+    let hosts = cache.join("host");
+    let dir = hosts.join(&digest);
     let path = dir.join(HOST_FILE);
     if !path.is_file() {
         // Written whole elsewhere, then renamed into place: a folder seen is a folder complete.
         let write = || -> std::io::Result<()> {
-            std::fs::create_dir_all(cache.join("host"))?;
-            let partial = cache
-                .join("host")
-                .join(format!(".{digest}.{}.partial", std::process::id()));
+            let partial = hosts.join(format!(".{digest}.{}.partial", std::process::id()));
             std::fs::create_dir_all(&partial)?;
             for (name, text) in files {
                 std::fs::write(partial.join(name), text)?;
