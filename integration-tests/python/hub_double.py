@@ -58,14 +58,17 @@ class Hub(http.server.BaseHTTPRequestHandler):
         repo_dir = os.path.join(self.root, org, name)
         return repo_dir if os.path.isdir(repo_dir) else None
 
-    def not_found(self, message):
-        body = json.dumps({"error": message}).encode()
-        self.send_response(404)
+    def send_json(self, status, value):
+        body = json.dumps(value).encode()
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+    def not_found(self, message):
+        self.send_json(404, {"error": message})
 
     def do_HEAD(self):
         self.do_GET()
@@ -82,18 +85,11 @@ class Hub(http.server.BaseHTTPRequestHandler):
             commit = commit_of(repo_dir)
             if revision not in ("main", commit):
                 return self.not_found("Revision Not Found")
-            body = json.dumps({
+            return self.send_json(200, {
                 "id": f"{org}/{name}",
                 "sha": commit,
                 "siblings": [{"rfilename": f} for f in files_of(repo_dir)],
-            }).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-            return
+            })
         if resolve:
             org, name, revision, file_name = resolve.groups()
             repo_dir = self.repo(org, name)

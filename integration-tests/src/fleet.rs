@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nomad_proto::v1::ListWorkersRequest;
 use nomad_proto::v1::gateway_client::GatewayClient;
@@ -104,15 +104,22 @@ fn command(service: Service, env: &[(String, String)]) -> Command {
     cmd
 }
 
-/// A small MLP model (`nomad-device-worker make-mlp --layers LAYERS`) in `dir/mlp`; its path.
-pub fn make_mlp(dir: &Path, layers: &str) -> PathBuf {
+/// A small MLP model (`nomad-device-worker make-mlp --layers LAYERS --seed SEED`) in
+/// `dir/mlp`; its path.
+pub fn make_mlp(dir: &Path, layers: &str, seed: u64) -> PathBuf {
     let out = dir.join("mlp");
-    let made = std::process::Command::new(binary("nomad-device-worker"))
-        .args(["make-mlp", "--layers", layers, "--out"])
-        .arg(&out)
-        .status()
-        .unwrap();
-    assert!(made.success(), "make-mlp failed");
+    crate::process::succeeded_blocking(
+        std::process::Command::new(binary("nomad-device-worker"))
+            .args([
+                "make-mlp",
+                "--layers",
+                layers,
+                "--seed",
+                &seed.to_string(),
+                "--out",
+            ])
+            .arg(&out),
+    );
     out
 }
 
@@ -263,13 +270,7 @@ impl Fleet {
     /// Starts scheduler, one CPU worker and gateway; returns once the worker is registered.
     pub async fn start(options: FleetOptions) -> Fleet {
         let dir = options.dir.clone().unwrap_or_else(Self::new_dir);
-        let model_dir = dir.join("mlp");
-        let made = std::process::Command::new(binary("nomad-device-worker"))
-            .args(["make-mlp", "--layers", "6,16,4", "--seed", "42", "--out"])
-            .arg(&model_dir)
-            .status()
-            .unwrap();
-        assert!(made.success(), "make-mlp failed");
+        let model_dir = make_mlp(&dir, "6,16,4", 42);
         let config_path = dir.join("nomad.yaml");
         let tools = options.tools_yaml.clone().unwrap_or_else(|| {
             format!(
@@ -494,19 +495,12 @@ impl Fleet {
     }
 
     pub async fn wait_for_workers(&self, count: usize) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let workers = self.workers().await;
-            if workers.len() >= count {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "only {} of {count} workers registered in 30 s",
-                workers.len()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let what = format!("{count} workers registered");
+        let (within, every) = (Duration::from_secs(30), Duration::from_millis(20));
+        crate::wait_until_async(&what, within, every, async || {
+            self.workers().await.len() >= count
+        })
+        .await;
     }
 
     /// Runs `nomad run` over `tasks` (concurrency `concurrency`) and collects its results.

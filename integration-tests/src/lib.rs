@@ -29,6 +29,14 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A run id no other test takes: `prefix` and eight random hex digits.
+pub fn unique_run_id(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    )
+}
+
 /// Waits until `done` holds, checking every 50 ms; panics naming `what` after `within`.
 pub async fn wait_until(what: &str, within: std::time::Duration, mut done: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + within;
@@ -39,6 +47,41 @@ pub async fn wait_until(what: &str, within: std::time::Duration, mut done: impl 
         );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+}
+
+/// [`wait_until`] for a check that awaits (a call, a query), made every `every`.
+pub async fn wait_until_async(
+    what: &str,
+    within: std::time::Duration,
+    every: std::time::Duration,
+    mut done: impl AsyncFnMut() -> bool,
+) {
+    let deadline = std::time::Instant::now() + within;
+    while !done().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {within:?}"
+        );
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// A bench's measuring window over callers that run until `stop`: one second of warm-up (loads,
+/// connections), then `counting` set for `seconds`, then `stop` set. The seconds it counted.
+pub async fn count_for(
+    seconds: f64,
+    counting: &std::sync::atomic::AtomicBool,
+    stop: &std::sync::atomic::AtomicBool,
+) -> f64 {
+    use std::sync::atomic::Ordering::Relaxed;
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    counting.store(true, Relaxed);
+    let started = std::time::Instant::now();
+    tokio::time::sleep(std::time::Duration::from_secs_f64(seconds)).await;
+    counting.store(false, Relaxed);
+    let elapsed = started.elapsed().as_secs_f64();
+    stop.store(true, Relaxed);
+    elapsed
 }
 
 /// An HTTP client for tests and benches: the process's TLS provider installed first (the
@@ -89,4 +132,52 @@ pub fn read_jsonl(path: &std::path::Path) -> Vec<serde_json::Value> {
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
+}
+
+/// The string `field` of each object in a JSON array (a report's rows, a fleet's servers).
+pub fn strings_of<'a>(array: &'a serde_json::Value, field: &str) -> Vec<&'a str> {
+    let items = array
+        .as_array()
+        .unwrap_or_else(|| panic!("not an array: {array}"));
+    items
+        .iter()
+        .map(|item| {
+            item[field]
+                .as_str()
+                .unwrap_or_else(|| panic!("no string {field:?} in {item}"))
+        })
+        .collect()
+}
+
+/// Asserts that a call was refused with `code` and a message that says `needle`.
+#[track_caller]
+pub fn assert_status(status: &tonic::Status, code: tonic::Code, needle: &str) {
+    assert_eq!(status.code(), code, "{status:?}");
+    assert!(
+        status.message().contains(needle),
+        "the message does not say {needle:?}: {status:?}"
+    );
+}
+
+/// A text as a tool's input, with its options as a JSON object (empty: none).
+pub fn text_input(
+    text: impl Into<String>,
+    options: impl Into<String>,
+) -> nomad_proto::v1::ToolInput {
+    nomad_proto::v1::ToolInput {
+        value: Some(nomad_proto::v1::tool_input::Value::Text(text.into())),
+        options_json: options.into(),
+    }
+}
+
+/// A call of `tool` on a text, with its options as a JSON object (empty: none).
+pub fn text_call(
+    tool: impl Into<String>,
+    text: impl Into<String>,
+    options: impl Into<String>,
+) -> nomad_proto::v1::CallToolRequest {
+    nomad_proto::v1::CallToolRequest {
+        tool: tool.into(),
+        input: Some(text_input(text, options)),
+    }
 }

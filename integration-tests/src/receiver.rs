@@ -21,7 +21,6 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::KeyValue;
 use opentelemetry_proto::tonic::trace::v1::ResourceSpans;
-use prost::Message as _;
 
 use crate::spans::{SpanRecord, from_otlp};
 
@@ -205,6 +204,28 @@ impl MetricsService for Grpc {
     }
 }
 
+/// An OTLP/HTTP route: the body decoded as `R` and given to `add`, answered with an empty `A`
+/// (a body that does not decode: 400).
+fn otlp_http<R, A>(state: &Arc<State>, add: fn(&State, &R)) -> axum::routing::MethodRouter
+where
+    R: prost::Message + Default + 'static,
+    A: prost::Message + Default + 'static,
+{
+    let state = state.clone();
+    axum::routing::post(move |body: axum::body::Bytes| {
+        let state = state.clone();
+        async move {
+            match R::decode(body) {
+                Ok(request) => {
+                    add(&state, &request);
+                    (axum::http::StatusCode::OK, A::default().encode_to_vec())
+                }
+                Err(_) => (axum::http::StatusCode::BAD_REQUEST, vec![]),
+            }
+        }
+    })
+}
+
 pub struct OtlpReceiver {
     pub addr: SocketAddr,
     /// The endpoint to give exporters (`http://127.0.0.1:PORT`).
@@ -249,43 +270,17 @@ impl OtlpReceiver {
 
     /// An OTLP/HTTP (protobuf) receiver: `POST /v1/traces`, `POST /v1/metrics`.
     pub async fn http() -> Self {
-        use axum::body::Bytes;
-        use axum::routing::post;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(State::default());
-        let traces = state.clone();
-        let metrics = state.clone();
         let app = axum::Router::new()
             .route(
                 "/v1/traces",
-                post(move |body: Bytes| async move {
-                    match ExportTraceServiceRequest::decode(body) {
-                        Ok(request) => {
-                            traces.add_traces(&request);
-                            (
-                                axum::http::StatusCode::OK,
-                                ExportTraceServiceResponse::default().encode_to_vec(),
-                            )
-                        }
-                        Err(_) => (axum::http::StatusCode::BAD_REQUEST, vec![]),
-                    }
-                }),
+                otlp_http::<_, ExportTraceServiceResponse>(&state, State::add_traces),
             )
             .route(
                 "/v1/metrics",
-                post(move |body: Bytes| async move {
-                    match ExportMetricsServiceRequest::decode(body) {
-                        Ok(request) => {
-                            metrics.add_metrics(&request);
-                            (
-                                axum::http::StatusCode::OK,
-                                ExportMetricsServiceResponse::default().encode_to_vec(),
-                            )
-                        }
-                        Err(_) => (axum::http::StatusCode::BAD_REQUEST, vec![]),
-                    }
-                }),
+                otlp_http::<_, ExportMetricsServiceResponse>(&state, State::add_metrics),
             );
         let task = tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();

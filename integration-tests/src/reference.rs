@@ -3,17 +3,13 @@
 use std::path::Path;
 
 use safetensors::SafeTensors;
+use serde::Deserialize as _;
 
 /// Computes the MLP on `input` straight from `model.safetensors` and `config.json` in `dir`.
 pub fn mlp_forward(dir: &Path, input: &[f32]) -> Vec<f32> {
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-    let dims: Vec<usize> = config["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d.as_u64().unwrap() as usize)
-        .collect();
+    let dims = Vec::<usize>::deserialize(&config["layers"]).unwrap();
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let tensors = SafeTensors::deserialize(&bytes).unwrap();
     let floats = |name: &str| -> Vec<f32> {

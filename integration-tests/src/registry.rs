@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::process::succeeded_blocking;
+
 pub struct Registry {
     /// host:port, as an `oras://` source names it.
     pub addr: String,
@@ -110,17 +112,10 @@ impl Registry {
 
     /// An htpasswd line for `user` with `password` (bcrypt, by Python's bcrypt package).
     pub fn htpasswd_line(user: &str, password: &str) -> String {
-        let output = Command::new(crate::peers::python_sdk())
+        let output = succeeded_blocking(Command::new(crate::peers::python_sdk())
             .arg("-c")
             .arg("import sys, bcrypt\nprint(sys.argv[1] + ':' + bcrypt.hashpw(sys.argv[2].encode(), bcrypt.gensalt()).decode())")
-            .args([user, password])
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "bcrypt: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+            .args([user, password]));
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
@@ -141,18 +136,13 @@ impl Registry {
             response = client.push(target=target, files=files)\n\
             response.raise_for_status()\n\
             print(response.headers['Docker-Content-Digest'])\n";
-        let output = Command::new(crate::peers::python_sdk())
-            .arg("-c")
-            .arg(script)
-            .arg(format!("{}/{target}", self.addr))
-            .args(&files)
-            .current_dir(model)
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "oras push {target}: {}",
-            String::from_utf8_lossy(&output.stderr)
+        let output = succeeded_blocking(
+            Command::new(crate::peers::python_sdk())
+                .arg("-c")
+                .arg(script)
+                .arg(format!("{}/{target}", self.addr))
+                .args(&files)
+                .current_dir(model),
         );
         let digest = String::from_utf8_lossy(&output.stdout).trim().to_owned();
         assert!(
@@ -170,19 +160,14 @@ impl Registry {
             r = requests.head(sys.argv[1], headers={'Accept': 'application/vnd.oci.image.manifest.v1+json'})\n\
             r.raise_for_status()\n\
             print(r.headers['Docker-Content-Digest'])\n";
-        let output = Command::new(crate::peers::python_sdk())
-            .arg("-c")
-            .arg(script)
-            .arg(format!(
-                "http://{}/v2/{repository}/manifests/{tag}",
-                self.addr
-            ))
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "HEAD {target}: {}",
-            String::from_utf8_lossy(&output.stderr)
+        let output = succeeded_blocking(
+            Command::new(crate::peers::python_sdk())
+                .arg("-c")
+                .arg(script)
+                .arg(format!(
+                    "http://{}/v2/{repository}/manifests/{tag}",
+                    self.addr
+                )),
         );
         String::from_utf8_lossy(&output.stdout).trim().to_owned()
     }
@@ -192,17 +177,12 @@ impl Registry {
         std::fs::create_dir_all(into).unwrap();
         let script = "import sys\nimport oras.client\n\
             oras.client.OrasClient(insecure=True).pull(target=sys.argv[1], outdir=sys.argv[2])\n";
-        let output = Command::new(crate::peers::python_sdk())
-            .arg("-c")
-            .arg(script)
-            .arg(format!("{}/{reference}", self.addr))
-            .arg(into)
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "oras pull {reference}: {}",
-            String::from_utf8_lossy(&output.stderr)
+        succeeded_blocking(
+            Command::new(crate::peers::python_sdk())
+                .arg("-c")
+                .arg(script)
+                .arg(format!("{}/{reference}", self.addr))
+                .arg(into),
         );
     }
 }

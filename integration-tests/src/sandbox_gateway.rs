@@ -194,6 +194,12 @@ impl Gateway {
         }
     }
 
+    /// The last check of a test: [`Self::still_serving`] after `after`, then [`Self::stop`].
+    pub async fn finish(self, after: &str) {
+        self.still_serving(after).await;
+        self.stop().await;
+    }
+
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(self.dir.join("gateway.stderr")).unwrap_or_default()
     }

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use nomad_integration_tests::assert_status;
 use nomad_integration_tests::fleet::{TEST_TOKEN, rpc_channel};
 use nomad_integration_tests::process::{clean, listening, refused_saying, wait_for_file};
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
@@ -14,6 +15,7 @@ use nomad_proto::v1::{
     DeviceInfo, GetRunRequest, ListToolsRequest, RegisterWorkerRequest, SearchToolsRequest,
     StatsRequest,
 };
+use tonic::Code;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
@@ -68,8 +70,8 @@ async fn every_service_refuses_calls_without_the_fleets_token() {
     let worker = workers[0].address.clone();
 
     for (token, expected) in [
-        (None, Some(tonic::Code::Unauthenticated)),
-        (Some(WRONG), Some(tonic::Code::Unauthenticated)),
+        (None, Some(Code::Unauthenticated)),
+        (Some(WRONG), Some(Code::Unauthenticated)),
         (Some(TEST_TOKEN), None),
     ] {
         let who = format!("{token:?}");
@@ -90,7 +92,7 @@ async fn every_service_refuses_calls_without_the_fleets_token() {
                 run_id: "nope".into(),
             })
             .await;
-        let head_expected = expected.or(Some(tonic::Code::NotFound));
+        let head_expected = expected.or(Some(Code::NotFound));
         assert_eq!(code(run), head_expected, "head, {who}");
     }
     // Health checks stay open.
@@ -145,12 +147,7 @@ async fn every_service_refuses_calls_without_the_fleets_token() {
         })
         .await
         .unwrap_err();
-    assert_eq!(impostor.code(), tonic::Code::AlreadyExists);
-    assert!(
-        impostor.message().contains("still heartbeating"),
-        "{}",
-        impostor.message()
-    );
+    assert_status(&impostor, Code::AlreadyExists, "still heartbeating");
     let after = fleet.workers().await;
     assert_eq!(
         after[0].address, workers[0].address,
@@ -194,13 +191,13 @@ async fn a_refused_call_records_no_span_and_health_streams_need_the_token() {
         )
         .list_tools(ListToolsRequest {})
         .await;
-        assert_eq!(code(listed), Some(tonic::Code::Unauthenticated));
+        assert_eq!(code(listed), Some(Code::Unauthenticated));
         let searched = GatewayClient::new(
             dial_with(&fleet.gateway_addr, token, context(FORGED, "victim-run")).await,
         )
         .search_tools(SearchToolsRequest::default())
         .await;
-        assert_eq!(code(searched), Some(tonic::Code::Unauthenticated));
+        assert_eq!(code(searched), Some(Code::Unauthenticated));
     }
     let checked = HealthClient::new(
         dial_with(&fleet.scheduler_addr, None, context(FORGED, "victim-run")).await,
@@ -245,7 +242,7 @@ async fn a_refused_call_records_no_span_and_health_streams_need_the_token() {
     let watched = HealthClient::new(dial(&fleet.scheduler_addr, None).await)
         .watch(HealthCheckRequest::default())
         .await;
-    assert_eq!(code(watched), Some(tonic::Code::Unauthenticated));
+    assert_eq!(code(watched), Some(Code::Unauthenticated));
     let mut stream = HealthClient::new(dial(&fleet.scheduler_addr, Some(TEST_TOKEN)).await)
         .watch(HealthCheckRequest::default())
         .await
@@ -445,11 +442,11 @@ async fn the_collector_writes_only_what_the_token_holder_exports() {
         }
     }
     for (token, name, expected) in [
-        (None, "forged.grpc.none", Some(tonic::Code::Unauthenticated)),
+        (None, "forged.grpc.none", Some(Code::Unauthenticated)),
         (
             Some(WRONG),
             "forged.grpc.wrong",
-            Some(tonic::Code::Unauthenticated),
+            Some(Code::Unauthenticated),
         ),
         (Some(TEST_TOKEN), "honest.grpc", None),
     ] {

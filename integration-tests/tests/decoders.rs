@@ -16,8 +16,9 @@ use std::time::Duration;
 
 use nomad_integration_tests::encoders::decoder_cases;
 use nomad_integration_tests::model_host::described_tools;
+use nomad_integration_tests::text_call;
 use nomad_integration_tests::{Fleet, FleetOptions};
-use nomad_proto::v1::{CallToolRequest, ToolInput, ToolState, tool_input, tool_output};
+use nomad_proto::v1::{ToolState, tool_output};
 use serde_json::{Value, json};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -82,13 +83,7 @@ async fn decoders_of_each_family_answer_as_transformers_does_and_the_rest_are_re
             let text = r.get("text").and_then(Value::as_str).unwrap_or("");
             async move {
                 client
-                    .call_tool(CallToolRequest {
-                        tool: name.to_owned(),
-                        input: Some(ToolInput {
-                            value: Some(tool_input::Value::Text(text.to_owned())),
-                            options_json: options.to_string(),
-                        }),
-                    })
+                    .call_tool(text_call(name, text, options.to_string()))
                     .await
                     .map(|r| r.into_inner())
             }

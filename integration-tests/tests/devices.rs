@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::receiver::MetricRecord;
+use nomad_integration_tests::text_call;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
-use nomad_proto::v1::{CallToolRequest, ToolInput, tool_input, tool_output};
+use nomad_proto::v1::tool_output;
 
 const BATCH_SIZE: usize = 16;
 
@@ -49,16 +50,7 @@ async fn a_real_batch_over_device_memory_is_halved_and_every_request_served() {
     let answers = futures::future::join_all((0..BATCH_SIZE).map(|i| {
         let mut client = client.clone();
         async move {
-            let request = CallToolRequest {
-                tool: "embed".into(),
-                input: Some(ToolInput {
-                    value: Some(tool_input::Value::Text(format!(
-                        "{i} {}",
-                        "the ".repeat(120)
-                    ))),
-                    options_json: String::new(),
-                }),
-            };
+            let request = text_call("embed", format!("{i} {}", "the ".repeat(120)), "");
             client.call_tool(request).await.map(|r| r.into_inner())
         }
     }))

@@ -10,11 +10,14 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use nomad_integration_tests::assert_status;
 use nomad_integration_tests::encoders::cases;
 use nomad_integration_tests::model_host::described_tools;
+use nomad_integration_tests::text_call;
 use nomad_integration_tests::{Fleet, FleetOptions};
-use nomad_proto::v1::{CallToolRequest, ToolInput, ToolState, tool_input, tool_output};
+use nomad_proto::v1::{ToolState, tool_output};
 use serde_json::{Value, json};
+use tonic::Code;
 
 fn max_diff(got: &[f64], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len(), "dimensions");
@@ -162,15 +165,11 @@ async fn encoders_answer_as_sentence_transformers_and_transformers_do_and_refuse
             let mut client = client.clone();
             async move {
                 client
-                    .call_tool(CallToolRequest {
-                        tool: name.to_owned(),
-                        input: Some(ToolInput {
-                            value: Some(tool_input::Value::Text(
-                                r["text"].as_str().unwrap().to_owned(),
-                            )),
-                            options_json: r["options"].to_string(),
-                        }),
-                    })
+                    .call_tool(text_call(
+                        name,
+                        r["text"].as_str().unwrap(),
+                        r["options"].to_string(),
+                    ))
                     .await
                     .map(|r| r.into_inner())
             }
@@ -217,31 +216,17 @@ async fn encoders_answer_as_sentence_transformers_and_transformers_do_and_refuse
 
     // A prompt the model does not have is refused naming the ones it has.
     let unknown = client
-        .call_tool(CallToolRequest {
-            tool: "bert-prompts".into(),
-            input: Some(ToolInput {
-                value: Some(tool_input::Value::Text("x".into())),
-                options_json: r#"{"prompt": "doc"}"#.into(),
-            }),
-        })
+        .call_tool(text_call("bert-prompts", "x", r#"{"prompt": "doc"}"#))
         .await
         .unwrap_err();
-    assert_eq!(unknown.code(), tonic::Code::InvalidArgument);
-    assert!(
-        unknown
-            .message()
-            .contains("prompt \"doc\": this model's prompts are document, passage, query"),
-        "{unknown:?}"
+    assert_status(
+        &unknown,
+        Code::InvalidArgument,
+        "prompt \"doc\": this model's prompts are document, passage, query",
     );
     // A rerank request without documents is refused saying what it needs.
     let empty = client
-        .call_tool(CallToolRequest {
-            tool: "bert-rerank".into(),
-            input: Some(ToolInput {
-                value: Some(tool_input::Value::Text("query".into())),
-                options_json: String::new(),
-            }),
-        })
+        .call_tool(text_call("bert-rerank", "query", ""))
         .await
         .unwrap_err();
     assert!(

@@ -74,12 +74,10 @@ async fn ps_lists_a_running_fleet_and_down_stops_it() {
         "{stderr}"
     );
 
-    let servers: Vec<u64> = fleet["servers"]
+    let listed = fleet["servers"]
         .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["pid"].as_u64().unwrap())
-        .collect();
+        .expect("fleet.json lists its servers");
+    let servers: Vec<u64> = listed.iter().map(|s| s["pid"].as_u64().unwrap()).collect();
     let (code, stdout, stderr) = nomad(&["down", "--runs-dir", runs]).await;
     assert_eq!(code, Some(0), "{stderr}");
     assert_eq!(stdout.trim(), "stopped fleet listed");

@@ -4,6 +4,7 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
+use nomad_integration_tests::assert_status;
 use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::peers::{
     HttpUpstream, mcp_client, mcp_client_stdio, python_sdk, script,
@@ -11,10 +12,13 @@ use nomad_integration_tests::peers::{
 use nomad_integration_tests::process::binary;
 use nomad_integration_tests::receiver::MetricRecord;
 use nomad_integration_tests::sandbox_gateway::run_code;
+use nomad_integration_tests::strings_of;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, Service};
 use nomad_proto::v1::ExecuteCodeRequest;
 use nomad_proto::v1::ExecuteScriptRequest;
+use serde::Deserialize as _;
 use serde_json::{Value, json};
+use tonic::Code;
 
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 
@@ -572,7 +576,7 @@ async fn scripts_run_only_from_inside_the_workspace_root() {
         "dir.py".to_owned(),
     ] {
         let err = run(path.clone()).await.unwrap_err();
-        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{path}");
+        assert_eq!(err.code(), Code::InvalidArgument, "{path}");
         assert!(
             err.message()
                 .contains("not a file inside the workspace root"),
@@ -581,7 +585,7 @@ async fn scripts_run_only_from_inside_the_workspace_root() {
         );
     }
     let err = run("huge.py".into()).await.unwrap_err();
-    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert_eq!(err.code(), Code::InvalidArgument);
     assert!(
         err.message().contains("5242880 bytes") && err.message().contains("at most 4194304"),
         "{}",
@@ -679,11 +683,10 @@ async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist(
         })
         .await
         .unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
-    assert!(
-        refused.message().contains("not in the gateway's allowlist"),
-        "{}",
-        refused.message()
+    assert_status(
+        &refused,
+        Code::PermissionDenied,
+        "not in the gateway's allowlist",
     );
 
     // A stdio upstream starts with a clean environment: none of the gateway's (its secret, its
@@ -698,12 +701,7 @@ async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist(
         .unwrap()
         .into_inner();
     let names: Value = serde_json::from_str(&env.result_json).unwrap();
-    let names: BTreeSet<&str> = names["result"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
+    let names = BTreeSet::<&str>::deserialize(&names["result"]).unwrap();
     assert!(
         names.contains("PATH") && names.contains("UPSTREAM_GREETING"),
         "{names:?}"
@@ -732,11 +730,8 @@ async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist(
     }
     let again = gateway.call_tool(shout("two")).await.unwrap().into_inner();
     assert_eq!(again.result_json, r#"{"result":"TWO"}"#);
-    let servers: BTreeSet<&str> = replies[2]["structured"]["tools"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["server"].as_str().unwrap())
+    let servers: BTreeSet<&str> = strings_of(&replies[2]["structured"]["tools"], "server")
+        .into_iter()
         .collect();
     assert_eq!(servers, BTreeSet::from(["echo_stdio"]));
     fleet.terminate().await;
@@ -866,12 +861,7 @@ async fn a_blackholed_upstream_times_out_without_stalling_the_others() {
     );
     let (black, black_took) = black;
     let error = black.unwrap_err();
-    assert_eq!(error.code(), tonic::Code::Unavailable);
-    assert!(
-        error.message().contains("no session within 3 s"),
-        "{}",
-        error.message()
-    );
+    assert_status(&error, Code::Unavailable, "no session within 3 s");
     assert!(
         black_took < std::time::Duration::from_secs(8),
         "{black_took:?}"

@@ -6,11 +6,10 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::peers::mcp_client;
+use nomad_integration_tests::text_call;
 use nomad_integration_tests::{Fleet, FleetOptions};
 use nomad_proto::v1::scheduler_client::SchedulerClient;
-use nomad_proto::v1::{
-    CallToolRequest, CallToolResponse, ToolInput, call_tool_stream_event, tool_input, tool_output,
-};
+use nomad_proto::v1::{CallToolRequest, CallToolResponse, call_tool_stream_event, tool_output};
 use nomad_rpc::Channel;
 use serde_json::json;
 
@@ -23,13 +22,11 @@ fn tools(max_running: u32, max_devices: u32) -> String {
 }
 
 fn request(prompt: &str, max_tokens: u32) -> CallToolRequest {
-    CallToolRequest {
-        tool: "generate".into(),
-        input: Some(ToolInput {
-            value: Some(tool_input::Value::Text(prompt.into())),
-            options_json: json!({ "max_tokens": max_tokens }).to_string(),
-        }),
-    }
+    text_call(
+        "generate",
+        prompt,
+        json!({ "max_tokens": max_tokens }).to_string(),
+    )
 }
 
 fn answer(reply: &CallToolResponse) -> String {
@@ -52,14 +49,14 @@ async fn call(
 }
 
 const PROMPTS: [&str; 8] = [
-    "Name a colour.",
-    "What is 2 + 2?",
-    "Write one word about the sea.",
-    "Say hello in French.",
-    "List three fruits.",
-    "What day comes after Monday?",
-    "Give me a short greeting.",
-    "Why is the sky blue? Answer in one sentence.",
+    "Name a planet.",
+    "What is 3 + 4?",
+    "Write one word about the mountains.",
+    "Say goodbye in Spanish.",
+    "List two vegetables.",
+    "What month comes after June?",
+    "Give me a short farewell.",
+    "Why do leaves fall in autumn? Answer in one sentence.",
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::TEST_TOKEN;
+use nomad_integration_tests::fleet::{TEST_TOKEN, make_mlp};
 use nomad_integration_tests::peers::mcp_client;
 use nomad_integration_tests::process::{binary, clean, start_fleet, up_command};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 /// A small `mlp` model in `dir` and a config serving it, with quick heartbeats (a restarted
 /// scheduler is found again within a few of them) and `extra` appended.
 fn mlp_config(dir: &Path, extra: &str) -> PathBuf {
-    nomad_integration_tests::fleet::make_mlp(dir, "6,4");
+    make_mlp(dir, "6,4", 0);
     let config = dir.join("nomad.yaml");
     std::fs::write(
         &config,

@@ -7,17 +7,20 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use nomad_integration_tests::assert_status;
 use nomad_integration_tests::fleet::TEST_TOKEN;
 use nomad_integration_tests::model_host::{
     assert_close, described_tools, env_python, host_env, package, reference_toy, run_python,
     toy_entry, toy_weights,
 };
 use nomad_integration_tests::peers::mcp_client;
+use nomad_integration_tests::text_call;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, Service};
 use nomad_proto::v1::{
     CallToolRequest, GetModelCardRequest, ToolInput, ToolState, tool_input, tool_output,
 };
 use serde_json::{Value, json};
+use tonic::Code;
 
 /// A cold environment with torch and its CUDA libraries takes minutes with pip.
 const DESCRIBED_WITHIN: Duration = Duration::from_secs(1200);
@@ -45,6 +48,15 @@ fn json_input(arguments: &Value) -> ToolInput {
         value: Some(tool_input::Value::Json(arguments.to_string())),
         options_json: String::new(),
     }
+}
+
+/// Every call of `tool` on `arguments` at once, answered in their order.
+async fn call_all(
+    fleet: &Fleet,
+    tool: &str,
+    arguments: &[Value],
+) -> Vec<Result<(Value, u32), tonic::Status>> {
+    futures::future::join_all(arguments.iter().map(|a| call(fleet, tool, a.clone()))).await
 }
 
 async fn call(fleet: &Fleet, tool: &str, arguments: Value) -> Result<(Value, u32), tonic::Status> {
@@ -190,12 +202,7 @@ async fn a_python_models_faults_are_contained_and_named() {
     let oom_inputs: Vec<Value> = (0..8)
         .map(|i| json!({"values": [77.0, i as f64, 0.0, 0.0]}))
         .collect();
-    let answers = futures::future::join_all(
-        oom_inputs
-            .iter()
-            .map(|a| call(&fleet, "ToySurrogate", a.clone())),
-    )
-    .await;
+    let answers = call_all(&fleet, "ToySurrogate", &oom_inputs).await;
     let expected = reference_toy(&weights, &oom_inputs);
     for (i, (answer, want)) in answers.into_iter().zip(&expected).enumerate() {
         let (output, batch) = answer.unwrap_or_else(|e| panic!("call {i}: {e}"));
@@ -224,19 +231,12 @@ async fn a_python_models_faults_are_contained_and_named() {
         json!({"values": [1.0, 2.0, 3.0, 4.0]}),
         json!({"values": [0.5, 0.5, 0.5, 0.5], "steps": 3}),
     ];
-    let answers = futures::future::join_all(
-        mixed
-            .iter()
-            .map(|a| call(&fleet, "ToySurrogate", a.clone())),
-    )
-    .await;
+    let answers = call_all(&fleet, "ToySurrogate", &mixed).await;
     let failed = answers[0].as_ref().unwrap_err();
-    assert_eq!(failed.code(), tonic::Code::Internal, "{failed:?}");
-    assert!(
-        failed
-            .message()
-            .contains("ValueError: the value -99 is out of this model's domain"),
-        "{failed:?}"
+    assert_status(
+        failed,
+        Code::Internal,
+        "ValueError: the value -99 is out of this model's domain",
     );
     let expected = reference_toy(&weights, &mixed[1..]);
     for (answer, want) in answers[1..].iter().zip(&expected) {
@@ -247,23 +247,16 @@ async fn a_python_models_faults_are_contained_and_named() {
     let bad = call(&fleet, "ToySurrogate", json!({"values": [1.0]}))
         .await
         .unwrap_err();
-    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
-    assert!(
-        bad.message()
-            .contains("values: List should have at least 4 items"),
-        "{bad:?}"
+    assert_status(
+        &bad,
+        Code::InvalidArgument,
+        "values: List should have at least 4 items",
     );
     let text = client
-        .call_tool(CallToolRequest {
-            tool: "ToySurrogate".into(),
-            input: Some(ToolInput {
-                value: Some(tool_input::Value::Text("hello".into())),
-                options_json: String::new(),
-            }),
-        })
+        .call_tool(text_call("ToySurrogate", "hello", ""))
         .await
         .unwrap_err();
-    assert_eq!(text.code(), tonic::Code::InvalidArgument);
+    assert_eq!(text.code(), Code::InvalidArgument);
     assert!(
         text.message().contains(
             "\"ToySurrogate\": a Python model takes a JSON object of arguments (`json`), as its \
@@ -291,12 +284,10 @@ async fn a_python_models_faults_are_contained_and_named() {
     )
     .await
     .unwrap_err();
-    assert_eq!(dies.code(), tonic::Code::Internal, "{dies:?}");
-    assert!(
-        dies.message().contains(
-            "the model host exited (exit code 3) under this batch, and again (exit code 3)"
-        ),
-        "{dies:?}"
+    assert_status(
+        &dies,
+        Code::Internal,
+        "the model host exited (exit code 3) under this batch, and again (exit code 3)",
     );
     // And the tool serves on, from a fresh host.
     let after = json!({"values": [0.25, 0.5, 0.75, 1.0], "steps": 2});
@@ -433,12 +424,7 @@ async fn a_real_cuda_out_of_memory_in_a_python_model_halves_the_batch() {
     let inputs: Vec<Value> = (0..8)
         .map(|i| json!({"values": [88.0, i as f64, 0.0, 1.0]}))
         .collect();
-    let answers = futures::future::join_all(
-        inputs
-            .iter()
-            .map(|a| call(&fleet, "ToySurrogate", a.clone())),
-    )
-    .await;
+    let answers = call_all(&fleet, "ToySurrogate", &inputs).await;
     let expected = reference_toy(&weights, &inputs);
     let mut sizes = Vec::new();
     for (i, (answer, want)) in answers.into_iter().zip(&expected).enumerate() {
@@ -556,10 +542,10 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
     let refused = call(&fleet, "broken", json!({"values": [1, 2, 3, 4]}))
         .await
         .unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
-    assert!(
-        refused.message().contains("nomad-test-no-such-package"),
-        "{refused:?}"
+    assert_status(
+        &refused,
+        Code::FailedPrecondition,
+        "nomad-test-no-such-package",
     );
     // Through the gateway, the tool that cannot serve is named as such, never as unknown: as a
     // direct MCP tool (a failed call with its code) and as an import in sandboxed code.
@@ -619,9 +605,7 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
     let signals: Vec<Value> = (0..6)
         .map(|i| json!({"signal": (0..8).map(|k| ((i * 3 + k) % 5) as f64 - 2.0).collect::<Vec<_>>()}))
         .collect();
-    let answers =
-        futures::future::join_all(signals.iter().map(|s| call(&fleet, "spectrum", s.clone())))
-            .await;
+    let answers = call_all(&fleet, "spectrum", &signals).await;
     const SPECTRUM: &str = "import json, sys\nimport numpy as np\n\
         window = np.array(json.loads(sys.argv[1]))\n\
         signals = json.loads(sys.stdin.read())\n\
@@ -642,10 +626,10 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
         .unwrap_err();
     // Its JSON Schema's bounds are checked by the host before the model sees the item (this
     // environment has no pydantic): the schema's own words, not the model's.
-    assert_eq!(short.code(), tonic::Code::InvalidArgument);
-    assert!(
-        short.message().contains("signal: at least 8 items, got 2"),
-        "{short:?}"
+    assert_status(
+        &short,
+        Code::InvalidArgument,
+        "signal: at least 8 items, got 2",
     );
     let extra = call(
         &fleet,
@@ -654,12 +638,10 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
     )
     .await
     .unwrap_err();
-    assert_eq!(extra.code(), tonic::Code::InvalidArgument);
-    assert!(
-        extra
-            .message()
-            .contains("gain: Extra inputs are not permitted"),
-        "{extra:?}"
+    assert_status(
+        &extra,
+        Code::InvalidArgument,
+        "gain: Extra inputs are not permitted",
     );
 
     // Plain callables: one from the model's environment, one beside the config file.
@@ -703,8 +685,7 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
         "the worker's other variables reach the model"
     );
     let missing = call(&fleet, "greet", json!({})).await.unwrap_err();
-    assert_eq!(missing.code(), tonic::Code::InvalidArgument);
-    assert!(missing.message().contains("name"), "{missing:?}");
+    assert_status(&missing, Code::InvalidArgument, "name");
     // A callable has no model directory, so no model card.
     let card = client
         .get_model_card(GetModelCardRequest { tool: "dot".into() })

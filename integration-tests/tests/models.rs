@@ -2,12 +2,14 @@
 //! compared with the same worker called directly.
 
 use nomad_integration_tests::fleet::models_dir;
+use nomad_integration_tests::text_input;
 use nomad_integration_tests::{Fleet, FleetOptions};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::{
     ExecuteBatchRequest, GatewayCallToolRequest, PlaceRequest, ToolInput, execute_batch_response,
-    item_result, tool_input, tool_output,
+    item_result, tool_output,
 };
+use serde::Deserialize as _;
 use serde_json::{Value, json};
 
 /// Runs one input on the worker directly (the scheduler has already loaded the tool there).
@@ -40,10 +42,7 @@ async fn worker_alone(fleet: &Fleet, tool: &str, input: ToolInput) -> tool_outpu
 }
 
 fn text(s: &str, options: Value) -> ToolInput {
-    ToolInput {
-        value: Some(tool_input::Value::Text(s.into())),
-        options_json: options.to_string(),
-    }
+    text_input(s, options.to_string())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,12 +91,7 @@ async fn embed_and_generate_through_the_fleet_equal_the_worker_alone() {
             .result_json,
     )
     .unwrap();
-    let through: Vec<f32> = full["output"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap() as f32)
-        .collect();
+    let through = Vec::<f32>::deserialize(&full["output"]).unwrap();
 
     let tool_output::Value::Tensor(alone) =
         worker_alone(&fleet, "embed", text(sentence, json!({}))).await
@@ -109,12 +103,7 @@ async fn embed_and_generate_through_the_fleet_equal_the_worker_alone() {
     assert_eq!(through, alone, "the fleet changed the embedding");
     // The head's result summarises long outputs: first values and the norm.
     let summary = result("e")["output"].clone();
-    let first: Vec<f32> = summary["output"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap() as f32)
-        .collect();
+    let first = Vec::<f32>::deserialize(&summary["output"]).unwrap();
     assert_eq!(first, alone[..8]);
     assert!((summary["l2_norm"].as_f64().unwrap() - 1.0).abs() < 1e-5);
 

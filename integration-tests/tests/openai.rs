@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use nomad_integration_tests::fleet::{TEST_TOKEN, models_dir};
 use nomad_integration_tests::peers::run_script;
+use nomad_integration_tests::text_call;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
-use nomad_proto::v1::{CallToolRequest, ToolInput, tool_input, tool_output};
+use nomad_proto::v1::tool_output;
 use serde_json::{Value, json};
 
 const TRACE_ID: &str = "6bf92f3577b34da6a3ce929d0e0e4736";
@@ -35,13 +36,7 @@ async fn tool(
 ) -> nomad_proto::v1::CallToolResponse {
     let mut client = fleet.scheduler_client().await;
     client
-        .call_tool(CallToolRequest {
-            tool: tool.into(),
-            input: Some(ToolInput {
-                value: Some(tool_input::Value::Text(text.into())),
-                options_json: options.to_string(),
-            }),
-        })
+        .call_tool(text_call(tool, text, options.to_string()))
         .await
         .unwrap()
         .into_inner()

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use nomad_integration_tests::Fleet;
 use nomad_integration_tests::fleet::nomad_up;
 use nomad_integration_tests::process::{clean, succeeded};
+use nomad_integration_tests::unique_run_id;
 use serde_json::Value;
 
 async fn get(url: &str) -> Value {
@@ -60,10 +61,7 @@ async fn wait_for(what: &str, timeout: Duration, mut check: impl AsyncFnMut() ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     let dir = Fleet::new_dir();
-    let run_id = format!(
-        "it-prom-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
+    let run_id = unique_run_id("it-prom");
     let (mut up, fleet_path) = nomad_up(&dir, &run_id).await;
     let fleet: Value =
         serde_json::from_str(&std::fs::read_to_string(&fleet_path).unwrap()).unwrap();

@@ -6,11 +6,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use futures::StreamExt as _;
+use nomad_integration_tests::assert_status;
 use nomad_integration_tests::fleet::mlp_tasks;
 use nomad_integration_tests::receiver::{assert_drained, scheduler_value};
 use nomad_integration_tests::spans::{check_batch_links, check_rollout_traces};
+use nomad_integration_tests::text_call;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
-use nomad_proto::v1::{CallToolRequest, ToolInput, tool_input};
+use tonic::Code;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_rollouts_at_concurrency_64_are_whole_traces_after_sigterm() {
@@ -77,22 +79,14 @@ async fn ten_thousand_cancelled_requests_leave_the_books_balanced_and_the_queues
         .map(|(i, (after_ms, by_deadline))| {
             let mut client = client.clone();
             async move {
-                let mut request = tonic::Request::new(CallToolRequest {
-                    tool: "t".into(),
-                    input: Some(ToolInput {
-                        value: Some(tool_input::Value::Text(format!("r{i}"))),
-                        options_json: String::new(),
-                    }),
-                });
+                let mut request = tonic::Request::new(text_call("t", format!("r{i}"), ""));
                 let limit = Duration::from_millis(after_ms + 1);
                 if by_deadline {
                     request.set_timeout(limit);
                     match client.call_tool(request).await {
                         Ok(_) => "ok".to_owned(),
-                        Err(s) if s.code() == tonic::Code::DeadlineExceeded => {
-                            "abandoned".to_owned()
-                        }
-                        Err(s) if s.code() == tonic::Code::Cancelled => "abandoned".to_owned(),
+                        Err(s) if s.code() == Code::DeadlineExceeded => "abandoned".to_owned(),
+                        Err(s) if s.code() == Code::Cancelled => "abandoned".to_owned(),
                         Err(s) => format!("error {:?}: {}", s.code(), s.message()),
                     }
                 } else {
@@ -190,13 +184,12 @@ async fn a_restarted_scheduler_gets_its_workers_and_gateway_back_and_a_call_wait
     // not sent again).
     let (reply, _) = call(gateway.clone()).await;
     let status = reply.expect_err("no scheduler, no answer");
-    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
-    assert!(status.message().contains("scheduler"), "{status:?}");
+    assert_status(&status, Code::Unavailable, "scheduler");
     // No scheduler for longer than the wait: UNAVAILABLE once the wait is over, naming it.
     for _ in 0..2 {
         let (reply, took) = call(gateway.clone()).await;
         let status = reply.expect_err("no scheduler, no answer");
-        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
         assert!(
             status
                 .message()
@@ -255,17 +248,11 @@ async fn an_oversized_request_is_resource_exhausted_naming_the_limit() {
         })
         .await;
     let to_scheduler = SchedulerClient::new(channel(&fleet.scheduler_addr))
-        .call_tool(CallToolRequest {
-            tool: "mlp".into(),
-            input: Some(ToolInput {
-                value: Some(tool_input::Value::Text(big)),
-                options_json: String::new(),
-            }),
-        })
+        .call_tool(text_call("mlp", big, ""))
         .await;
     for status in [to_gateway.map(|_| ()), to_scheduler.map(|_| ())] {
         let status = status.expect_err("5 MiB is over the limit");
-        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
         assert!(
             status.message().contains("4194304-byte limit") && status.message().contains("smaller"),
             "{}",

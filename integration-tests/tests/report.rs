@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::process::clean;
 use nomad_integration_tests::spans::from_console;
+use nomad_integration_tests::strings_of;
+use nomad_integration_tests::unique_run_id;
 use nomad_integration_tests::{Fleet, read_jsonl};
 use serde_json::Value;
 
@@ -39,10 +41,7 @@ async fn chromium(page: &Path, args: &[String]) -> (String, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
     let dir = Fleet::new_dir();
-    let run_id = format!(
-        "it-report-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
+    let run_id = unique_run_id("it-report");
     let up = clean("nomad")
         .args(["up", "--demo", "--runs-dir"])
         .arg(dir.join("runs"))
@@ -141,12 +140,7 @@ async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
         summary["rollouts_per_second"].as_f64().unwrap() > 0.0,
         "{summary}"
     );
-    let listed: Vec<&str> = summary["not_passed"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| n["task_id"].as_str().unwrap())
-        .collect();
+    let listed = strings_of(&summary["not_passed"], "task_id");
     let not_passed: Vec<&str> = results
         .iter()
         .filter(|r| r["status"] != "ok" || r["passed"] == false)
@@ -184,12 +178,7 @@ async fn the_demo_report_opens_offline_and_plots_what_the_run_did() {
             "expected kept where nothing failed: {r}"
         );
     }
-    let tools: Vec<&str> = summary["tools"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["tool"].as_str().unwrap())
-        .collect();
+    let tools = strings_of(&summary["tools"], "tool");
     assert!(
         tools.contains(&"generate") && tools.contains(&"embed"),
         "{tools:?}"

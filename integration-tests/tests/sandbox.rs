@@ -14,6 +14,7 @@ use nomad_integration_tests::users::{
     RUNNER, RunAs, TEST_GROUP, descendants_running, gateway_users, group_id, sandbox_runs,
 };
 use nomad_proto::v1::{ExecuteCodeRequest, GatewayStatusRequest};
+use serde::Deserialize as _;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_code_meets_the_specific_denial_and_the_gateway_keeps_serving() {
@@ -304,8 +305,7 @@ async fn disk_files_and_cleanup_are_bounded() {
                 .all(|p| !p.to_string_lossy().contains("deep")),
             "{who}"
         );
-        gateway.still_serving("the locked workspace").await;
-        gateway.stop().await;
+        gateway.finish("the locked workspace").await;
     }
 }
 
@@ -511,12 +511,7 @@ async fn a_run_has_a_budget_of_bridge_calls() {
              out.append('ok')\n    except Exception as e:\n        out.append(str(e))\nRESULT = out",
         )
         .await;
-    let seen: Vec<&str> = seen
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
+    let seen = Vec::<&str>::deserialize(&seen).unwrap();
     assert_eq!(&seen[..5], ["ok"; 5]);
     for refused in &seen[5..] {
         assert!(
@@ -524,8 +519,7 @@ async fn a_run_has_a_budget_of_bridge_calls() {
             "{refused}"
         );
     }
-    gateway.still_serving("the call budget").await;
-    gateway.stop().await;
+    gateway.finish("the call budget").await;
 }
 
 /// An exception's text is bounded as stderr is: a 6 MiB message comes back cut, naming its
@@ -548,8 +542,7 @@ async fn a_huge_exception_message_is_cut_like_stderr() {
             run_as.label,
             &reply.error[reply.error.len().saturating_sub(300)..]
         );
-        gateway.still_serving("a huge exception").await;
-        gateway.stop().await;
+        gateway.finish("a huge exception").await;
     }
 }
 
@@ -612,8 +605,7 @@ async fn what_a_run_sends_is_bounded_before_the_gateway_holds_it() {
             grown_mib < 48,
             "{label}: the gateway's peak memory grew {grown_mib} MiB"
         );
-        gateway.still_serving("oversized frames").await;
-        gateway.stop().await;
+        gateway.finish("oversized frames").await;
     }
 }
 
@@ -666,8 +658,7 @@ RESULT = 'survived'
         } else {
             assert!(log.contains("a cgroup per run"), "{label}: {log}");
         }
-        gateway.still_serving("a run over its memory").await;
-        gateway.stop().await;
+        gateway.finish("a run over its memory").await;
     }
 }
 
@@ -781,8 +772,7 @@ RESULT = {
             "{}: {looked}",
             label
         );
-        gateway.still_serving("forked runs").await;
-        gateway.stop().await;
+        gateway.finish("forked runs").await;
     }
 }
 

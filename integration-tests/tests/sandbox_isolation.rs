@@ -174,8 +174,7 @@ RESULT = {
         assert_eq!(after["xattrs"], serde_json::json!([]), "{who}: {after}");
         assert_eq!(after["planted"], false, "{who}: {after}");
         assert_eq!(after["forked"], start == Start::Forked, "{who}: {after}");
-        gateway.still_serving("the attempts on the view").await;
-        gateway.stop().await;
+        gateway.finish("the attempts on the view").await;
     }
 }
 
@@ -240,8 +239,7 @@ async fn a_run_holds_no_memory_it_is_not_counted_for() {
         } else {
             assert!(log.contains("a cgroup per run"), "{who}: {log}");
         }
-        gateway.still_serving("memory in files").await;
-        gateway.stop().await;
+        gateway.finish("memory in files").await;
     }
 }
 

@@ -5,11 +5,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use futures::StreamExt as _;
+use nomad_integration_tests::assert_status;
 use nomad_integration_tests::receiver::{MetricRecord, assert_drained, scheduler_value};
+use nomad_integration_tests::text_input;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
 use nomad_proto::v1::scheduler_client::SchedulerClient;
-use nomad_proto::v1::{CallToolRequest, ToolInput, tool_input, tool_output};
+use nomad_proto::v1::{CallToolRequest, ToolInput, tool_output};
 use nomad_rpc::Channel;
+use tonic::Code;
 
 /// The model-serving metric table of the original Nomad (name, type, unit): the contract.
 const CONTRACT: &[(&str, &str, &str)] = &[
@@ -47,10 +50,7 @@ const CONTRACT: &[(&str, &str, &str)] = &[
 ];
 
 fn text(s: &str) -> ToolInput {
-    ToolInput {
-        value: Some(tool_input::Value::Text(s.to_owned())),
-        options_json: String::new(),
-    }
+    text_input(s, "")
 }
 
 async fn call(
@@ -135,11 +135,7 @@ async fn every_model_serving_metric_is_exported_with_its_type_unit_and_attribute
         .collect();
     tokio::time::sleep(Duration::from_millis(50)).await;
     let refused = call(&client, "b", text("b-5"), None).await.unwrap_err();
-    assert_eq!(
-        refused.code(),
-        tonic::Code::ResourceExhausted,
-        "{refused:?}"
-    );
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert!(
         refused.message().contains("max_pending"),
         "{}",
@@ -152,19 +148,13 @@ async fn every_model_serving_metric_is_exported_with_its_type_unit_and_attribute
 
     // 3. An unknown tool is refused at once, naming the tools there are.
     let unknown = call(&client, "nope", text("x"), None).await.unwrap_err();
-    assert_eq!(unknown.code(), tonic::Code::NotFound);
-    assert!(unknown.message().contains("a, b"), "{}", unknown.message());
+    assert_status(&unknown, Code::NotFound, "a, b");
 
     // 4. An input the model refuses fails that request only.
     let invalid = call(&client, "a", ToolInput::default(), None)
         .await
         .unwrap_err();
-    assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
-    assert!(
-        invalid.message().contains("empty input"),
-        "{}",
-        invalid.message()
-    );
+    assert_status(&invalid, Code::InvalidArgument, "empty input");
 
     // 5. A caller that gives up while queued cancels its request.
     let busy = tokio::spawn({
@@ -177,10 +167,7 @@ async fn every_model_serving_metric_is_exported_with_its_type_unit_and_attribute
         .unwrap_err();
     // The server enforces grpc-timeout too, so either side may report it first.
     assert!(
-        matches!(
-            gave_up.code(),
-            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
-        ),
+        matches!(gave_up.code(), Code::DeadlineExceeded | Code::Cancelled),
         "{gave_up:?}"
     );
     busy.await.unwrap().unwrap();
@@ -483,7 +470,7 @@ async fn an_input_that_kills_workers_fails_alone_while_its_seven_neighbours_are_
     for (input, answer) in inputs.iter().zip(&answers) {
         if input == "poison" {
             let status = answer.as_ref().expect_err("the poison input was served");
-            assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
+            assert_eq!(status.code(), Code::Unavailable, "{status}");
             assert!(
                 status
                     .message()

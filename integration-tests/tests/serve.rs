@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{TEST_TOKEN, rpc_channel};
+use nomad_integration_tests::fleet::{TEST_TOKEN, make_mlp, rpc_channel};
 use nomad_integration_tests::model_host::{
     assert_close, host_env, reference_toy, toy_entry, toy_weights,
 };
@@ -19,13 +19,7 @@ use serde_json::{Value, json};
 /// A config of three kinds of tool: a built-in `mlp`, the original's TorchModuleTool, and a
 /// plain callable beside the config file.
 fn config(dir: &Path) -> PathBuf {
-    let mlp = dir.join("mlp");
-    let made = std::process::Command::new(binary("nomad-device-worker"))
-        .args(["make-mlp", "--layers", "6,16,4", "--seed", "7", "--out"])
-        .arg(&mlp)
-        .status()
-        .unwrap();
-    assert!(made.success());
+    let mlp = make_mlp(dir, "6,16,4", 7);
     std::fs::write(
         dir.join("helpers.py"),
         "def double(x: float) -> float:\n    \"\"\"Doubles x.\"\"\"\n    return 2 * x\n",

@@ -1,7 +1,9 @@
 //! The serving path's behaviour at its edges: bad task inputs, health and reflection.
 
+use nomad_integration_tests::assert_status;
 use nomad_integration_tests::{Fleet, FleetOptions};
 use serde_json::json;
+use tonic::Code;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_task_inputs_fail_their_own_rollout_with_a_clear_message() {
@@ -128,8 +130,7 @@ async fn head_server_starts_runs_and_reports_them() {
         })
         .await
         .unwrap_err();
-    assert_eq!(err.code(), tonic::Code::InvalidArgument);
-    assert!(err.message().contains("tasks_json[3]"), "{}", err.message());
+    assert_status(&err, Code::InvalidArgument, "tasks_json[3]");
 
     // Bounds: tasks per run (counted before any is parsed) and concurrency.
     for (tasks_json, concurrency, limit) in [
@@ -143,7 +144,7 @@ async fn head_server_starts_runs_and_reports_them() {
             })
             .await
             .unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{limit}");
+        assert_eq!(refused.code(), Code::ResourceExhausted, "{limit}");
         assert!(refused.message().contains(limit), "{}", refused.message());
     }
 
@@ -194,6 +195,6 @@ async fn head_server_starts_runs_and_reports_them() {
         })
         .await
         .unwrap_err();
-    assert_eq!(missing.code(), tonic::Code::NotFound);
+    assert_eq!(missing.code(), Code::NotFound);
     fleet.terminate().await;
 }

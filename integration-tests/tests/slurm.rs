@@ -4,7 +4,7 @@
 //! a user would: the exit status, results.jsonl, the collector's otel/*.jsonl, job.out.
 
 use std::collections::BTreeSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::Duration;
 
@@ -47,6 +47,15 @@ async fn submit(dir: &Path, args: &[&str]) -> Output {
         .output()
         .await
         .unwrap()
+}
+
+/// Submits a job that must be accepted: its output, its job id and its run directory.
+async fn accepted(dir: &Path, args: &[&str]) -> (Output, String, PathBuf) {
+    let out = submit(dir, args).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let job = job_id(&out);
+    let run_dir = dir.join("runs").join(&job);
+    (out, job, run_dir)
 }
 
 fn spans(run_dir: &Path) -> Vec<SpanRecord> {
@@ -106,10 +115,7 @@ fn processes_naming(needle: &str) -> Vec<String> {
 async fn a_demo_job_on_two_nodes_is_one_trace_per_rollout_from_all_four_services() {
     let _cluster = CLUSTER.lock().await;
     let dir = Fleet::new_dir();
-    let out = submit(&dir, &["--nodes", "2", "--demo", "--wait"]).await;
-    assert!(out.status.success(), "{}", text(&out));
-    let job = job_id(&out);
-    let run_dir = dir.join("runs").join(&job);
+    let (out, job, run_dir) = accepted(&dir, &["--nodes", "2", "--demo", "--wait"]).await;
 
     let script = std::fs::read_to_string(run_dir.join("job.sbatch")).unwrap();
     assert!(script.contains("#SBATCH --nodes=2"), "{script}");
@@ -187,10 +193,7 @@ async fn a_demo_job_on_two_nodes_is_one_trace_per_rollout_from_all_four_services
 async fn a_worker_step_killed_mid_run_is_started_again_and_loses_no_request() {
     let _cluster = CLUSTER.lock().await;
     let dir = Fleet::new_dir();
-    let submitted = submit(&dir, &["--nodes", "2", "--demo", "--concurrency", "4"]).await;
-    assert!(submitted.status.success(), "{}", text(&submitted));
-    let job = job_id(&submitted);
-    let run_dir = dir.join("runs").join(&job);
+    let (_, job, run_dir) = accepted(&dir, &["--nodes", "2", "--demo", "--concurrency", "4"]).await;
     let results_path = run_dir.join("results.jsonl");
     wait_until("the first result", Duration::from_secs(180), || {
         !read_jsonl(&results_path).is_empty()
@@ -239,10 +242,7 @@ async fn a_worker_step_killed_mid_run_is_started_again_and_loses_no_request() {
 async fn scancel_stops_every_step_and_the_collector_keeps_what_was_flushed() {
     let _cluster = CLUSTER.lock().await;
     let dir = Fleet::new_dir();
-    let submitted = submit(&dir, &["--nodes", "2", "--demo", "--concurrency", "2"]).await;
-    assert!(submitted.status.success(), "{}", text(&submitted));
-    let job = job_id(&submitted);
-    let run_dir = dir.join("runs").join(&job);
+    let (_, job, run_dir) = accepted(&dir, &["--nodes", "2", "--demo", "--concurrency", "2"]).await;
     let results_path = run_dir.join("results.jsonl");
     wait_until("two results", Duration::from_secs(180), || {
         read_jsonl(&results_path).len() >= 2

@@ -12,8 +12,11 @@ use std::time::Duration;
 use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::hub::{HubDouble, read_with_huggingface_hub};
 use nomad_integration_tests::model_host::described_tools;
-use nomad_integration_tests::process::{binary, start_fleet, succeeded_blocking, up_command};
+use nomad_integration_tests::process::{
+    binary, refused_saying, start_fleet, succeeded, succeeded_blocking, up_command,
+};
 use nomad_integration_tests::registry::Registry;
+use nomad_integration_tests::text_call;
 use nomad_integration_tests::{Fleet, FleetOptions};
 use nomad_proto::v1::{CallToolRequest, ToolInput, ToolState, tool_input, tool_output};
 use serde_json::{Value, json};
@@ -101,13 +104,7 @@ async fn embeddings(fleet: &Fleet, tool: &str) -> Vec<Vec<f32>> {
     let mut out = Vec::new();
     for sentence in SENTENCES {
         let reply = client
-            .call_tool(CallToolRequest {
-                tool: tool.into(),
-                input: Some(ToolInput {
-                    value: Some(tool_input::Value::Text(sentence.into())),
-                    options_json: String::new(),
-                }),
-            })
+            .call_tool(text_call(tool, sentence, ""))
             .await
             .unwrap_or_else(|e| panic!("{tool}: {e}"))
             .into_inner();
@@ -259,15 +256,16 @@ async fn models_from_a_registry_answer_as_their_files_and_start_again_without_th
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn export(config: &Path, out: &Path, args: &[&str]) -> std::process::Output {
-    std::process::Command::new(binary("nomad"))
+/// `nomad export <config> <out> <args>`, with a cache of its own beside `out`.
+fn export(config: &Path, out: &Path, args: &[&str]) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(binary("nomad"));
+    command
         .arg("export")
         .arg(config)
         .arg(out)
         .args(args)
-        .env("NOMAD_CACHE_DIR", out.with_extension("cache"))
-        .output()
-        .unwrap()
+        .env("NOMAD_CACHE_DIR", out.with_extension("cache"));
+    command
 }
 
 /// Every file under `dir`, by relative path, with its bytes.
@@ -317,42 +315,25 @@ async fn nomad_export_pushes_every_model_and_its_pinned_config_serves_the_same_a
 
     // Bad input first: each refused naming what to do.
     let out = dir.join("exported");
-    let refused = export(&config, &out, &["--to", "oras"]);
-    assert!(!refused.status.success());
-    assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("--to oras needs --oras-registry"),
-        "{}",
-        String::from_utf8_lossy(&refused.stderr)
-    );
-    let refused = export(
-        &config,
-        &out,
-        &[
-            "--to",
-            "oras",
-            "--oras-registry",
-            &format!("{addr}/Exported"),
-        ],
-    );
-    assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("is not an OCI repository name"),
-        "{}",
-        String::from_utf8_lossy(&refused.stderr)
-    );
+    let oras = ["--to", "oras", "--oras-registry"];
+    refused_saying(
+        &mut export(&config, &out, &oras[..2]),
+        &["--to oras needs --oras-registry"],
+    )
+    .await;
+    refused_saying(
+        export(&config, &out, &oras).arg(format!("{addr}/Exported")),
+        &["is not an OCI repository name"],
+    )
+    .await;
 
-    let exported = export(
-        &config,
-        &out,
-        &[
-            "--to",
-            "oras",
-            "--oras-registry",
-            &format!("{addr}/exported"),
-            "--pin",
-        ],
-    );
+    let exported = succeeded(
+        export(&config, &out, &oras)
+            .arg(format!("{addr}/exported"))
+            .arg("--pin"),
+    )
+    .await;
     let said = String::from_utf8_lossy(&exported.stderr);
-    assert!(exported.status.success(), "{said}");
     assert!(said.contains("pushing to oras://"), "{said}");
     let written = std::fs::read_to_string(out.join("nomad.yml")).unwrap();
     let pinned: Vec<&str> = written
@@ -426,12 +407,7 @@ async fn nomad_export_pushes_every_model_and_its_pinned_config_serves_the_same_a
 
     // To a directory: every file copied, the config naming it relative to itself.
     let on_disk = dir.join("on-disk");
-    let copied = export(&config, &on_disk, &["--to", "dir"]);
-    assert!(
-        copied.status.success(),
-        "{}",
-        String::from_utf8_lossy(&copied.stderr)
-    );
+    succeeded(&mut export(&config, &on_disk, &["--to", "dir"])).await;
     let written = std::fs::read_to_string(on_disk.join("nomad.yml")).unwrap();
     assert!(
         written.contains("source: models/embed") && written.contains("name_or_path: models/scale"),

@@ -8,6 +8,7 @@ use nomad_integration_tests::process::binary;
 use nomad_integration_tests::reference::mlp_forward;
 use nomad_integration_tests::spans::{check_batch_links, check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, FleetOptions, HeadRun, OtlpReceiver, Service, SpanRecord};
+use serde::Deserialize as _;
 use serde_json::Value;
 
 /// Every rollout succeeded and returned what an independent forward pass of the model gives.
@@ -20,19 +21,9 @@ fn assert_outputs_match_the_model(fleet: &Fleet, tasks: &[Value], run: &HeadRun)
             .iter()
             .find(|t| t["id"] == result["task_id"])
             .expect("result for a known task");
-        let input: Vec<f32> = task["arguments"]["input"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
+        let input = Vec::<f32>::deserialize(&task["arguments"]["input"]).unwrap();
         let want = mlp_forward(&fleet.model_dir, &input);
-        let got: Vec<f32> = result["output"]["output"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
+        let got = Vec::<f32>::deserialize(&result["output"]["output"]).unwrap();
         assert_eq!(got.len(), want.len());
         for (g, w) in got.iter().zip(&want) {
             assert!(

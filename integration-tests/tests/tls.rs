@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use nomad_integration_tests::Fleet;
-use nomad_integration_tests::fleet::mlp_tasks;
+use nomad_integration_tests::fleet::{make_mlp, mlp_tasks};
 use nomad_integration_tests::process::{clean, refused_saying, start_fleet, succeeded, up_command};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 
@@ -32,7 +32,7 @@ async fn a_tls_fleet_serves_rollouts_and_refuses_plaintext_and_strangers() {
     let dir = Fleet::new_dir();
     make_certificates(&dir, "fleet");
     make_certificates(&dir, "stranger");
-    nomad_integration_tests::fleet::make_mlp(&dir, "6,4");
+    make_mlp(&dir, "6,4", 0);
     let config = dir.join("nomad.yaml");
     std::fs::write(
         &config,

@@ -8,10 +8,12 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::fleet::{mlp_tasks, models_dir};
+use nomad_integration_tests::fleet::{make_mlp, mlp_tasks, models_dir};
 use nomad_integration_tests::jaeger::JaegerQuery;
-use nomad_integration_tests::process::{binary, clean, start_fleet, up_command};
+use nomad_integration_tests::process::{clean, start_fleet, up_command};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
+use nomad_integration_tests::strings_of;
+use nomad_integration_tests::unique_run_id;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, read_jsonl, wait_until};
 use serde_json::Value;
 
@@ -30,7 +32,7 @@ fn records(dir: &Path, file: &str, signal: &str) -> Vec<Value> {
 
 /// A small `mlp` model in `dir` and a TOML config serving it as the one tool.
 fn mlp_config(dir: &Path) -> PathBuf {
-    nomad_integration_tests::fleet::make_mlp(dir, "6,4");
+    make_mlp(dir, "6,4", 0);
     let config = dir.join("nomad.toml");
     std::fs::write(
         &config,
@@ -108,12 +110,7 @@ fn result_trace_ids(results: &[Value]) -> BTreeSet<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     let dir = Fleet::new_dir();
-    let made = std::process::Command::new(binary("nomad-device-worker"))
-        .args(["make-mlp", "--layers", "6,16,4", "--seed", "3", "--out"])
-        .arg(dir.join("mlp"))
-        .status()
-        .unwrap();
-    assert!(made.success());
+    make_mlp(&dir, "6,16,4", 3);
     let config = dir.join("nomad.yaml");
     // `metrics_enabled: false` is overruled by the user's NOMAD_OTEL_METRICS_ENABLED=true:
     // children that see metrics on prove the user's variable beat the handed-down block.
@@ -129,7 +126,7 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
         ),
     )
     .unwrap();
-    let run_id = format!("it-up-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let run_id = unique_run_id("it-up");
     let runs = dir.join("runs");
     let run_dir = runs.join(&run_id);
     let up_err = dir.join("up.stderr");
@@ -407,12 +404,7 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     assert!(ok, "{stderr}");
     assert_eq!(trace_ids(&rollouts), result_trace_ids(&results));
     let first = &rollouts[0];
-    let services: BTreeSet<&str> = first["spans"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["service"].as_str().unwrap())
-        .collect();
+    let services: BTreeSet<&str> = strings_of(&first["spans"], "service").into_iter().collect();
     assert_eq!(services.len(), 4, "{services:?}");
     let (ok, _, stderr) = nomad_traces(&["no-such-run", "--from", run_dir.to_str().unwrap()]).await;
     assert!(!ok && stderr.contains("no rollouts"), "{stderr}");

@@ -14,19 +14,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::{Fleet, FleetOptions, arg, check_args};
+use nomad_integration_tests::{
+    Fleet, FleetOptions, arg, check_args, count_for, text_call, text_input,
+};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
-use nomad_proto::v1::{
-    CallToolRequest, ExecuteBatchRequest, ToolInput, ToolOutput, tool_input, tool_output,
-};
+use nomad_proto::v1::{ExecuteBatchRequest, ToolInput, ToolOutput, tool_input, tool_output};
 use tonic::transport::Channel;
 
 fn input(i: u64) -> ToolInput {
-    ToolInput {
-        value: Some(tool_input::Value::Text(format!("r{i}"))),
-        options_json: String::new(),
-    }
+    text_input(format!("r{i}"), "")
 }
 
 fn tools(batch_size: u32, max_devices: usize) -> String {
@@ -336,10 +333,7 @@ async fn measure(mut fleet: Fleet, concurrency: usize, seconds: f64) -> (f64, f6
             let mut i = 0;
             while !stop.load(Ordering::Relaxed) {
                 let reply = client
-                    .call_tool(CallToolRequest {
-                        tool: "t".into(),
-                        input: Some(input(i)),
-                    })
+                    .call_tool(text_call("t", format!("r{i}"), ""))
                     .await
                     .expect("call failed")
                     .into_inner();
@@ -351,13 +345,7 @@ async fn measure(mut fleet: Fleet, concurrency: usize, seconds: f64) -> (f64, f6
             }
         }));
     }
-    tokio::time::sleep(Duration::from_secs(1)).await; // warm-up: loads, connections
-    counting.store(true, Ordering::Relaxed);
-    let started = Instant::now();
-    tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
-    counting.store(false, Ordering::Relaxed);
-    let elapsed = started.elapsed().as_secs_f64();
-    stop.store(true, Ordering::Relaxed);
+    let elapsed = count_for(seconds, &counting, &stop).await;
     for t in tasks {
         t.await.unwrap();
     }
@@ -411,10 +399,7 @@ async fn latency(samples: usize) -> Vec<(String, Duration, Duration)> {
     // Warm-up: the first call loads and places the tool.
     for i in 0..200 {
         scheduler
-            .call_tool(CallToolRequest {
-                tool: "t".into(),
-                input: Some(input(i)),
-            })
+            .call_tool(text_call("t", format!("r{i}"), ""))
             .await
             .unwrap();
     }
@@ -452,10 +437,7 @@ async fn latency(samples: usize) -> Vec<(String, Duration, Duration)> {
 
         let t = Instant::now();
         scheduler
-            .call_tool(CallToolRequest {
-                tool: "t".into(),
-                input: Some(input(i)),
-            })
+            .call_tool(text_call("t", format!("r{i}"), ""))
             .await
             .unwrap();
         via.push(t.elapsed());

@@ -14,17 +14,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use nomad_integration_tests::{Fleet, FleetOptions, arg, check_args, fleet};
+use nomad_integration_tests::{Fleet, FleetOptions, arg, check_args, count_for, fleet, text_input};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
-use nomad_proto::v1::{CallToolRequest, ExecuteBatchRequest, ToolInput, tool_input};
+use nomad_proto::v1::{CallToolRequest, ExecuteBatchRequest, ToolInput};
 use nomad_rpc::Channel;
 
 fn text(s: &str) -> ToolInput {
-    ToolInput {
-        value: Some(tool_input::Value::Text(s.to_owned())),
-        options_json: String::new(),
-    }
+    text_input(s, "")
 }
 
 /// The two workloads: each a cycle of inputs the callers walk through.
@@ -148,13 +145,7 @@ async fn through_scheduler(
             latencies
         }));
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    counting.store(true, Ordering::Relaxed);
-    let started = Instant::now();
-    tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
-    counting.store(false, Ordering::Relaxed);
-    let elapsed = started.elapsed().as_secs_f64();
-    stop.store(true, Ordering::Relaxed);
+    let elapsed = count_for(seconds, &counting, &stop).await;
     let mut latencies = Vec::new();
     for t in tasks {
         latencies.extend(t.await.unwrap());

@@ -17,9 +17,9 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use nomad_integration_tests::{Fleet, FleetOptions, Service, arg, check_args, fleet};
+use nomad_integration_tests::{Fleet, FleetOptions, Service, arg, check_args, fleet, text_call};
+use nomad_proto::v1::call_tool_stream_event;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
-use nomad_proto::v1::{CallToolRequest, ToolInput, call_tool_stream_event, tool_input};
 use nomad_rpc::Channel;
 
 const TOKENS: u32 = 64;
@@ -75,6 +75,20 @@ struct Sample {
     prefilled: u64,
 }
 
+impl Sample {
+    /// A request started at `started` that ends now, its first token seen at `first` (none:
+    /// counted as now).
+    fn ended(started: Instant, first: Option<Duration>, tokens: u64, prefilled: u64) -> Self {
+        let total = started.elapsed();
+        Sample {
+            first_token: first.unwrap_or(total),
+            total,
+            tokens,
+            prefilled,
+        }
+    }
+}
+
 struct Level {
     tokens_per_second: f64,
     prefilled_mean: f64,
@@ -103,13 +117,11 @@ async fn nomad_request(client: SchedulerClient<Channel>, i: usize) -> Sample {
     let started = Instant::now();
     let mut stream = client
         .clone()
-        .call_tool_stream(CallToolRequest {
-            tool: "generate".into(),
-            input: Some(ToolInput {
-                value: Some(tool_input::Value::Text(prompt(i))),
-                options_json: format!(r#"{{"max_tokens": {TOKENS}, "chat": false}}"#),
-            }),
-        })
+        .call_tool_stream(text_call(
+            "generate",
+            prompt(i),
+            format!(r#"{{"max_tokens": {TOKENS}, "chat": false}}"#),
+        ))
         .await
         .expect("CallToolStream")
         .into_inner();
@@ -129,12 +141,7 @@ async fn nomad_request(client: SchedulerClient<Channel>, i: usize) -> Sample {
             None => {}
         }
     }
-    Sample {
-        first_token: first.unwrap_or_else(|| started.elapsed()),
-        total: started.elapsed(),
-        tokens,
-        prefilled,
-    }
+    Sample::ended(started, first, tokens, prefilled)
 }
 
 /// Each `data:` event of a server-sent-events reply, as JSON, to `on` (others, `[DONE]` among
@@ -181,12 +188,7 @@ async fn llama_request(http: reqwest::Client, url: String, i: usize) -> Sample {
         }
     })
     .await;
-    Sample {
-        first_token: first.unwrap_or_else(|| started.elapsed()),
-        total: started.elapsed(),
-        tokens,
-        prefilled,
-    }
+    Sample::ended(started, first, tokens, prefilled)
 }
 
 /// `--openai`: one chat turn through `POST /v1/chat/completions`, streamed, with the final usage
@@ -236,12 +238,7 @@ async fn chat_request(
         }
     })
     .await;
-    Sample {
-        first_token: first.unwrap_or_else(|| started.elapsed()),
-        total: started.elapsed(),
-        tokens,
-        prefilled,
-    }
+    Sample::ended(started, first, tokens, prefilled)
 }
 
 /// `2 * concurrency` requests (at least 4), `concurrency` at a time.

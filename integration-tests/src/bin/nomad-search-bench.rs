@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use nomad_integration_tests::fleet::rpc_channel;
-use nomad_integration_tests::{Fleet, FleetOptions, arg, catalog, check_args};
+use nomad_integration_tests::{Fleet, FleetOptions, arg, catalog, check_args, text_call};
 use nomad_proto::v1::gateway_client::GatewayClient;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
-use nomad_proto::v1::{CallToolRequest, SearchToolsRequest, ToolInput, tool_input, tool_output};
+use nomad_proto::v1::{SearchToolsRequest, tool_output};
 use nomad_tool_search::{Fusion, Index, Query, ToolDoc};
 
 /// The previous `search_code_tools`: keep a tool when every query word is a substring of its
@@ -51,13 +51,7 @@ async fn embed(
 ) -> anyhow::Result<Vec<f32>> {
     let reply = scheduler
         .clone()
-        .call_tool(CallToolRequest {
-            tool: "embed".into(),
-            input: Some(ToolInput {
-                value: Some(tool_input::Value::Text(text.to_owned())),
-                options_json: r#"{"truncate": true}"#.into(),
-            }),
-        })
+        .call_tool(text_call("embed", text, r#"{"truncate": true}"#))
         .await?
         .into_inner();
     match reply.output.and_then(|o| o.value) {

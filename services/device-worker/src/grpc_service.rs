@@ -90,6 +90,26 @@ impl WorkerService {
         ]);
         span
     }
+
+    /// Moves `tool`'s model between host and device memory (`operation` names its span, which
+    /// records a failure), off the async threads: the copy can take seconds.
+    async fn move_model(
+        &self,
+        tool: &str,
+        operation: &'static str,
+        move_it: fn(&ModelStore, &str) -> Result<(), StoreError>,
+    ) -> Result<(), Status> {
+        let span = self.device_span(operation, tool);
+        let (store, tool) = (self.store.clone(), tool.to_owned());
+        blocking(move || move_it(&store, &tool))
+            .await?
+            .map_err(|e| {
+                // `place_failed`, `offload_failed`.
+                let what = operation.rsplit('.').next().unwrap_or(operation);
+                span.set_error(format!("{what}_failed"), e.to_string());
+                store_status(e)
+            })
+    }
 }
 
 /// A link to the batch's own span (the current one), when it records.
@@ -153,13 +173,9 @@ impl DeviceWorker for WorkerService {
         &self,
         request: Request<PlaceRequest>,
     ) -> Result<Response<PlaceResponse>, Status> {
-        let tool = required_tool(&request.get_ref().tool)?.to_owned();
-        let span = self.device_span("nomad.device.place", &tool);
-        let store = self.store.clone();
-        blocking(move || store.place(&tool)).await?.map_err(|e| {
-            span.set_error("place_failed", e.to_string());
-            store_status(e)
-        })?;
+        let tool = required_tool(&request.get_ref().tool)?;
+        self.move_model(tool, "nomad.device.place", ModelStore::place)
+            .await?;
         Ok(Response::new(PlaceResponse {}))
     }
 
@@ -167,12 +183,9 @@ impl DeviceWorker for WorkerService {
         &self,
         request: Request<OffloadRequest>,
     ) -> Result<Response<OffloadResponse>, Status> {
-        let tool = required_tool(&request.get_ref().tool)?.to_owned();
-        let _span = self.device_span("nomad.device.offload", &tool);
-        let store = self.store.clone();
-        blocking(move || store.offload(&tool))
-            .await?
-            .map_err(store_status)?;
+        let tool = required_tool(&request.get_ref().tool)?;
+        self.move_model(tool, "nomad.device.offload", ModelStore::offload)
+            .await?;
         Ok(Response::new(OffloadResponse {}))
     }
 

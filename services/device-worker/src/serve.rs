@@ -96,12 +96,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let store = Arc::new(store::ModelStore::new(device));
     let on_accelerator = args.device != DeviceSpec::Cpu;
 
+    let addr_file = args.service.addr_file.as_deref();
     let (listener, local) = service
-        .listen(
-            "nomad-device-worker",
-            &args.listen,
-            args.service.addr_file.as_deref(),
-        )
+        .listen("nomad-device-worker", &args.listen, addr_file)
         .await?;
     // Listening on every interface (a container): the scheduler reaches us by host name, which
     // stays distinct when a service is scaled to several replicas.

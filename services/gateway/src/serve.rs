@@ -96,12 +96,9 @@ pub async fn serve(args: Args) -> anyhow::Result<()> {
         .or_else(|| (!args.mcp_stdio).then(|| "127.0.0.1:7001".to_owned()));
     let grpc = match grpc_listen {
         Some(listen) => {
+            let addr_file = args.service.addr_file.as_deref();
             let (listener, _) = telemetry
-                .listen(
-                    "nomad-gateway gRPC",
-                    &listen,
-                    args.service.addr_file.as_deref(),
-                )
+                .listen("nomad-gateway gRPC", &listen, addr_file)
                 .await?;
             let mut server = nomad_rpc::RpcServer::new();
             server

@@ -25,12 +25,9 @@ pub struct HeadArgs {
 pub async fn serve(args: HeadArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
     let service = Service::start(ServerType::Head, &args.service)?;
+    let addr_file = args.service.addr_file.as_deref();
     let (listener, _) = service
-        .listen(
-            "nomad head",
-            &args.listen,
-            args.service.addr_file.as_deref(),
-        )
+        .listen("nomad head", &args.listen, addr_file)
         .await?;
     let mut server = nomad_rpc::RpcServer::new();
     server

@@ -19,11 +19,7 @@ pub enum ExporterKind {
 
 impl ExporterKind {
     fn parse(variable: &str, value: &str) -> Result<Self, ConfigError> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "otlp" => Ok(ExporterKind::Otlp),
-            "console" => Ok(ExporterKind::Console),
-            _ => Err(invalid(variable, value, "expected `otlp` or `console`")),
-        }
+        one_of(variable, value, &[Self::Otlp, Self::Console], Self::as_str)
     }
 
     pub fn as_str(self) -> &'static str {
@@ -42,15 +38,12 @@ pub enum OtlpProtocol {
 
 impl OtlpProtocol {
     fn parse(variable: &str, value: &str) -> Result<Self, ConfigError> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "grpc" => Ok(OtlpProtocol::Grpc),
-            "http/protobuf" => Ok(OtlpProtocol::HttpProtobuf),
-            _ => Err(invalid(
-                variable,
-                value,
-                "expected `grpc` or `http/protobuf`",
-            )),
-        }
+        one_of(
+            variable,
+            value,
+            &[Self::Grpc, Self::HttpProtobuf],
+            Self::as_str,
+        )
     }
 
     pub fn as_str(self) -> &'static str {
@@ -163,6 +156,24 @@ pub fn block_env(block: &TelemetryBlock, env: &(impl Env + ?Sized)) -> Vec<(Stri
         })
         .filter_map(|f| (f.value)(block).map(|v| (f.variable.to_owned(), v)))
         .collect()
+}
+
+/// The one of `choices` that `value` names (trimmed, in any case), or an error listing them.
+fn one_of<T: Copy>(
+    variable: &str,
+    value: &str,
+    choices: &[T],
+    name: fn(T) -> &'static str,
+) -> Result<T, ConfigError> {
+    let wanted = value.trim().to_ascii_lowercase();
+    choices
+        .iter()
+        .copied()
+        .find(|c| name(*c) == wanted)
+        .ok_or_else(|| {
+            let names: Vec<String> = choices.iter().map(|c| format!("`{}`", name(*c))).collect();
+            invalid(variable, value, &format!("expected {}", names.join(" or ")))
+        })
 }
 
 fn invalid(variable: &str, value: &str, reason: &str) -> ConfigError {

@@ -5,6 +5,10 @@
 
 use std::fmt;
 
+use SpanGroup::{
+    Batch, Client, Device, Gateway, Job, Rollout, Sandbox, Server, Startup, Tool, Upstream, Verify,
+};
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum SpanGroup {
@@ -36,18 +40,8 @@ pub enum SpanGroup {
 
 impl SpanGroup {
     pub const ALL: [SpanGroup; 12] = [
-        SpanGroup::Job,
-        SpanGroup::Rollout,
-        SpanGroup::Verify,
-        SpanGroup::Server,
-        SpanGroup::Client,
-        SpanGroup::Gateway,
-        SpanGroup::Sandbox,
-        SpanGroup::Upstream,
-        SpanGroup::Tool,
-        SpanGroup::Batch,
-        SpanGroup::Device,
-        SpanGroup::Startup,
+        Job, Rollout, Verify, Server, Client, Gateway, Sandbox, Upstream, Tool, Batch, Device,
+        Startup,
     ];
 
     pub fn name(self) -> &'static str {
@@ -82,29 +76,11 @@ pub const PRESETS: [(&str, &[SpanGroup]); 4] = [
     (
         "default",
         &[
-            SpanGroup::Job,
-            SpanGroup::Rollout,
-            SpanGroup::Verify,
-            SpanGroup::Server,
-            SpanGroup::Gateway,
-            SpanGroup::Sandbox,
-            SpanGroup::Upstream,
-            SpanGroup::Tool,
-            SpanGroup::Batch,
-            SpanGroup::Device,
-            SpanGroup::Startup,
+            Job, Rollout, Verify, Server, Gateway, Sandbox, Upstream, Tool, Batch, Device, Startup,
         ],
     ),
     // One span per rollout step and no per-request fan-out: for very large runs.
-    (
-        "per_rollout",
-        &[
-            SpanGroup::Job,
-            SpanGroup::Rollout,
-            SpanGroup::Verify,
-            SpanGroup::Gateway,
-        ],
-    ),
+    ("per_rollout", &[Job, Rollout, Verify, Gateway]),
     ("all", &SpanGroup::ALL),
     ("none", &[]),
 ];

@@ -342,9 +342,9 @@ async fn chat(
     arguments.insert("messages".into(), json!(messages));
     respond(
         &gateway,
-        caller(&headers),
+        &headers,
         request.model,
-        Value::Object(arguments),
+        arguments,
         &request.sampling,
         true,
     )
@@ -374,9 +374,9 @@ async fn completions(
     arguments.insert("chat".into(), json!(false));
     respond(
         &gateway,
-        caller(&headers),
+        &headers,
         request.model,
-        Value::Object(arguments),
+        arguments,
         &request.sampling,
         false,
     )
@@ -398,12 +398,13 @@ fn usage(answer: &Value) -> Usage {
 /// A generation's answer: one JSON body, or server-sent events of its text as it is made.
 async fn respond(
     gateway: &Arc<Gateway>,
-    cx: Context,
+    headers: &HeaderMap,
     model: String,
-    arguments: Value,
+    arguments: serde_json::Map<String, Value>,
     sampling: &types::Sampling,
     chat: bool,
 ) -> Result<Response, ApiError> {
+    let (cx, arguments) = (caller(headers), Value::Object(arguments));
     self::model(gateway, &model, &[Kind::Generate]).await?;
     let id = format!(
         "{}-{}",

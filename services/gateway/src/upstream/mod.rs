@@ -179,36 +179,27 @@ impl Upstreams {
     ) -> Result<Value, ToolError> {
         let (server_label, tool_label) = self.labels(server, tool).await;
         let recorder = self.instruments.start(server_label, tool_label, cx);
-        let result = self
-            .dispatch(recorder.context(), server, tool, arguments, progress)
-            .with_context(recorder.context().clone())
-            .await;
+        let span_cx = recorder.context();
+        let result = async {
+            if !self.policy.allows(server, tool) {
+                return Err(ToolError::new(
+                    ToolErrorCode::PermissionDenied,
+                    format!("{server}:{tool} is not in the gateway's allowlist"),
+                ));
+            }
+            if server == nomad::NAME {
+                return self.nomad.call(tool, arguments, progress).await;
+            }
+            let Some(upstream) = self.servers.get(server) else {
+                return Err(ToolError::not_found(self.unknown_server(server)));
+            };
+            let trace = nomad_telemetry::propagation::inject_map(span_cx);
+            upstream.call(tool, arguments, &trace).await
+        }
+        .with_context(span_cx.clone())
+        .await;
         recorder.finished(server, tool, arguments, &result);
         result
-    }
-
-    async fn dispatch(
-        &self,
-        cx: &Context,
-        server: &str,
-        tool: &str,
-        arguments: &Value,
-        progress: Option<&Progress>,
-    ) -> Result<Value, ToolError> {
-        if !self.policy.allows(server, tool) {
-            return Err(ToolError::new(
-                ToolErrorCode::PermissionDenied,
-                format!("{server}:{tool} is not in the gateway's allowlist"),
-            ));
-        }
-        if server == nomad::NAME {
-            return self.nomad.call(tool, arguments, progress).await;
-        }
-        let Some(upstream) = self.servers.get(server) else {
-            return Err(ToolError::not_found(self.unknown_server(server)));
-        };
-        let trace = nomad_telemetry::propagation::inject_map(cx);
-        upstream.call(tool, arguments, &trace).await
     }
 }
 

@@ -130,46 +130,30 @@ impl Intake {
     }
 }
 
-#[tonic::async_trait]
-impl TraceService for Intake {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let lines = otlp_lines::span_lines(&request.get_ref().resource_spans);
-        self.accept(Signal::Traces, lines)
-            .await
-            .map_err(|r| r.grpc())?;
-        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
-    }
+/// The three OTLP/gRPC services differ only in their types and in which lines a request makes.
+macro_rules! otlp_services {
+    ($($service:ident($request:ident -> $response:ident): $signal:expr, $lines:ident($field:ident);)*) => {$(
+        #[tonic::async_trait]
+        impl $service for Intake {
+            async fn export(
+                &self,
+                request: tonic::Request<$request>,
+            ) -> Result<tonic::Response<$response>, tonic::Status> {
+                let lines = otlp_lines::$lines(&request.get_ref().$field);
+                self.accept($signal, lines).await.map_err(|r| r.grpc())?;
+                Ok(tonic::Response::new($response::default()))
+            }
+        }
+    )*};
 }
 
-#[tonic::async_trait]
-impl MetricsService for Intake {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportMetricsServiceRequest>,
-    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
-        let lines = otlp_lines::metric_lines(&request.get_ref().resource_metrics);
-        self.accept(Signal::Metrics, lines)
-            .await
-            .map_err(|r| r.grpc())?;
-        Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
-    }
-}
-
-#[tonic::async_trait]
-impl LogsService for Intake {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportLogsServiceRequest>,
-    ) -> Result<tonic::Response<ExportLogsServiceResponse>, tonic::Status> {
-        let lines = otlp_lines::log_lines(&request.get_ref().resource_logs);
-        self.accept(Signal::Logs, lines)
-            .await
-            .map_err(|r| r.grpc())?;
-        Ok(tonic::Response::new(ExportLogsServiceResponse::default()))
-    }
+otlp_services! {
+    TraceService(ExportTraceServiceRequest -> ExportTraceServiceResponse):
+        Signal::Traces, span_lines(resource_spans);
+    MetricsService(ExportMetricsServiceRequest -> ExportMetricsServiceResponse):
+        Signal::Metrics, metric_lines(resource_metrics);
+    LogsService(ExportLogsServiceRequest -> ExportLogsServiceResponse):
+        Signal::Logs, log_lines(resource_logs);
 }
 
 /// One OTLP/HTTP request: a protobuf body decoded into lines, or a status naming what was wrong.

@@ -365,6 +365,11 @@ async fn start(
     } = *layout;
     let addr_file = |name: &str| run_dir.join(format!("{name}.addr"));
     let path = |p: &Path| p.display().to_string();
+    // Where step `index` listens once it has written its address file, as other nodes dial it.
+    let listening = async |sup: &mut Supervisor, index: usize, name: &str| {
+        let bound = sup.wait_for_file(index, &addr_file(name), timeout).await?;
+        reachable(&bound, host)
+    };
     let collector = steps.spawn(
         sup,
         Step {
@@ -387,10 +392,7 @@ async fn start(
             ],
         },
     )?;
-    let bound = sup
-        .wait_for_file(collector, &addr_file("collector"), timeout)
-        .await?;
-    let endpoint = format!("http://{}", reachable(&bound, host)?);
+    let endpoint = format!("http://{}", listening(sup, collector, "collector").await?);
     let user_endpoint = ProcessEnv.non_empty("OTEL_EXPORTER_OTLP_ENDPOINT");
     let endpoint = match user_endpoint {
         Some(e) => {
@@ -434,11 +436,7 @@ async fn start(
             args: server("scheduler", vec![]),
         },
     )?;
-    let scheduler = reachable(
-        &sup.wait_for_file(scheduler_index, &addr_file("scheduler"), timeout)
-            .await?,
-        host,
-    )?;
+    let scheduler = listening(sup, scheduler_index, "scheduler").await?;
     let gateway_index = steps.spawn(
         sup,
         Step {
@@ -459,11 +457,7 @@ async fn start(
             ),
         },
     )?;
-    let gateway = reachable(
-        &sup.wait_for_file(gateway_index, &addr_file("gateway"), timeout)
-            .await?,
-        host,
-    )?;
+    let gateway = listening(sup, gateway_index, "gateway").await?;
     let per_node = gpus_per_node.max(1);
     for node in nodes {
         let mut extra = vec![

@@ -239,13 +239,12 @@ pub(super) async fn prepare(
     config: ToolConfig,
     offload: Option<String>,
     load: Option<LoadKind>,
-    reporting: Reporting,
-) {
-    let Reporting {
+    Reporting {
         metrics,
         tx,
         deadlines,
-    } = reporting;
+    }: Reporting,
+) {
     let mut attributes = worker.tool_attributes(&config.name);
     if let Some(o) = &offload {
         attributes.push(KeyValue::new("nomad.tool.offload", o.clone()));
@@ -351,13 +350,12 @@ pub(super) async fn maintain(
     worker: Worker,
     slot: SlotId,
     what: Maintenance,
-    reporting: Reporting,
-) {
-    let Reporting {
+    Reporting {
         metrics,
         tx,
         deadlines,
-    } = reporting;
+    }: Reporting,
+) {
     let (name, attributes) = match &what {
         Maintenance::Evict(t) => ("nomad.tool.evict", worker.tool_attributes(t)),
         Maintenance::Unload(t) => ("nomad.tool.unload", worker.tool_attributes(t)),

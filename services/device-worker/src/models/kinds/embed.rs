@@ -256,6 +256,7 @@ mod tests {
     use super::*;
     use crate::models::model::Value;
     use crate::models::testing::text_input as text;
+    use serde::Deserialize as _;
 
     use crate::models::testing::vector_of as vector;
 
@@ -288,22 +289,12 @@ mod tests {
         let fixture: serde_json::Value =
             serde_json::from_str(include_str!("../../../tests/fixtures/embeddings.json")).unwrap();
         let model = model();
-        let sentences: Vec<&str> = fixture["sentences"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s.as_str().unwrap())
-            .collect();
+        let sentences = Vec::<&str>::deserialize(&fixture["sentences"]).unwrap();
         let inputs: Vec<Input> = sentences.iter().map(|s| text(s, "")).collect();
         // One batch, padded to the longest: padding must not change any embedding.
         let results = model.execute(&inputs, &ExecLimits::default()).unwrap();
         for (i, reference) in fixture["embeddings"].as_array().unwrap().iter().enumerate() {
-            let reference: Vec<f64> = reference
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_f64().unwrap())
-                .collect();
+            let reference = Vec::<f64>::deserialize(reference).unwrap();
             let diff = max_diff(&vector(&results[i]), &reference);
             assert!(
                 diff <= 1e-5,
@@ -321,12 +312,7 @@ mod tests {
                 &ExecLimits::default(),
             )
             .unwrap();
-        let reference: Vec<f64> = truncated["embedding"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
+        let reference = Vec::<f64>::deserialize(&truncated["embedding"]).unwrap();
         let diff = max_diff(&vector(&got[0]), &reference);
         assert!(diff <= 1e-5, "truncated text: max abs diff {diff:e}");
     }

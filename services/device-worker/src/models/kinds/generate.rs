@@ -455,6 +455,7 @@ mod tests {
     use super::*;
     use crate::models::families::llama::Step;
     use candle_core::Tensor;
+    use serde::Deserialize as _;
 
     /// The model as served (Q4_1 as shipped, or re-quantized to Q8_0 where it must be).
     fn model() -> Generator {
@@ -535,12 +536,7 @@ mod tests {
                     )
                 };
                 let mut logits = forward(&prompt);
-                let margins: Vec<f32> = case["top2_margins"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.as_f64().unwrap() as f32)
-                    .collect();
+                let margins = Vec::<f32>::deserialize(&case["top2_margins"]).unwrap();
                 for (step, &want) in reference.iter().enumerate() {
                     let (best, top) = logits
                         .iter()

@@ -44,95 +44,77 @@ impl Checked {
     }
 }
 
-/// A `Strings` value: a list of short non-empty strings.
-fn strings(key: &str, value: &Value, max: usize) -> Result<Vec<String>, String> {
+/// A list of at most `max` `what` (a plural noun), each item read by `item` with its index.
+fn list<T>(
+    key: &str,
+    value: &Value,
+    max: usize,
+    what: &str,
+    item: impl Fn(usize, &Value) -> Result<T, String>,
+) -> Result<Vec<T>, String> {
     let items = value
         .as_array()
-        .ok_or_else(|| format!("option {key:?} must be a list of strings"))?;
+        .ok_or_else(|| format!("option {key:?} must be a list of {what}"))?;
     if items.len() > max {
         return Err(format!(
-            "option {key:?} has {} strings; at most {max}",
+            "option {key:?} has {} {what}; at most {max}",
             items.len()
         ));
     }
-    items
-        .iter()
-        .map(|item| match item.as_str() {
-            Some(s) if !s.is_empty() && s.len() <= kinds::MAX_STRING_BYTES => Ok(s.to_owned()),
-            Some(_) => Err(format!(
-                "option {key:?}: each string must be 1 to {} bytes",
-                kinds::MAX_STRING_BYTES
-            )),
-            None => Err(format!("option {key:?} must be a list of strings")),
-        })
-        .collect()
+    items.iter().enumerate().map(|(i, v)| item(i, v)).collect()
+}
+
+/// A `Strings` value: a list of short non-empty strings.
+fn strings(key: &str, value: &Value, max: usize) -> Result<Vec<String>, String> {
+    list(key, value, max, "strings", |_, item| match item.as_str() {
+        Some(s) if !s.is_empty() && s.len() <= kinds::MAX_STRING_BYTES => Ok(s.to_owned()),
+        Some(_) => Err(format!(
+            "option {key:?}: each string must be 1 to {} bytes",
+            kinds::MAX_STRING_BYTES
+        )),
+        None => Err(format!("option {key:?} must be a list of strings")),
+    })
 }
 
 /// A `Texts` value: a list of non-empty texts of bounded size.
 fn texts(key: &str, value: &Value, max: usize) -> Result<Vec<String>, String> {
-    let items = value
-        .as_array()
-        .ok_or_else(|| format!("option {key:?} must be a list of strings"))?;
-    if items.len() > max {
-        return Err(format!(
-            "option {key:?} has {} texts; at most {max}",
-            items.len()
-        ));
-    }
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, item)| match item.as_str() {
-            Some(s) if !s.trim().is_empty() && s.len() <= kinds::MAX_TEXT_BYTES => Ok(s.to_owned()),
-            Some(s) if s.trim().is_empty() => Err(format!("option {key:?}: text {i} is empty")),
-            Some(_) => Err(format!(
-                "option {key:?}: text {i} is over {} bytes",
-                kinds::MAX_TEXT_BYTES
-            )),
-            None => Err(format!("option {key:?}: item {i} is not a string")),
-        })
-        .collect()
+    list(key, value, max, "texts", |i, item| match item.as_str() {
+        Some(s) if !s.trim().is_empty() && s.len() <= kinds::MAX_TEXT_BYTES => Ok(s.to_owned()),
+        Some(s) if s.trim().is_empty() => Err(format!("option {key:?}: text {i} is empty")),
+        Some(_) => Err(format!(
+            "option {key:?}: text {i} is over {} bytes",
+            kinds::MAX_TEXT_BYTES
+        )),
+        None => Err(format!("option {key:?}: item {i} is not a string")),
+    })
 }
 
 /// A `Messages` value: `{"role", "content"}` objects with a known role.
 fn messages(key: &str, value: &Value, max: usize) -> Result<Vec<Message>, String> {
-    let items = value
-        .as_array()
-        .ok_or_else(|| format!("option {key:?} must be a list of messages"))?;
-    if items.len() > max {
-        return Err(format!(
-            "option {key:?} has {} messages; at most {max}",
-            items.len()
-        ));
-    }
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, item)| {
-            let role = item.get("role").and_then(Value::as_str);
-            let content = item.get("content").and_then(Value::as_str);
-            let extra = item
-                .as_object()
-                .is_some_and(|o| o.keys().any(|k| k != "role" && k != "content"));
-            match (role, content) {
-                (Some(role), Some(content)) if !extra => {
-                    let role = kinds::ROLES.iter().find(|r| **r == role).ok_or_else(|| {
-                        format!(
-                            "option {key:?}: message {i} has role {role:?}; roles are {}",
-                            kinds::ROLES.join(", ")
-                        )
-                    })?;
-                    Ok(Message {
-                        role,
-                        content: content.to_owned(),
-                    })
-                }
-                _ => Err(format!(
-                    "option {key:?}: message {i} must be {{\"role\": \"...\", \"content\": \"...\"}}"
-                )),
+    list(key, value, max, "messages", |i, item| {
+        let role = item.get("role").and_then(Value::as_str);
+        let content = item.get("content").and_then(Value::as_str);
+        let extra = item
+            .as_object()
+            .is_some_and(|o| o.keys().any(|k| k != "role" && k != "content"));
+        match (role, content) {
+            (Some(role), Some(content)) if !extra => {
+                let role = kinds::ROLES.iter().find(|r| **r == role).ok_or_else(|| {
+                    format!(
+                        "option {key:?}: message {i} has role {role:?}; roles are {}",
+                        kinds::ROLES.join(", ")
+                    )
+                })?;
+                Ok(Message {
+                    role,
+                    content: content.to_owned(),
+                })
             }
-        })
-        .collect()
+            _ => Err(format!(
+                "option {key:?}: message {i} must be {{\"role\": \"...\", \"content\": \"...\"}}"
+            )),
+        }
+    })
 }
 
 impl Options {

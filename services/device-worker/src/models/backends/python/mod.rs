@@ -148,19 +148,24 @@ async fn prepare(
     })
 }
 
-fn load_frame(python: &PythonSpec, source: Option<&Path>, instantiate: bool) -> Bytes {
-    let entry = match python.entry {
-        PythonEntry::Callable => "callable",
-        PythonEntry::ModelClass => "model_class",
-    };
-    frames::encode(&Request::Load {
-        entry,
-        target: &python.target,
-        source: source.map(|p| p.to_string_lossy().into_owned()),
-        tool_kwargs: frames::kwargs(&python.tool_kwargs_json),
-        instantiate,
-        device: "cpu",
-    })
+impl Prepared {
+    /// The host's `load` request for `python` from this source (instantiated, or only imported
+    /// when `instantiate` is off).
+    fn load_frame(&self, python: &PythonSpec, instantiate: bool) -> Bytes {
+        let entry = match python.entry {
+            PythonEntry::Callable => "callable",
+            PythonEntry::ModelClass => "model_class",
+        };
+        let source = self.source.as_ref().map(|r| r.path.as_path());
+        frames::encode(&Request::Load {
+            entry,
+            target: &python.target,
+            source: source.map(|p| p.to_string_lossy().into_owned()),
+            tool_kwargs: frames::kwargs(&python.tool_kwargs_json),
+            instantiate,
+            device: "cpu",
+        })
+    }
 }
 
 fn host_load_error(tool: &str, e: impl std::fmt::Display) -> LoadError {
@@ -197,11 +202,7 @@ pub async fn describe(
 ) -> Result<(Description, Option<crate::models::source::Resolved>), LoadError> {
     let python = spec_of(spec)?;
     let prepared = prepare(spec, python, settings).await?;
-    let frame = load_frame(
-        python,
-        prepared.source.as_ref().map(|r| r.path.as_path()),
-        false,
-    );
+    let frame = prepared.load_frame(python, false);
     let (host, described) = start(spec, &prepared, frame, settings.env_timeout).await?;
     drop(host);
     Ok((described.into_description(), prepared.source))
@@ -211,11 +212,7 @@ pub async fn describe(
 pub async fn load(spec: &Spec, settings: &PythonSettings) -> Result<PythonModel, LoadError> {
     let python = spec_of(spec)?;
     let prepared = prepare(spec, python, settings).await?;
-    let frame = load_frame(
-        python,
-        prepared.source.as_ref().map(|r| r.path.as_path()),
-        true,
-    );
+    let frame = prepared.load_frame(python, true);
     let (host, described) = start(spec, &prepared, frame.clone(), settings.env_timeout).await?;
     tracing::info!(tool = %spec.tool, pid = host.pid, python = %prepared.launch.python.display(), name = %described.name, bytes = described.bytes, "model host ready");
     Ok(PythonModel {
