@@ -147,6 +147,16 @@ pub fn succeeded_blocking(command: &mut std::process::Command) -> std::process::
     output
 }
 
+/// Starts `command` with its stdout and stderr piped (read at its end), killed if dropped.
+pub fn spawn_piped(command: &mut Command) -> Child {
+    command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("{:?}: {e}", command.as_std().get_program()))
+}
+
 /// Runs `command` to its end and asserts that it failed saying each of `needles` on stderr.
 pub async fn refused_saying(command: &mut Command, needles: &[&str]) {
     let output = command.output().await.unwrap();

@@ -178,30 +178,25 @@ impl State {
 #[derive(Clone)]
 struct Grpc(Arc<State>);
 
-#[tonic::async_trait]
-impl TraceService for Grpc {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        self.0.add_traces(request.get_ref());
-        Ok(tonic::Response::new(ExportTraceServiceResponse {
-            partial_success: None,
-        }))
-    }
+/// The receiver's OTLP/gRPC services: each request handed to the state as it comes.
+macro_rules! grpc_services {
+    ($($service:ident($request:ident -> $response:ident): $add:ident;)*) => {$(
+        #[tonic::async_trait]
+        impl $service for Grpc {
+            async fn export(
+                &self,
+                request: tonic::Request<$request>,
+            ) -> Result<tonic::Response<$response>, tonic::Status> {
+                self.0.$add(request.get_ref());
+                Ok(tonic::Response::new($response::default()))
+            }
+        }
+    )*};
 }
 
-#[tonic::async_trait]
-impl MetricsService for Grpc {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportMetricsServiceRequest>,
-    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
-        self.0.add_metrics(request.get_ref());
-        Ok(tonic::Response::new(ExportMetricsServiceResponse {
-            partial_success: None,
-        }))
-    }
+grpc_services! {
+    TraceService(ExportTraceServiceRequest -> ExportTraceServiceResponse): add_traces;
+    MetricsService(ExportMetricsServiceRequest -> ExportMetricsServiceResponse): add_metrics;
 }
 
 /// An OTLP/HTTP route: the body decoded as `R` and given to `add`, answered with an empty `A`

@@ -5,12 +5,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::fleet::{TEST_TOKEN, make_mlp};
 use nomad_integration_tests::peers::mcp_client;
-use nomad_integration_tests::process::{binary, clean, start_fleet, up_command};
+use nomad_integration_tests::process::{binary, clean, spawn_piped, start_fleet, up_command};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, read_jsonl};
 use serde_json::{Value, json};
@@ -118,21 +117,18 @@ async fn a_run_goes_on_through_a_worker_a_scheduler_and_a_gateway_killed() {
     )
     .unwrap();
     let runs = dir.join("runs");
-    let up = up_command(&config, &runs)
-        .arg("--tasks")
-        .arg(&tasks_path)
-        .args([
-            "--concurrency",
-            &concurrency.to_string(),
-            "--ready-timeout",
-            "120",
-        ])
-        .env("NOMAD_OTEL_RUN_ID", "healing")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let up = spawn_piped(
+        up_command(&config, &runs)
+            .arg("--tasks")
+            .arg(&tasks_path)
+            .args([
+                "--concurrency",
+                &concurrency.to_string(),
+                "--ready-timeout",
+                "120",
+            ])
+            .env("NOMAD_OTEL_RUN_ID", "healing"),
+    );
     let run_dir = runs.join("healing");
     let results_path = run_dir.join("results.jsonl");
     let mut healed = Vec::new();

@@ -16,8 +16,9 @@ use nomad_integration_tests::model_host::{
 use nomad_integration_tests::peers::mcp_client;
 use nomad_integration_tests::text_call;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, Service};
+use nomad_proto::v1::scheduler_client::SchedulerClient;
 use nomad_proto::v1::{
-    CallToolRequest, GetModelCardRequest, ToolInput, ToolState, tool_input, tool_output,
+    CallToolRequest, GetModelCardRequest, ToolInfo, ToolInput, ToolState, tool_input, tool_output,
 };
 use serde_json::{Value, json};
 use tonic::Code;
@@ -48,6 +49,14 @@ fn json_input(arguments: &Value) -> ToolInput {
         value: Some(tool_input::Value::Json(arguments.to_string())),
         options_json: String::new(),
     }
+}
+
+/// The fleet's scheduler and its tools once described, the first one ready to serve.
+async fn first_ready(fleet: &Fleet) -> (SchedulerClient<nomad_rpc::Channel>, Vec<ToolInfo>) {
+    let mut client = fleet.scheduler_client().await;
+    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
+    assert_eq!(tools[0].state(), ToolState::Ready, "{}", tools[0].error);
+    (client, tools)
 }
 
 /// Every call of `tool` on `arguments` at once, answered in their order.
@@ -94,10 +103,8 @@ async fn the_originals_torch_module_tool_answers_through_code_mode_as_calling_it
         toy_entry(&weights, "")
     );
     let mut fleet = Fleet::start(options(&dir, yaml).in_dir(&dir)).await;
-    let mut client = fleet.scheduler_client().await;
-    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
+    let (mut client, tools) = first_ready(&fleet).await;
     let tool = &tools[0];
-    assert_eq!(tool.state(), ToolState::Ready, "{}", tool.error);
     assert_eq!(
         (tool.name.as_str(), tool.kind.as_str()),
         ("ToySurrogate", "python")
@@ -193,9 +200,7 @@ async fn a_python_models_faults_are_contained_and_named() {
         .exporting_to(&receiver)
         .env("NOMAD_OTEL_METRIC_EXPORT_INTERVAL_SECONDS", "0.2");
     let mut fleet = Fleet::start(options).await;
-    let mut client = fleet.scheduler_client().await;
-    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
-    assert_eq!(tools[0].state(), ToolState::Ready, "{}", tools[0].error);
+    let (mut client, _) = first_ready(&fleet).await;
 
     // Eight calls arrive while the model loads, so the first batch is 8, over the 4 this model
     // fits: out of memory, halved, and every call answered.
@@ -355,9 +360,7 @@ async fn spans_a_python_model_makes_join_the_callers_trace() {
         .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         .env("OTEL_BSP_SCHEDULE_DELAY", "100");
     let mut fleet = Fleet::start(options).await;
-    let mut client = fleet.scheduler_client().await;
-    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
-    assert_eq!(tools[0].state(), ToolState::Ready, "{}", tools[0].error);
+    let (mut client, _) = first_ready(&fleet).await;
     let mut request = tonic::Request::new(CallToolRequest {
         tool: "ToySurrogate".into(),
         input: Some(json_input(&json!({"values": [0.1, 0.2, 0.3, 0.4]}))),
@@ -418,9 +421,7 @@ async fn a_real_cuda_out_of_memory_in_a_python_model_halves_the_batch() {
     let weights = toy_weights(&dir);
     let yaml = format!("fmod_models:\n{}{MANAGER}", toy_entry(&weights, ""));
     let mut fleet = Fleet::start(options(&dir, yaml).in_dir(&dir)).await;
-    let mut client = fleet.scheduler_client().await;
-    let tools = described_tools(&mut client, DESCRIBED_WITHIN).await;
-    assert_eq!(tools[0].state(), ToolState::Ready, "{}", tools[0].error);
+    first_ready(&fleet).await;
     let inputs: Vec<Value> = (0..8)
         .map(|i| json!({"values": [88.0, i as f64, 0.0, 1.0]}))
         .collect();

@@ -825,32 +825,26 @@ except PermissionError as e:
     raised = 'refused: ' + errno.errorcode[e.errno]
 RESULT = [before, raised, os.getpriority(os.PRIO_PROCESS, 0)]
 ";
-    for (run_as, start) in users_and_starts() {
-        let gateway = Gateway::start_on(&run_as, start, "  warm: 0\n").await;
-        let seen = gateway.result(run_as.label, code).await;
-        assert_eq!(seen[0], 10, "{} {start:?}: {seen}", run_as.label);
+    // The run started at `nice`, was refused a higher priority, and kept `nice`.
+    let at_nice = |seen: &serde_json::Value, nice: i64, who: &str| {
+        assert_eq!(seen[0], nice, "{who}: {seen}");
+        let refused = seen[1].as_str().unwrap_or_default();
         assert!(
-            seen[1]
-                .as_str()
-                .is_some_and(|s| s == "refused: EACCES" || s == "refused: EPERM"),
-            "{}: {seen}",
-            run_as.label
+            refused == "refused: EACCES" || refused == "refused: EPERM",
+            "{who}: {seen}"
         );
-        assert_eq!(seen[2], 10, "{}: {seen}", run_as.label);
+        assert_eq!(seen[2], nice, "{who}: {seen}");
+    };
+    for (run_as, start) in users_and_starts() {
+        let who = format!("{} {start:?}", run_as.label);
+        let gateway = Gateway::start_on(&run_as, start, "  warm: 0\n").await;
+        at_nice(&gateway.result(run_as.label, code).await, 10, &who);
         gateway.stop().await;
 
         let yaml = format!("{}  warm: 0\n", start.yaml());
         let niced = Gateway::start_niced(&run_as, &yaml, "127.0.0.1:9", 19).await;
         let seen = niced.result(run_as.label, code).await;
-        assert_eq!(seen[0], 19, "{} under nice 19: {seen}", run_as.label);
-        assert!(
-            seen[1]
-                .as_str()
-                .is_some_and(|s| s == "refused: EACCES" || s == "refused: EPERM"),
-            "{} under nice 19: {seen}",
-            run_as.label
-        );
-        assert_eq!(seen[2], 19, "{} under nice 19: {seen}", run_as.label);
+        at_nice(&seen, 19, &format!("{who} under nice 19"));
         niced.stop().await;
     }
 }

@@ -11,6 +11,16 @@ use nomad_integration_tests::{Fleet, FleetOptions, HeadRun, OtlpReceiver, Servic
 use serde::Deserialize as _;
 use serde_json::Value;
 
+/// Runs `count` MLP rollouts through `fleet` at once, checks every output against the model,
+/// and stops the fleet: the run.
+async fn run_checked_then_stop(fleet: &mut Fleet, count: usize) -> HeadRun {
+    let tasks = mlp_tasks(count);
+    let run = fleet.run_head(&tasks, count).await;
+    assert_outputs_match_the_model(fleet, &tasks, &run);
+    fleet.terminate().await;
+    run
+}
+
 /// Every rollout succeeded and returned what an independent forward pass of the model gives.
 fn assert_outputs_match_the_model(fleet: &Fleet, tasks: &[Value], run: &HeadRun) {
     assert!(run.success, "nomad run failed: {}", run.stderr);
@@ -48,10 +58,7 @@ fn otlp(receiver: &OtlpReceiver) -> FleetOptions {
 async fn twenty_concurrent_rollouts_are_twenty_whole_traces_after_sigterm() {
     let receiver = OtlpReceiver::grpc().await;
     let mut fleet = Fleet::start(otlp(&receiver)).await;
-    let tasks = mlp_tasks(20);
-    let run = fleet.run_head(&tasks, 20).await;
-    assert_outputs_match_the_model(&fleet, &tasks, &run);
-    fleet.terminate().await;
+    let run = run_checked_then_stop(&mut fleet, 20).await;
 
     let spans = receiver.spans();
     check_rollout_traces(&spans, &run.results, &run.run_id());
@@ -105,10 +112,7 @@ async fn console_exporter_lines_give_the_same_picture() {
         .env("NOMAD_OTEL_EXPORTER", "console")
         .env("NOMAD_OTEL_LOGS_ENABLED", "true");
     let mut fleet = Fleet::start(options).await;
-    let tasks = mlp_tasks(20);
-    let run = fleet.run_head(&tasks, 20).await;
-    assert_outputs_match_the_model(&fleet, &tasks, &run);
-    fleet.terminate().await;
+    let run = run_checked_then_stop(&mut fleet, 20).await;
 
     let mut spans = from_console(&run.stdout);
     for service in [Service::Gateway, Service::Scheduler, Service::DeviceWorker] {
@@ -153,10 +157,7 @@ async fn otlp_http_protobuf_delivers_the_same_traces() {
         .env("NOMAD_OTEL_OTLP_PROTOCOL", "http/protobuf")
         .env("NOMAD_OTEL_OTLP_ENDPOINT", receiver.endpoint.clone());
     let mut fleet = Fleet::start(options).await;
-    let tasks = mlp_tasks(4);
-    let run = fleet.run_head(&tasks, 4).await;
-    assert_outputs_match_the_model(&fleet, &tasks, &run);
-    fleet.terminate().await;
+    let run = run_checked_then_stop(&mut fleet, 4).await;
     check_rollout_traces(&receiver.spans(), &run.results, &run.run_id());
     assert!(
         receiver
@@ -212,10 +213,7 @@ async fn otel_sdk_disabled_beats_nomad_otel_enabled() {
     let receiver = OtlpReceiver::grpc().await;
     let options = otlp(&receiver).env("OTEL_SDK_DISABLED", "true");
     let mut fleet = Fleet::start(options).await;
-    let tasks = mlp_tasks(3);
-    let run = fleet.run_head(&tasks, 3).await;
-    assert_outputs_match_the_model(&fleet, &tasks, &run);
-    fleet.terminate().await;
+    run_checked_then_stop(&mut fleet, 3).await;
     assert_eq!(receiver.connections(), 0);
 }
 
@@ -231,10 +229,7 @@ async fn environment_beats_the_config_file() {
     .env("NOMAD_OTEL_SERVICE_NAME", "from-env")
     .env("NOMAD_OTEL_SPAN_GROUPS", "default");
     let mut fleet = Fleet::start(options).await;
-    let tasks = mlp_tasks(2);
-    let run = fleet.run_head(&tasks, 2).await;
-    assert_outputs_match_the_model(&fleet, &tasks, &run);
-    fleet.terminate().await;
+    let run = run_checked_then_stop(&mut fleet, 2).await;
 
     let services: BTreeSet<String> = receiver
         .spans()
@@ -262,10 +257,7 @@ async fn context_propagates_through_hops_whose_span_groups_are_off() {
         .service_env(Service::Scheduler, "NOMAD_OTEL_SPAN_GROUPS", "tool")
         .service_env(Service::DeviceWorker, "NOMAD_OTEL_SPAN_GROUPS", "batch");
     let mut fleet = Fleet::start(options).await;
-    let tasks = mlp_tasks(3);
-    let run = fleet.run_head(&tasks, 3).await;
-    assert_outputs_match_the_model(&fleet, &tasks, &run);
-    fleet.terminate().await;
+    let run = run_checked_then_stop(&mut fleet, 3).await;
 
     let spans = receiver.spans();
     assert!(spans.iter().all(|s| s.service_name != "nomad/gateway"));

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nomad_integration_tests::fleet::{make_mlp, mlp_tasks, models_dir};
 use nomad_integration_tests::jaeger::JaegerQuery;
-use nomad_integration_tests::process::{clean, start_fleet, up_command};
+use nomad_integration_tests::process::{clean, spawn_piped, start_fleet, up_command};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::strings_of;
 use nomad_integration_tests::unique_run_id;
@@ -728,16 +728,13 @@ async fn ctrl_c_stops_the_run_with_130_and_every_task_gets_its_line() {
     let tasks_path = dir.join("tasks.jsonl");
     write_tasks(&tasks_path, &tasks);
     let runs = dir.join("runs");
-    let up = up_command(&config, &runs)
-        .arg("--tasks")
-        .arg(&tasks_path)
-        .args(["--concurrency", "3", "--ready-timeout", "120"])
-        .env("NOMAD_OTEL_RUN_ID", "interrupted")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let up = spawn_piped(
+        up_command(&config, &runs)
+            .arg("--tasks")
+            .arg(&tasks_path)
+            .args(["--concurrency", "3", "--ready-timeout", "120"])
+            .env("NOMAD_OTEL_RUN_ID", "interrupted"),
+    );
     let results = runs.join("interrupted/results.jsonl");
     wait_until(
         "the quick rollouts did not finish",

@@ -130,16 +130,33 @@ impl Intake {
     }
 }
 
-/// The three OTLP/gRPC services differ only in their types and in which lines a request makes.
-macro_rules! otlp_services {
+/// What the collector takes of one signal's OTLP export request, over gRPC and HTTP alike.
+trait Export: prost::Message + Default + 'static {
+    type Response: prost::Message + Default;
+    const SIGNAL: Signal;
+    /// The request's lines, in the console exporter's format.
+    fn lines(&self) -> Vec<serde_json::Value>;
+}
+
+/// The three signals differ only in their types and in which lines a request makes: each one's
+/// [`Export`] and its OTLP/gRPC service.
+macro_rules! signals {
     ($($service:ident($request:ident -> $response:ident): $signal:expr, $lines:ident($field:ident);)*) => {$(
+        impl Export for $request {
+            type Response = $response;
+            const SIGNAL: Signal = $signal;
+            fn lines(&self) -> Vec<serde_json::Value> {
+                otlp_lines::$lines(&self.$field)
+            }
+        }
+
         #[tonic::async_trait]
         impl $service for Intake {
             async fn export(
                 &self,
                 request: tonic::Request<$request>,
             ) -> Result<tonic::Response<$response>, tonic::Status> {
-                let lines = otlp_lines::$lines(&request.get_ref().$field);
+                let lines = request.get_ref().lines();
                 self.accept($signal, lines).await.map_err(|r| r.grpc())?;
                 Ok(tonic::Response::new($response::default()))
             }
@@ -147,7 +164,7 @@ macro_rules! otlp_services {
     )*};
 }
 
-otlp_services! {
+signals! {
     TraceService(ExportTraceServiceRequest -> ExportTraceServiceResponse):
         Signal::Traces, span_lines(resource_spans);
     MetricsService(ExportMetricsServiceRequest -> ExportMetricsServiceResponse):
@@ -157,12 +174,10 @@ otlp_services! {
 }
 
 /// One OTLP/HTTP request: a protobuf body decoded into lines, or a status naming what was wrong.
-async fn http_export<R: prost::Message + Default, P: prost::Message + Default>(
+async fn http_export<R: Export>(
     intake: &Intake,
-    signal: Signal,
     headers: &HeaderMap,
     body: Bytes,
-    lines: impl FnOnce(&R) -> Vec<serde_json::Value>,
 ) -> (StatusCode, Vec<u8>) {
     let content_type = headers
         .get(header::CONTENT_TYPE)
@@ -187,58 +202,38 @@ async fn http_export<R: prost::Message + Default, P: prost::Message + Default>(
             );
         }
     };
-    match intake.accept(signal, lines(&request)).await {
-        Ok(()) => (StatusCode::OK, P::default().encode_to_vec()),
+    match intake.accept(R::SIGNAL, request.lines()).await {
+        Ok(()) => (
+            StatusCode::OK,
+            prost::Message::encode_to_vec(&R::Response::default()),
+        ),
         Err(refusal) => (refusal.http(), refusal.to_string().into_bytes()),
     }
 }
 
 fn http_router(intake: Intake, auth: Arc<nomad_rpc::auth::Auth>) -> axum::Router {
-    use axum::routing::post;
-    let (t, m, l) = (intake.clone(), intake.clone(), intake);
     axum::Router::new()
         .route(
             "/v1/traces",
-            post(move |headers: HeaderMap, body: Bytes| async move {
-                http_export::<ExportTraceServiceRequest, ExportTraceServiceResponse>(
-                    &t,
-                    Signal::Traces,
-                    &headers,
-                    body,
-                    |r| otlp_lines::span_lines(&r.resource_spans),
-                )
-                .await
-            }),
+            http_route::<ExportTraceServiceRequest>(&intake),
         )
         .route(
             "/v1/metrics",
-            post(move |headers: HeaderMap, body: Bytes| async move {
-                http_export::<ExportMetricsServiceRequest, ExportMetricsServiceResponse>(
-                    &m,
-                    Signal::Metrics,
-                    &headers,
-                    body,
-                    |r| otlp_lines::metric_lines(&r.resource_metrics),
-                )
-                .await
-            }),
+            http_route::<ExportMetricsServiceRequest>(&intake),
         )
-        .route(
-            "/v1/logs",
-            post(move |headers: HeaderMap, body: Bytes| async move {
-                http_export::<ExportLogsServiceRequest, ExportLogsServiceResponse>(
-                    &l,
-                    Signal::Logs,
-                    &headers,
-                    body,
-                    |r| otlp_lines::log_lines(&r.resource_logs),
-                )
-                .await
-            }),
-        )
+        .route("/v1/logs", http_route::<ExportLogsServiceRequest>(&intake))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         // Outermost: a request without the token is answered before its body is read.
         .layer(axum::middleware::from_fn_with_state(auth, authenticate))
+}
+
+/// `POST` of one signal's OTLP/HTTP export requests.
+fn http_route<R: Export>(intake: &Intake) -> axum::routing::MethodRouter {
+    let intake = intake.clone();
+    axum::routing::post(move |headers: HeaderMap, body: Bytes| {
+        let intake = intake.clone();
+        async move { http_export::<R>(&intake, &headers, body).await }
+    })
 }
 
 /// Refuses an OTLP/HTTP request that lacks the collector's token (401), naming what to send.
@@ -450,14 +445,8 @@ mod tests {
     }
 
     async fn post(intake: &Intake, content_type: &str, body: Bytes) -> (StatusCode, String) {
-        let (status, body) = http_export::<ExportTraceServiceRequest, ExportTraceServiceResponse>(
-            intake,
-            Signal::Traces,
-            &headers(content_type),
-            body,
-            |r| otlp_lines::span_lines(&r.resource_spans),
-        )
-        .await;
+        let (status, body) =
+            http_export::<ExportTraceServiceRequest>(intake, &headers(content_type), body).await;
         (status, String::from_utf8_lossy(&body).into_owned())
     }
 

@@ -260,6 +260,14 @@ mod tests {
 
     use crate::models::testing::vector_of as vector;
 
+    /// The largest difference between two vectors' components.
+    fn max_difference(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max)
+    }
+
     fn refusal(r: &Answer) -> &str {
         match r {
             Answer::Invalid(m) => m,
@@ -339,11 +347,7 @@ mod tests {
             .unwrap();
         let norm: f32 = alone.iter().map(|v| v * v).sum::<f32>().sqrt();
         assert!((norm - 1.0).abs() < 1e-5, "{norm}");
-        let diff = alone
-            .iter()
-            .zip(vector(&batched[1]))
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max);
+        let diff = max_difference(&alone, &vector(&batched[1]));
         assert!(diff < 1e-5, "padding changed the embedding by {diff}");
     }
 
@@ -364,11 +368,7 @@ mod tests {
             let alone = model
                 .execute(&[text(t, "")], &ExecLimits::default())
                 .unwrap();
-            let diff = vector(&alone[0])
-                .iter()
-                .zip(vector(&batched[i]))
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f32::max);
+            let diff = max_difference(&vector(&alone[0]), &vector(&batched[i]));
             assert!(diff < 1e-5, "input {i} differs by {diff} in the batch");
         }
     }
