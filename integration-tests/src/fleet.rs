@@ -11,7 +11,7 @@ use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::Value;
 use tokio::process::{Child, Command};
 
-use crate::process::{binary, clean, clean_at, listening, wait_for_file};
+use crate::process::{binary, clean, clean_at, listening, send_signal, wait_for_file};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Service {
@@ -542,8 +542,7 @@ impl Fleet {
     pub async fn terminate(&mut self) {
         for (_, child) in &self.children {
             if let Some(pid) = child.id() {
-                // SAFETY: kill(2) with a pid we spawned and a valid signal number.
-                unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+                send_signal(pid, libc::SIGTERM);
             }
         }
         for (service, child) in &mut self.children {

@@ -147,6 +147,24 @@ pub fn succeeded_blocking(command: &mut std::process::Command) -> std::process::
     output
 }
 
+/// Sends `signal` to process `pid` (one the test started); one already gone is no error.
+pub fn send_signal(pid: impl TryInto<libc::pid_t>, signal: libc::c_int) {
+    let Ok(pid) = pid.try_into() else {
+        panic!("not a process id")
+    };
+    // SAFETY: kill(2) takes two integers and touches none of this process's memory.
+    unsafe { libc::kill(pid, signal) };
+}
+
+/// Waits at most `within` for `child` to exit, panicking with `what` when it does not: its
+/// output (what it wrote to piped streams).
+pub async fn exited(child: Child, within: Duration, what: &str) -> std::process::Output {
+    tokio::time::timeout(within, child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not within {within:?}"))
+        .unwrap()
+}
+
 /// Starts `command` with its stdout and stderr piped (read at its end), killed if dropped.
 pub fn spawn_piped(command: &mut Command) -> Child {
     command

@@ -11,7 +11,7 @@ use serde_json::Value;
 use tonic::codegen::{Body, Bytes, StdError};
 
 use crate::Fleet;
-use crate::process::{binary, wait_for_file};
+use crate::process::{binary, send_signal, wait_for_file};
 use crate::users::{RunAs, gateway_users, sandbox_runs};
 
 /// Runs `code` through the gateway's `ExecuteCode`: its answer (the call itself must succeed).
@@ -206,8 +206,7 @@ impl Gateway {
 
     /// SIGTERM, and the gateway must exit cleanly.
     pub async fn stop(mut self) {
-        // SAFETY: kill(2) on the gateway this test started.
-        unsafe { libc::kill(self.pid as i32, libc::SIGTERM) };
+        send_signal(self.pid, libc::SIGTERM);
         let status = tokio::time::timeout(Duration::from_secs(15), self.child.wait())
             .await
             .expect("the gateway exits within 15 s of SIGTERM")
@@ -218,8 +217,7 @@ impl Gateway {
 
     /// SIGKILL: the gateway gets no chance to end its runs itself.
     pub async fn kill(mut self) {
-        // SAFETY: kill(2) on the gateway this test started.
-        unsafe { libc::kill(self.pid as i32, libc::SIGKILL) };
+        send_signal(self.pid, libc::SIGKILL);
         let _ = self.child.wait().await;
         let _ = std::fs::remove_dir_all(&self.dir);
     }

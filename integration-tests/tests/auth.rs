@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use nomad_integration_tests::assert_status;
 use nomad_integration_tests::fleet::{TEST_TOKEN, rpc_channel};
+use nomad_integration_tests::process::send_signal;
 use nomad_integration_tests::process::{clean, listening, refused_saying, wait_for_file};
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver};
 use nomad_proto::v1::device_worker_client::DeviceWorkerClient;
@@ -457,8 +458,7 @@ async fn the_collector_writes_only_what_the_token_holder_exports() {
     }
 
     // SIGTERM: the collector writes out what it took and stops.
-    // SAFETY: kill(2) on the child we spawned.
-    unsafe { libc::kill(collector.id().unwrap() as i32, libc::SIGTERM) };
+    send_signal(collector.id().unwrap(), libc::SIGTERM);
     let status = tokio::time::timeout(Duration::from_secs(30), collector.wait())
         .await
         .expect("nomad collect stops on SIGTERM")

@@ -10,6 +10,7 @@ use nomad_integration_tests::peers::{
     HttpUpstream, mcp_client, mcp_client_stdio, python_sdk, script,
 };
 use nomad_integration_tests::process::binary;
+use nomad_integration_tests::process::send_signal;
 use nomad_integration_tests::receiver::MetricRecord;
 use nomad_integration_tests::sandbox_gateway::run_code;
 use nomad_integration_tests::strings_of;
@@ -725,8 +726,7 @@ async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist(
     let upstreams = processes_with(&record);
     assert!(!upstreams.is_empty(), "no stdio upstream running");
     for pid in upstreams {
-        // SAFETY: kill(2) on a process this test's fleet started.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+        send_signal(pid, libc::SIGKILL);
     }
     let again = gateway.call_tool(shout("two")).await.unwrap().into_inner();
     assert_eq!(again.result_json, r#"{"result":"TWO"}"#);

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use nomad_integration_tests::fleet::{TEST_TOKEN, make_mlp};
 use nomad_integration_tests::peers::mcp_client;
 use nomad_integration_tests::process::{binary, clean, spawn_piped, start_fleet, up_command};
+use nomad_integration_tests::process::{exited, send_signal};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::{Fleet, read_jsonl};
 use serde_json::{Value, json};
@@ -51,8 +52,7 @@ fn servers(run_dir: &Path) -> BTreeMap<String, (Option<u64>, u64)> {
 }
 
 fn kill(pid: u64) {
-    // SAFETY: kill(2) on a server of the fleet this test started.
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    send_signal(pid, libc::SIGKILL);
 }
 
 /// Waits until `name` runs again after its `restarts`-th restart; how long that took.
@@ -356,10 +356,7 @@ async fn a_crash_loop_stops_the_fleet_naming_the_server() {
     std::fs::set_permissions(&worker, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let (pid, _) = servers(&run_dir)["device-worker-0"];
     kill(pid.unwrap());
-    let out = tokio::time::timeout(Duration::from_secs(60), up.wait_with_output())
-        .await
-        .expect("a crash loop stops the fleet")
-        .unwrap();
+    let out = exited(up, Duration::from_secs(60), "a crash loop stops the fleet").await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(

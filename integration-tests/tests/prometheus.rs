@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use nomad_integration_tests::Fleet;
 use nomad_integration_tests::fleet::nomad_up;
+use nomad_integration_tests::process::send_signal;
 use nomad_integration_tests::process::{clean, succeeded};
 use nomad_integration_tests::unique_run_id;
 use serde_json::Value;
@@ -221,9 +222,7 @@ async fn prometheus_scrapes_every_server_of_a_fleet_with_the_right_types() {
     );
 
     // SIGTERM stops the fleet (and with it every endpoint).
-    unsafe {
-        libc::kill(up.id().unwrap() as i32, libc::SIGTERM);
-    }
+    send_signal(up.id().unwrap(), libc::SIGTERM);
     let status = tokio::time::timeout(Duration::from_secs(60), up.wait())
         .await
         .unwrap()

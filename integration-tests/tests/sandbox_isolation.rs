@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+use nomad_integration_tests::process::send_signal;
 use nomad_integration_tests::sandbox_gateway::{
     Gateway, SYSCALL_HELPER, Start, processes_named, users_and_starts,
 };
@@ -282,8 +283,7 @@ async fn a_fork_server_that_is_gone_is_replaced() {
         let gateway = Gateway::start_on(&run_as, Start::Forked, "  warm: 0\n").await;
         assert_eq!(gateway.result(who, forked).await, true, "{who}");
         let zygote = zygote_of(gateway.pid).expect("a fork server");
-        // SAFETY: kill(2) on the zygote of the gateway this test started.
-        unsafe { libc::kill(zygote as i32, libc::SIGKILL) };
+        send_signal(zygote, libc::SIGKILL);
         gateway.still_serving("the fork server's death").await;
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {

@@ -11,6 +11,7 @@ use nomad_integration_tests::model_host::{
     assert_close, host_env, reference_toy, toy_entry, toy_weights,
 };
 use nomad_integration_tests::peers::{TasksClient, mcp_client, mcp_client_stdio};
+use nomad_integration_tests::process::send_signal;
 use nomad_integration_tests::process::{binary, clean, start_fleet};
 use nomad_integration_tests::read_jsonl;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
@@ -270,8 +271,7 @@ async fn every_tool_is_an_mcp_tool_of_its_own_over_http_batched_and_cancellable(
     assert!(in_trace("scheduler.jsonl", "nomad.tool.request"));
 
     // SIGTERM stops the whole fleet.
-    // SAFETY: kill(2) with a pid we spawned and a valid signal number.
-    unsafe { libc::kill(serve.id().unwrap() as i32, libc::SIGTERM) };
+    send_signal(serve.id().unwrap(), libc::SIGTERM);
     let status = tokio::time::timeout(Duration::from_secs(30), serve.wait())
         .await
         .expect("nomad serve stops on SIGTERM")

@@ -12,6 +12,7 @@ use std::time::Duration;
 use nomad_integration_tests::fleet::models_dir;
 use nomad_integration_tests::hub::{HubDouble, read_with_huggingface_hub};
 use nomad_integration_tests::model_host::described_tools;
+use nomad_integration_tests::process::send_signal;
 use nomad_integration_tests::process::{
     binary, refused_saying, start_fleet, succeeded, succeeded_blocking, up_command,
 };
@@ -461,8 +462,7 @@ async fn hub_models_download_into_the_shared_cache_are_pinned_and_serve_offline(
         Duration::from_secs(150),
     )
     .await;
-    // SAFETY: kill(2) on the child we spawned.
-    unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
+    send_signal(up.id().unwrap(), libc::SIGTERM);
     assert!(up.wait().await.unwrap().success());
 
     // The Hub's own library reads what Nomad wrote: the ref, the snapshot, the files.

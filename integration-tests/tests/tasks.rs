@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use nomad_integration_tests::fleet::{TEST_TOKEN, rpc_channel};
 use nomad_integration_tests::model_host::host_env;
 use nomad_integration_tests::peers::{TasksClient, mcp_client};
+use nomad_integration_tests::process::send_signal;
 use nomad_integration_tests::process::{start_fleet, up_command};
 use nomad_integration_tests::read_jsonl;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
@@ -375,8 +376,7 @@ async fn long_calls_are_tasks_a_client_polls_cancels_and_finds_again_after_a_cra
         .unwrap()["pid"]
         .as_i64()
         .unwrap();
-    // SAFETY: kill(2) with a pid this fleet started and a valid signal number.
-    unsafe { libc::kill(gateway_pid as i32, libc::SIGKILL) };
+    send_signal(gateway_pid, libc::SIGKILL);
     let mut again = TasksClient::start(&code_url, TEST_TOKEN);
     for task in [&cut, &done] {
         again
@@ -444,8 +444,7 @@ async fn long_calls_are_tasks_a_client_polls_cancels_and_finds_again_after_a_cra
         ) >= 1.0
     );
 
-    // SAFETY: kill(2) with a pid we spawned and a valid signal number.
-    unsafe { libc::kill(fleet_process.id().unwrap() as i32, libc::SIGTERM) };
+    send_signal(fleet_process.id().unwrap(), libc::SIGTERM);
     let _ = tokio::time::timeout(Duration::from_secs(30), fleet_process.wait()).await;
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,6 +5,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nomad_integration_tests::fleet::nomad_up;
+use nomad_integration_tests::process::send_signal;
 use nomad_integration_tests::process::{binary, clean, refused_saying};
 use nomad_integration_tests::unique_run_id;
 use nomad_integration_tests::{Fleet, wait_until};
@@ -119,9 +120,7 @@ async fn top_shows_a_live_fleet_under_load_and_quits_on_q() {
         || !tmux(&["has-session", "-t", &session]).status.success(),
     )
     .await;
-    unsafe {
-        libc::kill(up.id().unwrap() as i32, libc::SIGTERM);
-    }
+    send_signal(up.id().unwrap(), libc::SIGTERM);
     assert!(up.wait().await.unwrap().success());
 
     // The fleet is gone (its fleet.json stays): both commands say so and fail.

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use nomad_integration_tests::fleet::{make_mlp, mlp_tasks, models_dir};
 use nomad_integration_tests::jaeger::JaegerQuery;
 use nomad_integration_tests::process::{clean, spawn_piped, start_fleet, up_command};
+use nomad_integration_tests::process::{exited, send_signal};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
 use nomad_integration_tests::strings_of;
 use nomad_integration_tests::unique_run_id;
@@ -253,8 +254,7 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     .await;
 
     // SIGTERM: the fleet stops in order, flushed, and nothing is left running.
-    // SAFETY: kill(2) on the child we spawned.
-    unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
+    send_signal(up.id().unwrap(), libc::SIGTERM);
     let status = tokio::time::timeout(Duration::from_secs(60), up.wait())
         .await
         .expect("nomad up stops within 60 s of SIGTERM")
@@ -545,12 +545,13 @@ async fn a_dead_server_is_reported_and_the_fleet_stops_without_restarts() {
             .unwrap()
     };
     let victim = pid_of("device-worker-1");
-    // SAFETY: kill(2) on a process of the fleet this test started.
-    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
-    let out = tokio::time::timeout(Duration::from_secs(60), up.wait_with_output())
-        .await
-        .expect("nomad up stops after a server dies")
-        .unwrap();
+    send_signal(victim, libc::SIGKILL);
+    let out = exited(
+        up,
+        Duration::from_secs(60),
+        "nomad up stops after a server dies",
+    )
+    .await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
@@ -692,8 +693,7 @@ async fn the_readme_tour_snippet_runs_against_a_live_default_fleet() {
             _ => {}
         }
     }
-    // SAFETY: kill(2) on the child we spawned.
-    unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGTERM) };
+    send_signal(up.id().unwrap(), libc::SIGTERM);
     assert!(up.wait().await.unwrap().success());
     // The client's MCP sessions left no protocol bookkeeping in the gateway's log (the MCP
     // library's INFO lines, one of them a dump of the client's request).
@@ -742,12 +742,8 @@ async fn ctrl_c_stops_the_run_with_130_and_every_task_gets_its_line() {
         || read_jsonl(&results).len() >= 3,
     )
     .await;
-    // SAFETY: kill(2) on the child we spawned.
-    unsafe { libc::kill(up.id().unwrap() as i32, libc::SIGINT) };
-    let out = tokio::time::timeout(Duration::from_secs(60), up.wait_with_output())
-        .await
-        .expect("nomad up stops within 60 s of Ctrl-C")
-        .unwrap();
+    send_signal(up.id().unwrap(), libc::SIGINT);
+    let out = exited(up, Duration::from_secs(60), "nomad up stops on Ctrl-C").await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(130), "{stderr}");

@@ -288,6 +288,13 @@ mod tests {
     use super::*;
     use serde::Deserialize;
 
+    /// A directory of this test process's own, named for the test.
+    fn scratch(test: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("nomad-config-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
     #[derive(Debug, Default, Deserialize, PartialEq)]
     struct Section {
         a: Option<u32>,
@@ -339,8 +346,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("/nonexistent/nomad.yaml") && msg.contains("not found"));
-        let dir = std::env::temp_dir().join(format!("nomad-config-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = scratch("test");
         let ini = dir.join("nomad.ini");
         std::fs::write(&ini, "x=1").unwrap();
         let msg = ConfigFile::load(Some(&ini)).unwrap_err().to_string();
@@ -349,8 +355,7 @@ mod tests {
 
     #[test]
     fn toml_and_yaml_files_load_the_same_section() {
-        let dir = std::env::temp_dir().join(format!("nomad-config-fmt-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = scratch("fmt");
         let y = dir.join("c.yaml");
         let t = dir.join("c.toml");
         std::fs::write(&y, "head:\n  a: 7\n  b: hi\n").unwrap();
@@ -363,8 +368,7 @@ mod tests {
 
     #[test]
     fn variables_expand_at_load_and_a_syntax_error_is_the_files() {
-        let dir = std::env::temp_dir().join(format!("nomad-config-vars-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = scratch("vars");
         let y = dir.join("c.yaml");
         std::fs::write(&y, "head:\n  a: 7\n  b: ${WHO:nobody}-${HOME}\n").unwrap();
         let env: &[(&str, &str)] = &[("HOME", "/h")];
@@ -390,8 +394,7 @@ mod tests {
 
     #[test]
     fn an_unknown_top_level_key_is_refused_with_the_nearest_section() {
-        let dir = std::env::temp_dir().join(format!("nomad-config-keys-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = scratch("keys");
         let y = dir.join("c.yaml");
         std::fs::write(&y, "tool:\n  - name: x\n").unwrap();
         let message = ConfigFile::load(Some(&y)).unwrap_err().to_string();

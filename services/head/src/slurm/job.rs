@@ -18,6 +18,7 @@ use super::cli;
 use crate::rollouts::{self, Runner};
 use crate::supervisor::{ChildSpec, Exit, Supervisor};
 use crate::up::env::Layered;
+use crate::up::run_dir::addr_file;
 use crate::{run_id, tasks};
 
 #[derive(clap::Args)]
@@ -363,11 +364,12 @@ async fn start(
         gpus_per_node,
         timeout,
     } = *layout;
-    let addr_file = |name: &str| run_dir.join(format!("{name}.addr"));
     let path = |p: &Path| p.display().to_string();
     // Where step `index` listens once it has written its address file, as other nodes dial it.
     let listening = async |sup: &mut Supervisor, index: usize, name: &str| {
-        let bound = sup.wait_for_file(index, &addr_file(name), timeout).await?;
+        let bound = sup
+            .wait_for_file(index, &addr_file(run_dir, name), timeout)
+            .await?;
         reachable(&bound, host)
     };
     let collector = steps.spawn(
@@ -388,7 +390,7 @@ async fn start(
                 "--http-listen".into(),
                 "0.0.0.0:0".into(),
                 "--addr-file".into(),
-                path(&addr_file("collector")),
+                path(&addr_file(run_dir, "collector")),
             ],
         },
     )?;
@@ -419,7 +421,7 @@ async fn start(
             "--listen".into(),
             "0.0.0.0:0".into(),
             "--addr-file".into(),
-            path(&addr_file(name)),
+            path(&addr_file(run_dir, name)),
         ];
         a.extend(extra);
         a

@@ -10,6 +10,7 @@ use nomad_telemetry::KeyValue;
 use nomad_telemetry::startup::Startup;
 
 use crate::supervisor::{ChildSpec, Supervisor};
+use crate::up::run_dir::addr_file;
 
 /// GPUs `nvidia-smi -L` lists; 0 when there is no such tool.
 pub fn gpu_count() -> usize {
@@ -242,7 +243,6 @@ pub async fn start_fleet(
         prometheus,
         front,
     } = *plan;
-    let addr_file = |name: &str| run_dir.join(format!("{name}.addr"));
     let mut scrape = Vec::new();
     // Each spawn's span, open until the server listens: the server's start-up continues it.
     let mut spec =
@@ -266,11 +266,11 @@ pub async fn start_fleet(
                 "--listen".into(),
                 free_loopback_address()?,
                 "--addr-file".into(),
-                addr_file(name).display().to_string(),
+                addr_file(run_dir, name).display().to_string(),
             ]);
-            let mut ready_files = vec![addr_file(name)];
+            let mut ready_files = vec![addr_file(run_dir, name)];
             if server_type == "gateway" {
-                ready_files.push(run_dir.join("gateway-mcp.addr"));
+                ready_files.push(addr_file(run_dir, "gateway-mcp"));
             }
             let child = ChildSpec {
                 name: name.into(),
@@ -287,7 +287,7 @@ pub async fn start_fleet(
     let (child, spawning) = spec("scheduler", "scheduler", "nomad-scheduler", vec![], false)?;
     let scheduler_index = sup.spawn(child)?;
     let scheduler = sup
-        .wait_for_file(scheduler_index, &addr_file("scheduler"), timeout)
+        .wait_for_file(scheduler_index, &addr_file(run_dir, "scheduler"), timeout)
         .await?;
     spawning.end();
     let mut addresses = vec![(scheduler_index, scheduler.clone())];
@@ -304,7 +304,9 @@ pub async fn start_fleet(
         }
         let (child, spawning) = spec(&name, "device-worker", "nomad-device-worker", args, false)?;
         let index = sup.spawn(child)?;
-        let address = sup.wait_for_file(index, &addr_file(&name), timeout).await?;
+        let address = sup
+            .wait_for_file(index, &addr_file(run_dir, &name), timeout)
+            .await?;
         spawning.end();
         addresses.push((index, address));
     }
@@ -313,7 +315,7 @@ pub async fn start_fleet(
     if matches!(front, GatewayFront::ToolsHttp { .. }) {
         wait_described(sup, &scheduler, super::DESCRIBED_WITHIN).await?;
     }
-    let mcp_addr_file = run_dir.join("gateway-mcp.addr");
+    let mcp_addr_file = addr_file(run_dir, "gateway-mcp");
     // The task store is kept in the run directory, so a gateway started again finds it.
     let mut args = vec![
         "--scheduler".into(),
@@ -343,7 +345,7 @@ pub async fn start_fleet(
     let (child, spawning) = spec("gateway", "gateway", "nomad-gateway", args, stdio)?;
     let gateway_index = sup.spawn(child)?;
     let gateway = sup
-        .wait_for_file(gateway_index, &addr_file("gateway"), timeout)
+        .wait_for_file(gateway_index, &addr_file(run_dir, "gateway"), timeout)
         .await?;
     spawning.end();
     let mcp = match listen {

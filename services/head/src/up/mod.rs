@@ -29,7 +29,7 @@ pub(crate) mod fleet;
 pub(crate) mod fleet_file;
 pub(crate) mod models;
 pub(crate) mod ready;
-mod run_dir;
+pub(crate) mod run_dir;
 mod summary;
 
 pub(crate) use run_dir::write_private;

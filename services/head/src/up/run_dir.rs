@@ -67,6 +67,11 @@ pub(super) fn pin_kept_config(kept: Option<&Path>, config: &Path, pins: Vec<(Str
 /// Writes `bytes` to a new file only its owner may read (mode 0600). The file must not exist
 /// yet, and a symbolic link in its place is refused, so a token is never written through a link
 /// another user planted or into a file someone else already opened.
+/// Where server `name` of the run in `run_dir` writes the address it listens on.
+pub(crate) fn addr_file(run_dir: &Path, name: &str) -> PathBuf {
+    run_dir.join(format!("{name}.addr"))
+}
+
 pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;

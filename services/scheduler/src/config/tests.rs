@@ -11,6 +11,14 @@ fn error(yaml: &str) -> String {
     load(yaml).unwrap_err().to_string()
 }
 
+/// Each config is refused with a message that says what its case expects.
+fn refused_saying(cases: &[(&str, &str)]) {
+    for (yaml, expected) in cases {
+        let message = error(yaml);
+        assert!(message.contains(expected), "{yaml}\n{message}");
+    }
+}
+
 #[test]
 fn builtin_tools_take_the_managers_defaults() {
     let tools = load("tools:\n  - name: mlp\n    kind: mlp\n    source: /models/mlp\n").unwrap();
@@ -67,10 +75,7 @@ fn bad_builtin_entries_are_named_with_what_is_wrong() {
             "tools[0]: an entry needs `kind`",
         ),
     ];
-    for (yaml, expected) in cases {
-        let message = error(yaml);
-        assert!(message.contains(expected), "{yaml}\n{message}");
-    }
+    refused_saying(&cases);
 }
 
 #[test]
@@ -178,10 +183,7 @@ fn bad_python_entries_are_named_with_what_is_wrong() {
             "tools[0].tool_kwargs: invalid type",
         ),
     ];
-    for (yaml, expected) in cases {
-        let message = error(yaml);
-        assert!(message.contains(expected), "{yaml}\n{message}");
-    }
+    refused_saying(&cases);
 }
 
 #[test]

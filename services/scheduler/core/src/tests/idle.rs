@@ -81,9 +81,7 @@ fn disk_unload_waits_for_no_slot_no_queue_and_nothing_in_flight() {
 #[test]
 fn a_queued_request_blocks_disk_unload() {
     let mut h = Harness::new(vec![spec("a", 1, 1, 8), spec("b", 1, 1, 8)], 1);
-    h.submit("a");
-    let d = h.placed();
-    h.finish(d[0].0, BatchResult::Done(vec![None]));
+    h.served("a");
     h.advance(IDLE);
     h.core.slot_freed(0, h.now);
     h.core.take_actions();
@@ -108,9 +106,7 @@ fn cache_clear_runs_once_after_whole_server_idleness() {
         h.advance(GC_IDLE).is_empty(),
         "nothing used, nothing to clear"
     );
-    h.submit("a");
-    let d = h.placed();
-    h.finish(d[0].0, BatchResult::Done(vec![None]));
+    h.served("a");
     let t = h.advance(GC_IDLE);
     // The eviction at IDLE came first and keeps its slot busy until freed.
     assert!(t.contains(&Action::Evict { slot: 0, tool: 0 }), "{t:?}");

@@ -109,6 +109,13 @@ impl Harness {
         dispatches(&self.prepare_ok(&actions))
     }
 
+    /// Submits one request of `tool`, places it, and answers its batch.
+    fn served(&mut self, tool: &str) {
+        self.submit(tool);
+        let d = self.placed();
+        self.finish(d[0].0, BatchResult::Done(vec![None]));
+    }
+
     fn finish(&mut self, batch: BatchId, result: BatchResult) -> Vec<Action> {
         self.core.batch_finished(batch, result, self.now);
         self.take()

@@ -113,9 +113,7 @@ fn max_devices_caps_the_slots_a_tool_holds() {
 #[test]
 fn placing_on_a_slot_holding_another_tool_offloads_it_first() {
     let mut h = Harness::new(vec![spec("a", 1, 1, 8), spec("b", 1, 1, 8)], 1);
-    h.submit("a");
-    let d = h.placed();
-    h.finish(d[0].0, BatchResult::Done(vec![None]));
+    h.served("a");
     h.submit("b");
     let actions = h.take();
     assert_eq!(
