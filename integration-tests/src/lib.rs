@@ -39,14 +39,8 @@ pub fn unique_run_id(prefix: &str) -> String {
 
 /// Waits until `done` holds, checking every 50 ms; panics naming `what` after `within`.
 pub async fn wait_until(what: &str, within: std::time::Duration, mut done: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + within;
-    while !done() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: not within {within:?}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    let every = std::time::Duration::from_millis(50);
+    wait_until_async(what, within, every, async || done()).await;
 }
 
 /// [`wait_until`] for a check that awaits (a call, a query), made every `every`.

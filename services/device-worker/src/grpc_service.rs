@@ -91,12 +91,12 @@ impl WorkerService {
         span
     }
 
-    /// Moves `tool`'s model between host and device memory (`operation` names its span, which
-    /// records a failure), off the async threads: the copy can take seconds.
+    /// Moves `tool`'s model between host and device memory off the async threads (the copy can
+    /// take seconds), in a span named `operation` that records a failure as `error_type`.
     async fn move_model(
         &self,
         tool: &str,
-        operation: &'static str,
+        (operation, error_type): (&'static str, &'static str),
         move_it: fn(&ModelStore, &str) -> Result<(), StoreError>,
     ) -> Result<(), Status> {
         let span = self.device_span(operation, tool);
@@ -104,9 +104,7 @@ impl WorkerService {
         blocking(move || move_it(&store, &tool))
             .await?
             .map_err(|e| {
-                // `place_failed`, `offload_failed`.
-                let what = operation.rsplit('.').next().unwrap_or(operation);
-                span.set_error(format!("{what}_failed"), e.to_string());
+                span.set_error(error_type, e.to_string());
                 store_status(e)
             })
     }
@@ -174,8 +172,12 @@ impl DeviceWorker for WorkerService {
         request: Request<PlaceRequest>,
     ) -> Result<Response<PlaceResponse>, Status> {
         let tool = required_tool(&request.get_ref().tool)?;
-        self.move_model(tool, "nomad.device.place", ModelStore::place)
-            .await?;
+        self.move_model(
+            tool,
+            ("nomad.device.place", "place_failed"),
+            ModelStore::place,
+        )
+        .await?;
         Ok(Response::new(PlaceResponse {}))
     }
 
@@ -184,8 +186,12 @@ impl DeviceWorker for WorkerService {
         request: Request<OffloadRequest>,
     ) -> Result<Response<OffloadResponse>, Status> {
         let tool = required_tool(&request.get_ref().tool)?;
-        self.move_model(tool, "nomad.device.offload", ModelStore::offload)
-            .await?;
+        self.move_model(
+            tool,
+            ("nomad.device.offload", "offload_failed"),
+            ModelStore::offload,
+        )
+        .await?;
         Ok(Response::new(OffloadResponse {}))
     }
 

@@ -157,7 +157,7 @@ macro_rules! signals {
                 request: tonic::Request<$request>,
             ) -> Result<tonic::Response<$response>, tonic::Status> {
                 let lines = request.get_ref().lines();
-                self.accept($signal, lines).await.map_err(|r| r.grpc())?;
+                self.accept(<$request as Export>::SIGNAL, lines).await.map_err(|r| r.grpc())?;
                 Ok(tonic::Response::new($response::default()))
             }
         }

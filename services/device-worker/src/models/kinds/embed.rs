@@ -260,14 +260,6 @@ mod tests {
 
     use crate::models::testing::vector_of as vector;
 
-    /// The largest difference between two vectors' components.
-    fn max_difference(a: &[f32], b: &[f32]) -> f32 {
-        a.iter()
-            .zip(b)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max)
-    }
-
     fn refusal(r: &Answer) -> &str {
         match r {
             Answer::Invalid(m) => m,
@@ -283,11 +275,12 @@ mod tests {
         .unwrap()
     }
 
-    fn max_diff(a: &[f32], b: &[f64]) -> f64 {
+    /// The largest difference between two vectors' components (of the same length).
+    fn max_diff<T: Copy + Into<f64>>(a: &[f32], b: &[T]) -> f64 {
         assert_eq!(a.len(), b.len());
         a.iter()
             .zip(b)
-            .map(|(x, y)| (f64::from(*x) - y).abs())
+            .map(|(x, y)| (f64::from(*x) - (*y).into()).abs())
             .fold(0.0, f64::max)
     }
 
@@ -347,7 +340,7 @@ mod tests {
             .unwrap();
         let norm: f32 = alone.iter().map(|v| v * v).sum::<f32>().sqrt();
         assert!((norm - 1.0).abs() < 1e-5, "{norm}");
-        let diff = max_difference(&alone, &vector(&batched[1]));
+        let diff = max_diff(&alone, &vector(&batched[1]));
         assert!(diff < 1e-5, "padding changed the embedding by {diff}");
     }
 
@@ -368,7 +361,7 @@ mod tests {
             let alone = model
                 .execute(&[text(t, "")], &ExecLimits::default())
                 .unwrap();
-            let diff = max_difference(&vector(&alone[0]), &vector(&batched[i]));
+            let diff = max_diff(&vector(&alone[0]), &vector(&batched[i]));
             assert!(diff < 1e-5, "input {i} differs by {diff} in the batch");
         }
     }
