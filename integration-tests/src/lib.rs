@@ -153,6 +153,16 @@ pub fn assert_status(status: &tonic::Status, code: tonic::Code, needle: &str) {
     );
 }
 
+/// Asserts that `value[field]` is a text that says `needle` (the whole value shown where not).
+#[track_caller]
+pub fn assert_says(value: &serde_json::Value, field: &str, needle: &str) {
+    let said = value[field].as_str();
+    assert!(
+        said.is_some_and(|text| text.contains(needle)),
+        "`{field}` does not say {needle:?}: {value}"
+    );
+}
+
 /// A text as a tool's input, with its options as a JSON object (empty: none).
 pub fn text_input(
     text: impl Into<String>,
@@ -173,5 +183,37 @@ pub fn text_call(
     nomad_proto::v1::CallToolRequest {
         tool: tool.into(),
         input: Some(text_input(text, options)),
+    }
+}
+
+/// Polls the head's run `run_id` every `every` until it has finished, at most `within`, `during`
+/// seeing each state on the way: the finished run.
+pub async fn finished_run<T>(
+    head: &mut nomad_proto::v1::head_client::HeadClient<T>,
+    run_id: &str,
+    (within, every): (std::time::Duration, std::time::Duration),
+    mut during: impl FnMut(&nomad_proto::v1::Run),
+) -> nomad_proto::v1::Run
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let request = nomad_proto::v1::GetRunRequest {
+            run_id: run_id.to_owned(),
+        };
+        let run = head.get_run(request).await.unwrap().into_inner();
+        if run.state == nomad_proto::v1::RunState::Finished as i32 {
+            return run;
+        }
+        during(&run);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "run {run_id} did not finish within {within:?}: {run:?}"
+        );
+        tokio::time::sleep(every).await;
     }
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use nomad_proto::v1::scheduler_client::SchedulerClient;
-use nomad_proto::v1::{ListToolsRequest, ToolInfo, ToolState};
+use nomad_proto::v1::{CallToolResponse, ListToolsRequest, ToolInfo, ToolState};
 use serde_json::{Value, json};
 
 /// Python 3.12 or newer: `NOMAD_TEST_PYTHON312`, else pyenv's newest 3.12+, else `python3.13` or
@@ -303,4 +303,32 @@ pub fn toy_entry(weights: &Path, extra: &str) -> String {
         weights.display(),
         json!(scifm_requirements())
     )
+}
+
+/// The tool `name` among `listed`, which must be in `state` (its error shown where it is not).
+pub fn listed_as<'a>(listed: &'a [ToolInfo], name: &str, state: ToolState) -> &'a ToolInfo {
+    let tool =
+        (listed.iter().find(|t| t.name == name)).unwrap_or_else(|| panic!("{name}: not listed"));
+    assert_eq!(tool.state(), state, "{name}: {}", tool.error);
+    tool
+}
+
+/// Text calls of `tool`, each its text and options (JSON), sent at once so that they share
+/// batches: their answers, in order.
+pub async fn text_calls_at_once(
+    client: &SchedulerClient<nomad_rpc::Channel>,
+    tool: &str,
+    calls: Vec<(String, String)>,
+) -> Vec<Result<CallToolResponse, tonic::Status>> {
+    futures::future::join_all(calls.into_iter().map(|(text, options)| {
+        let mut client = client.clone();
+        async move {
+            let request = crate::text_call(tool, text, options);
+            client
+                .call_tool(request)
+                .await
+                .map(tonic::Response::into_inner)
+        }
+    }))
+    .await
 }

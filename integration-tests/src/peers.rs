@@ -2,7 +2,7 @@
 //! scripts/test): an upstream MCP server and an MCP client.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -32,39 +32,31 @@ pub struct HttpUpstream {
 }
 
 impl HttpUpstream {
-    pub async fn start(dir: &Path, record: &Path) -> Self {
-        let port_file = dir.join(format!("upstream-{}.port", uuid::Uuid::new_v4().simple()));
-        let child = tokio::process::Command::new(python_sdk())
+    /// The SDK's upstream server over streamable HTTP, recording each call it serves to
+    /// `<dir>/http-record.jsonl` (its stderr in `<dir>/upstream-<id>.stderr`).
+    pub async fn start(dir: &Path) -> Self {
+        let id = uuid::Uuid::new_v4().simple();
+        let port_file = dir.join(format!("upstream-{id}.port"));
+        let log = dir.join(format!("upstream-{id}.stderr"));
+        let mut child = tokio::process::Command::new(python_sdk())
             .arg(script("upstream_server.py"))
             .args(["--transport", "http", "--record"])
-            .arg(record)
+            .arg(dir.join("http-record.jsonl"))
             .arg("--port-file")
             .arg(&port_file)
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
             .kill_on_drop(true)
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let port = loop {
-            if let Ok(p) = std::fs::read_to_string(&port_file) {
-                break p.trim().to_owned();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the Python upstream did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        // Wait until it accepts connections.
+        let port =
+            crate::process::wait_for_file(&port_file, &mut child, "the upstream", &log).await;
         let addr = format!("127.0.0.1:{port}");
-        while tokio::net::TcpStream::connect(&addr).await.is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "the Python upstream does not listen"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let (within, every) = (Duration::from_secs(30), Duration::from_millis(50));
+        crate::wait_until_async("the upstream listening", within, every, async || {
+            tokio::net::TcpStream::connect(&addr).await.is_ok()
+        })
+        .await;
         Self {
             url: format!("http://{addr}/mcp"),
             child,
@@ -112,6 +104,18 @@ async fn run_client(args: &[String], calls: &Value) -> Vec<Value> {
     lines
 }
 
+/// The Python peer `name` (from `integration-tests/python`, in the test environment) with
+/// `args`, its stdin piped; killed if dropped.
+fn peer(name: &str, args: &[String]) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(python_sdk());
+    command
+        .arg(script(name))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    command
+}
+
 /// Runs the Python peer `name` (from `integration-tests/python`, in the test environment) with
 /// `args` and `input` as JSON on its stdin, for at most `limit`: the JSON lines it printed, and
 /// its stderr.
@@ -122,15 +126,7 @@ pub async fn run_script(
     limit: Duration,
 ) -> (Vec<Value>, String) {
     use tokio::io::AsyncWriteExt as _;
-    let mut child = tokio::process::Command::new(python_sdk())
-        .arg(script(name))
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut child = crate::process::spawn_piped(&mut peer(name, args));
     let mut stdin = child.stdin.take().unwrap();
     stdin.write_all(input.to_string().as_bytes()).await.unwrap();
     drop(stdin);
@@ -167,13 +163,8 @@ impl TasksClient {
     }
 
     fn spawn(args: &[String]) -> Self {
-        let mut child = tokio::process::Command::new(python_sdk())
-            .arg(script("tasks_client.py"))
-            .args(args)
-            .stdin(std::process::Stdio::piped())
+        let mut child = peer("tasks_client.py", args)
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::inherit())
-            .kill_on_drop(true)
             .spawn()
             .unwrap();
         use tokio::io::AsyncBufReadExt as _;

@@ -69,15 +69,17 @@ pub async fn wait_for_file(path: &Path, child: &mut Child, what: &str, log: &Pat
     }
 }
 
-/// `nomad up --config CONFIG --runs-dir RUNS`, a clean command to add to.
-pub fn up_command(config: &Path, runs: &Path) -> Command {
+/// `nomad up --config CONFIG --runs-dir RUNS` with its run id set (its run directory is
+/// `RUNS/RUN_ID`), a clean command to add to.
+pub fn up_command(config: &Path, runs: &Path, run_id: &str) -> Command {
     let mut command = clean("nomad");
     command
         .arg("up")
         .arg("--config")
         .arg(config)
         .arg("--runs-dir")
-        .arg(runs);
+        .arg(runs)
+        .env("NOMAD_OTEL_RUN_ID", run_id);
     command
 }
 

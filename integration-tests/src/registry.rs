@@ -112,9 +112,7 @@ impl Registry {
 
     /// An htpasswd line for `user` with `password` (bcrypt, by Python's bcrypt package).
     pub fn htpasswd_line(user: &str, password: &str) -> String {
-        let output = succeeded_blocking(Command::new(crate::peers::python_sdk())
-            .arg("-c")
-            .arg("import sys, bcrypt\nprint(sys.argv[1] + ':' + bcrypt.hashpw(sys.argv[2].encode(), bcrypt.gensalt()).decode())")
+        let output = succeeded_blocking(python_c("import sys, bcrypt\nprint(sys.argv[1] + ':' + bcrypt.hashpw(sys.argv[2].encode(), bcrypt.gensalt()).decode())")
             .args([user, password]));
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
@@ -137,9 +135,7 @@ impl Registry {
             response.raise_for_status()\n\
             print(response.headers['Docker-Content-Digest'])\n";
         let output = succeeded_blocking(
-            Command::new(crate::peers::python_sdk())
-                .arg("-c")
-                .arg(script)
+            python_c(script)
                 .arg(format!("{}/{target}", self.addr))
                 .args(&files)
                 .current_dir(model),
@@ -160,15 +156,10 @@ impl Registry {
             r = requests.head(sys.argv[1], headers={'Accept': 'application/vnd.oci.image.manifest.v1+json'})\n\
             r.raise_for_status()\n\
             print(r.headers['Docker-Content-Digest'])\n";
-        let output = succeeded_blocking(
-            Command::new(crate::peers::python_sdk())
-                .arg("-c")
-                .arg(script)
-                .arg(format!(
-                    "http://{}/v2/{repository}/manifests/{tag}",
-                    self.addr
-                )),
-        );
+        let output = succeeded_blocking(python_c(script).arg(format!(
+            "http://{}/v2/{repository}/manifests/{tag}",
+            self.addr
+        )));
         String::from_utf8_lossy(&output.stdout).trim().to_owned()
     }
 
@@ -178,9 +169,7 @@ impl Registry {
         let script = "import sys\nimport oras.client\n\
             oras.client.OrasClient(insecure=True).pull(target=sys.argv[1], outdir=sys.argv[2])\n";
         succeeded_blocking(
-            Command::new(crate::peers::python_sdk())
-                .arg("-c")
-                .arg(script)
+            python_c(script)
                 .arg(format!("{}/{reference}", self.addr))
                 .arg(into),
         );
@@ -191,4 +180,11 @@ impl Drop for Registry {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// The test environment's Python running `script` (`python -c`), its arguments to follow.
+fn python_c(script: &str) -> Command {
+    let mut command = Command::new(crate::peers::python_sdk());
+    command.arg("-c").arg(script);
+    command
 }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use nomad_proto::v1::gateway_client::GatewayClient;
-use nomad_proto::v1::{ExecuteCodeRequest, ExecuteResponse};
+use nomad_proto::v1::{ExecuteCodeRequest, ExecuteResponse, GatewayStatus, GatewayStatusRequest};
 use serde_json::Value;
 use tonic::codegen::{Body, Bytes, StdError};
 
@@ -163,6 +163,16 @@ impl Gateway {
         run_code(&mut self.client.clone(), code).await
     }
 
+    /// The gateway's `Status`: its sandbox's layers, runs and memory.
+    pub async fn status(&self) -> GatewayStatus {
+        let mut client = self.client.clone();
+        client
+            .status(GatewayStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
     /// RESULT of `code`, which must succeed.
     pub async fn result(&self, label: &str, code: &str) -> Value {
         let reply = self.run(code).await;
@@ -240,11 +250,38 @@ def call(nr, *args):
 ";
 
 /// Every user the gateway runs as (see [`gateway_users`]), with each way a run starts.
-pub fn users_and_starts() -> Vec<(RunAs, Start)> {
+pub fn users_and_starts() -> Vec<Case> {
     gateway_users()
         .into_iter()
-        .flat_map(|run_as| Start::BOTH.map(|start| (run_as.clone(), start)))
+        .flat_map(|run_as| {
+            Start::BOTH.map(|start| Case {
+                who: format!("{} {start:?}", run_as.label),
+                run_as: run_as.clone(),
+                start,
+            })
+        })
         .collect()
+}
+
+/// One way a containment test runs: the gateway's user and how its runs start.
+pub struct Case {
+    pub run_as: RunAs,
+    pub start: Start,
+    /// Names the case in every assertion message (`root Forked`).
+    pub who: String,
+}
+
+impl std::fmt::Display for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.who)
+    }
+}
+
+impl Case {
+    /// A gateway of this case's user whose runs start this case's way.
+    pub async fn gateway(&self, sandbox_yaml: &str) -> Gateway {
+        Gateway::start_on(&self.run_as, self.start, sandbox_yaml).await
+    }
 }
 
 /// Processes anywhere on the host whose name (`/proc/<pid>/comm`) is `name`: what a run that

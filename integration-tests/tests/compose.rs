@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::{Duration, Instant, SystemTime};
 
+use nomad_integration_tests::finished_run;
 use nomad_integration_tests::fleet::{TEST_TOKEN, models_dir, rpc_channel};
 use nomad_integration_tests::process::{binary, succeeded_blocking};
 use nomad_integration_tests::spans::{SpanRecord, check_rollout_traces, from_otlp};
@@ -14,7 +15,7 @@ use nomad_proto::jaeger::query_service_client::QueryServiceClient;
 use nomad_proto::jaeger::{FindTracesRequest, TraceQueryParameters};
 use nomad_proto::v1::head_client::HeadClient;
 use nomad_proto::v1::scheduler_client::SchedulerClient;
-use nomad_proto::v1::{GetRunRequest, ListWorkersRequest, RunState, StartRunRequest};
+use nomad_proto::v1::{ListWorkersRequest, StartRunRequest};
 use opentelemetry_proto::tonic::trace::v1::ResourceSpans;
 use prost::Message as _;
 use serde_json::{Value, json};
@@ -118,30 +119,17 @@ async fn run(
         .unwrap()
         .into_inner()
         .run_id;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let state = head
-            .get_run(GetRunRequest {
-                run_id: run_id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        if state.state == RunState::Finished as i32 {
-            let results = state
-                .results_json
-                .iter()
-                .map(|r| serde_json::from_str(r).unwrap())
-                .collect();
-            return (run_id, results);
-        }
-        during(state.succeeded + state.failed);
-        assert!(
-            Instant::now() < deadline,
-            "run {run_id} did not finish in 300 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let within = (Duration::from_secs(300), Duration::from_millis(100));
+    let run = finished_run(&mut head, &run_id, within, |state| {
+        during(state.succeeded + state.failed)
+    })
+    .await;
+    let results = run
+        .results_json
+        .iter()
+        .map(|r| serde_json::from_str(r).unwrap())
+        .collect();
+    (run_id, results)
 }
 
 /// The run's spans from the receiver's Jaeger api_v3 query service.

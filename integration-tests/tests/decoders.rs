@@ -15,8 +15,7 @@
 use std::time::Duration;
 
 use nomad_integration_tests::encoders::decoder_cases;
-use nomad_integration_tests::model_host::described_tools;
-use nomad_integration_tests::text_call;
+use nomad_integration_tests::model_host::{described_tools, listed_as, text_calls_at_once};
 use nomad_integration_tests::{Fleet, FleetOptions};
 use nomad_proto::v1::{ToolState, tool_output};
 use serde_json::{Value, json};
@@ -58,19 +57,16 @@ async fn decoders_of_each_family_answer_as_transformers_does_and_the_rest_are_re
     let mut client = fleet.scheduler_client().await;
     let listed = described_tools(&mut client, Duration::from_secs(120)).await;
     for (name, expected) in &refused {
-        let tool = listed.iter().find(|t| t.name == *name).unwrap();
-        assert_eq!(tool.state(), ToolState::Failed, "{name}");
+        let tool = listed_as(&listed, name, ToolState::Failed);
         assert!(tool.error.contains(expected), "{name}: {}", tool.error);
     }
 
     for case in &cases {
         let name = case["name"].as_str().unwrap();
-        let tool = listed.iter().find(|t| t.name == name).unwrap();
-        assert_eq!(tool.state(), ToolState::Ready, "{name}: {}", tool.error);
+        listed_as(&listed, name, ToolState::Ready);
         // Every request at once: they decode together.
         let requests = case["requests"].as_array().unwrap();
-        let answers = futures::future::join_all(requests.iter().map(|r| {
-            let mut client = client.clone();
+        let calls = requests.iter().map(|r| {
             let mut options = json!({});
             if let Some(max_tokens) = r.get("max_tokens") {
                 options["max_tokens"] = max_tokens.clone();
@@ -81,14 +77,9 @@ async fn decoders_of_each_family_answer_as_transformers_does_and_the_rest_are_re
                 options["chat"] = r["chat"].clone();
             }
             let text = r.get("text").and_then(Value::as_str).unwrap_or("");
-            async move {
-                client
-                    .call_tool(text_call(name, text, options.to_string()))
-                    .await
-                    .map(|r| r.into_inner())
-            }
-        }))
-        .await;
+            (text.to_owned(), options.to_string())
+        });
+        let answers = text_calls_at_once(&client, name, calls.collect()).await;
         for (i, (answer, want)) in answers.into_iter().zip(requests).enumerate() {
             if let Some(refused) = want.get("refused").and_then(Value::as_str) {
                 let status = answer.expect_err("the template refuses this conversation");

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use nomad_integration_tests::assert_status;
 use nomad_integration_tests::encoders::cases;
-use nomad_integration_tests::model_host::described_tools;
+use nomad_integration_tests::model_host::{described_tools, listed_as, text_calls_at_once};
 use nomad_integration_tests::text_call;
 use nomad_integration_tests::{Fleet, FleetOptions};
 use nomad_proto::v1::{ToolState, tool_output};
@@ -149,32 +149,24 @@ async fn encoders_answer_as_sentence_transformers_and_transformers_do_and_refuse
     let mut client = fleet.scheduler_client().await;
     let listed = described_tools(&mut client, Duration::from_secs(120)).await;
     for (name, _, _, expected) in &refused {
-        let tool = listed.iter().find(|t| t.name == *name).unwrap();
-        assert_eq!(tool.state(), ToolState::Failed, "{name}");
+        let tool = listed_as(&listed, name, ToolState::Failed);
         assert!(tool.error.contains(expected), "{name}: {}", tool.error);
     }
 
     for case in &cases {
         let name = case["name"].as_str().unwrap();
         let kind = case["kind"].as_str().unwrap();
-        let tool = listed.iter().find(|t| t.name == name).unwrap();
-        assert_eq!(tool.state(), ToolState::Ready, "{name}: {}", tool.error);
+        listed_as(&listed, name, ToolState::Ready);
         // Every request at once, so they run as one batch of different lengths.
-        let requests = case["requests"].as_array().unwrap();
-        let answers = futures::future::join_all(requests.iter().map(|r| {
-            let mut client = client.clone();
-            async move {
-                client
-                    .call_tool(text_call(
-                        name,
-                        r["text"].as_str().unwrap(),
-                        r["options"].to_string(),
-                    ))
-                    .await
-                    .map(|r| r.into_inner())
-            }
-        }))
-        .await;
+        let calls = (case["requests"].as_array().unwrap().iter())
+            .map(|r| {
+                (
+                    r["text"].as_str().unwrap().to_owned(),
+                    r["options"].to_string(),
+                )
+            })
+            .collect();
+        let answers = text_calls_at_once(&client, name, calls).await;
         for (i, (answer, want)) in answers
             .into_iter()
             .zip(case["expected"].as_array().unwrap())

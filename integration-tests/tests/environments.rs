@@ -15,22 +15,23 @@ use serde_json::{Value, json};
 fn slow_package(dir: &Path) -> String {
     let package = dir.join("slow-build");
     std::fs::create_dir_all(&package).unwrap();
-    std::fs::write(
-        package.join("pyproject.toml"),
-        "[build-system]\nrequires = [\"setuptools>=61\"]\nbuild-backend = \"setuptools.build_meta\"\n\n\
-         [project]\nname = \"nomad-slow-build\"\nversion = \"1.0\"\n",
-    )
-    .unwrap();
-    std::fs::write(
-        package.join("setup.py"),
-        "import time\n\ntime.sleep(3)\nfrom setuptools import setup\n\nsetup(py_modules=[\"slow_build\"])\n",
-    )
-    .unwrap();
-    std::fs::write(
-        package.join("slow_build.py"),
-        "def double(x: float) -> float:\n    \"\"\"Twice x.\"\"\"\n    return 2 * x\n",
-    )
-    .unwrap();
+    for (name, text) in [
+        (
+            "pyproject.toml",
+            "[build-system]\nrequires = [\"setuptools>=61\"]\nbuild-backend = \"setuptools.build_meta\"\n\n\
+             [project]\nname = \"nomad-slow-build\"\nversion = \"1.0\"\n",
+        ),
+        (
+            "setup.py",
+            "import time\n\ntime.sleep(3)\nfrom setuptools import setup\n\nsetup(py_modules=[\"slow_build\"])\n",
+        ),
+        (
+            "slow_build.py",
+            "def double(x: float) -> float:\n    \"\"\"Twice x.\"\"\"\n    return 2 * x\n",
+        ),
+    ] {
+        std::fs::write(package.join(name), text).unwrap();
+    }
     format!("nomad-slow-build @ file://{}", package.display())
 }
 

@@ -82,7 +82,7 @@ RESULT = {'stdio': loud, 'http': louder, 'dims': len(vector)}
 async fn sandboxed_code_calls_every_kind_of_upstream_inside_the_callers_trace() {
     let dir = Fleet::new_dir();
     let http_record = dir.join("http-record.jsonl");
-    let upstream = HttpUpstream::start(&dir, &http_record).await;
+    let upstream = HttpUpstream::start(&dir).await;
     let receiver = OtlpReceiver::grpc().await;
     let options = options(&dir, &upstream.url, "")
         .exporting_to(&receiver)
@@ -315,7 +315,7 @@ async fn sandboxed_code_calls_every_kind_of_upstream_inside_the_callers_trace() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_http_endpoint_needs_the_bearer_token() {
     let dir = Fleet::new_dir();
-    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let upstream = HttpUpstream::start(&dir).await;
     let mut fleet = Fleet::start(FleetOptions {
         auth: true,
         ..options(
@@ -439,7 +439,7 @@ fn runner_processes(gateway_pid: u32) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandboxed_code_cannot_escape_and_the_gateway_keeps_serving() {
     let dir = Fleet::new_dir();
-    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let upstream = HttpUpstream::start(&dir).await;
     // No warm runners: every process under the gateway after a run is one left behind.
     let options = options_with_sandbox(&dir, &upstream.url, "", "  warm: 0\n").service_env(
         Service::Gateway,
@@ -536,7 +536,7 @@ async fn sandboxed_code_cannot_escape_and_the_gateway_keeps_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scripts_run_only_from_inside_the_workspace_root() {
     let dir = Fleet::new_dir();
-    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let upstream = HttpUpstream::start(&dir).await;
     let mut fleet = Fleet::start(options(&dir, &upstream.url, "")).await;
     let root = dir.join("scripts");
     std::fs::write(root.join("job.py"), "RESULT = 6 * 7\n").unwrap();
@@ -632,7 +632,7 @@ async fn raw_post_as(addr: &str, host: &str, auth_header: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_stdio_the_gateway_serves_the_same_tools_and_applies_its_allowlist() {
     let dir = Fleet::new_dir();
-    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let upstream = HttpUpstream::start(&dir).await;
     let mut fleet = Fleet::start(
         options(
             &dir,
@@ -755,7 +755,7 @@ fn processes_with(needle: &str) -> Vec<i32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn made_up_server_and_tool_names_never_become_metric_attributes() {
     let dir = Fleet::new_dir();
-    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let upstream = HttpUpstream::start(&dir).await;
     let receiver = OtlpReceiver::grpc().await;
     let options = options_with_sandbox(
         &dir,
@@ -809,7 +809,7 @@ RESULT = failed
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blackholed_upstream_times_out_without_stalling_the_others() {
     let dir = Fleet::new_dir();
-    let upstream = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let upstream = HttpUpstream::start(&dir).await;
     // Accepts connections and never answers.
     let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let hole_addr = hole.local_addr().unwrap();

@@ -118,7 +118,7 @@ async fn a_run_goes_on_through_a_worker_a_scheduler_and_a_gateway_killed() {
     .unwrap();
     let runs = dir.join("runs");
     let up = spawn_piped(
-        up_command(&config, &runs)
+        up_command(&config, &runs, "healing")
             .arg("--tasks")
             .arg(&tasks_path)
             .args([
@@ -126,8 +126,7 @@ async fn a_run_goes_on_through_a_worker_a_scheduler_and_a_gateway_killed() {
                 &concurrency.to_string(),
                 "--ready-timeout",
                 "120",
-            ])
-            .env("NOMAD_OTEL_RUN_ID", "healing"),
+            ]),
     );
     let run_dir = runs.join("healing");
     let results_path = run_dir.join("results.jsonl");
@@ -337,10 +336,9 @@ async fn a_crash_loop_stops_the_fleet_naming_the_server() {
     }
     let run_dir = dir.join("runs/looping");
     let (up, _) = start_fleet(
-        up_command(&config, &dir.join("runs"))
+        up_command(&config, &dir.join("runs"), "looping")
             .arg("--bin-dir")
-            .arg(&bin)
-            .env("NOMAD_OTEL_RUN_ID", "looping"),
+            .arg(&bin),
         &run_dir,
         None,
         Duration::from_secs(120),

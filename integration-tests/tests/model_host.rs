@@ -68,6 +68,11 @@ async fn call_all(
     futures::future::join_all(arguments.iter().map(|a| call(fleet, tool, a.clone()))).await
 }
 
+/// A call that must succeed: its output.
+async fn answer(fleet: &Fleet, tool: &str, arguments: Value) -> Value {
+    call(fleet, tool, arguments).await.unwrap().0
+}
+
 async fn call(fleet: &Fleet, tool: &str, arguments: Value) -> Result<(Value, u32), tonic::Status> {
     let mut client = fleet.scheduler_client().await;
     let reply = client
@@ -647,10 +652,7 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
 
     // Plain callables: one from the model's environment, one beside the config file.
     assert_eq!(
-        call(&fleet, "dot", json!({"a": [1, 2, 3], "b": [4, 5, 6]}))
-            .await
-            .unwrap()
-            .0,
+        answer(&fleet, "dot", json!({"a": [1, 2, 3], "b": [4, 5, 6]})).await,
         json!(32.0)
     );
     let lengths = call(&fleet, "dot", json!({"a": [1], "b": [1, 2]}))
@@ -663,25 +665,16 @@ async fn a_numpy_model_from_a_git_tag_and_plain_callables_serve_beside_a_broken_
         "{lengths:?}"
     );
     assert_eq!(
-        call(&fleet, "greet", json!({"name": "Ada"}))
-            .await
-            .unwrap()
-            .0,
+        answer(&fleet, "greet", json!({"name": "Ada"})).await,
         json!("Hello, Ada!")
     );
     assert_eq!(
-        call(&fleet, "holding", json!({"needle": TEST_TOKEN}))
-            .await
-            .unwrap()
-            .0,
+        answer(&fleet, "holding", json!({"needle": TEST_TOKEN})).await,
         json!([]),
         "the fleet's token reached the model's environment"
     );
     assert_eq!(
-        call(&fleet, "holding", json!({"needle": "marker-4711"}))
-            .await
-            .unwrap()
-            .0,
+        answer(&fleet, "holding", json!({"needle": "marker-4711"})).await,
         json!(["MY_TOOL_MARKER"]),
         "the worker's other variables reach the model"
     );

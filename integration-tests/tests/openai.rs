@@ -42,6 +42,18 @@ async fn tool(
         .into_inner()
 }
 
+/// The `embed` tool's vector of `text`.
+async fn embedding(fleet: &Fleet, text: &str) -> Vec<f32> {
+    match tool(fleet, "embed", text, json!({}))
+        .await
+        .output
+        .and_then(|o| o.value)
+    {
+        Some(tool_output::Value::Tensor(t)) => t.to_f32_vec().unwrap(),
+        other => panic!("not a vector: {other:?}"),
+    }
+}
+
 fn text_of(r: &nomad_proto::v1::CallToolResponse) -> String {
     match r.output.as_ref().and_then(|o| o.value.as_ref()) {
         Some(tool_output::Value::Text(t)) => t.clone(),
@@ -121,11 +133,7 @@ async fn the_official_openai_client_gets_what_the_tools_give() {
 
     // Embeddings (base64, as the client asks by default, and floats) equal the embed tool's.
     for (i, text) in ["Nomad serves models.", "hi"].iter().enumerate() {
-        let reference = tool(&fleet, "embed", text, json!({})).await;
-        let reference = match reference.output.and_then(|o| o.value) {
-            Some(tool_output::Value::Tensor(t)) => t.to_f32_vec().unwrap(),
-            other => panic!("{other:?}"),
-        };
+        let reference = embedding(&fleet, text).await;
         let got: Vec<f32> = r[1]["vectors"][i]
             .as_array()
             .unwrap_or_else(|| panic!("{}", r[1]))
@@ -147,11 +155,7 @@ async fn the_official_openai_client_gets_what_the_tools_give() {
         .unwrap_or_else(|| panic!("40 texts: {last}"));
     assert_eq!(vectors.len(), many.len());
     for i in [0, 17, 39] {
-        let reference = tool(&fleet, "embed", &many[i], json!({})).await;
-        let reference = match reference.output.and_then(|o| o.value) {
-            Some(tool_output::Value::Tensor(t)) => t.to_f32_vec().unwrap(),
-            other => panic!("{other:?}"),
-        };
+        let reference = embedding(&fleet, &many[i]).await;
         let diff = vectors[i]
             .as_array()
             .unwrap()

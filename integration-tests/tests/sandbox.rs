@@ -8,26 +8,24 @@ use std::time::{Duration, Instant};
 use nomad_integration_tests::Fleet;
 use nomad_integration_tests::process::binary;
 use nomad_integration_tests::sandbox_gateway::{
-    Gateway, SYSCALL_HELPER, Start, run_code, users_and_starts,
+    Case, Gateway, SYSCALL_HELPER, run_code, users_and_starts,
 };
 use nomad_integration_tests::users::{
     RUNNER, RunAs, TEST_GROUP, descendants_running, gateway_users, group_id, sandbox_runs,
 };
-use nomad_proto::v1::{ExecuteCodeRequest, GatewayStatusRequest};
+use nomad_proto::v1::ExecuteCodeRequest;
 use serde::Deserialize as _;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_code_meets_the_specific_denial_and_the_gateway_keeps_serving() {
-    for run_as in gateway_users() {
-        for start in Start::BOTH {
-            hostile_code(&run_as, start).await;
-        }
+    for case in users_and_starts() {
+        hostile_code(&case).await;
     }
 }
 
-async fn hostile_code(run_as: &RunAs, start: Start) {
-    let who = &format!("{} {start:?}", run_as.label);
-    let gateway = Gateway::start_on(run_as, start, "  warm: 0\n").await;
+async fn hostile_code(case: &Case) {
+    let (run_as, who) = (&case.run_as, &case.who);
+    let gateway = case.gateway("  warm: 0\n").await;
     let dir = gateway.dir.clone();
 
     // A named Unix socket the gateway's own user listens on, outside the sandbox.
@@ -217,13 +215,7 @@ async fn hostile_code(run_as: &RunAs, start: Start) {
     }
     // What holds is reported: every layer but the per-run cgroup (none is delegated on a CI
     // host), and the groups the kernel keeps for an unprivileged user's namespace.
-    let status = gateway
-        .client
-        .clone()
-        .status(GatewayStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let status = gateway.status().await;
     for layer in &status.sandbox_layers {
         if layer.name != "cgroup" {
             assert!(
@@ -242,37 +234,32 @@ async fn hostile_code(run_as: &RunAs, start: Start) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disk_files_and_cleanup_are_bounded() {
-    for (run_as, start) in users_and_starts() {
-        let who = &format!("{} {start:?}", run_as.label);
-        let gateway = Gateway::start_on(
-            &run_as,
-            start,
-            "  warm: 0\n  disk_bytes: 16777216\n  max_files: 4096\n",
-        )
-        .await;
+    let sandbox = "  warm: 0\n  disk_bytes: 16777216\n  max_files: 4096\n";
+    for case in users_and_starts() {
+        let gateway = case.gateway(sandbox).await;
         // Past disk_bytes, /tmp (a private tmpfs, which also holds the workspace) is full.
         let seen = gateway
             .result(
-                who,
+                &case.who,
                 "import errno\nwritten = 0\ntry:\n    with open('/tmp/fill', 'wb') as f:\n        \
                  for _ in range(64):\n            f.write(b'x' * (1 << 20))\n            \
                  f.flush()\n            written += 1\n    RESULT = ['wrote', written]\n\
                  except OSError as e:\n    RESULT = [errno.errorcode[e.errno], written]",
             )
             .await;
-        assert_eq!(seen[0], "ENOSPC", "{who}: {seen}");
-        assert!(seen[1].as_u64().unwrap() <= 16, "{who}: {seen}");
+        assert_eq!(seen[0], "ENOSPC", "{case}: {seen}");
+        assert!(seen[1].as_u64().unwrap() <= 16, "{case}: {seen}");
         // 100,000 files stop at max_files.
         let seen = gateway
             .result(
-                who,
+                &case.who,
                 "import errno, os\nmade = 0\ntry:\n    for i in range(100000):\n        \
                  open(f'f{i}', 'w').close()\n        made += 1\n    RESULT = ['made', made]\n\
                  except OSError as e:\n    RESULT = [errno.errorcode[e.errno], made]",
             )
             .await;
-        assert_eq!(seen[0], "ENOSPC", "{who}: {seen}");
-        assert!(seen[1].as_u64().unwrap() < 4096, "{who}: {seen}");
+        assert_eq!(seen[0], "ENOSPC", "{case}: {seen}");
+        assert!(seen[1].as_u64().unwrap() < 4096, "{case}: {seen}");
         // A workspace made unreadable is gone all the same: nothing of a run is on the host.
         let private: Vec<PathBuf> = std::fs::read_dir(std::env::temp_dir())
             .unwrap()
@@ -282,7 +269,7 @@ async fn disk_files_and_cleanup_are_bounded() {
                 p.file_name()
                     .is_some_and(|n| n.to_string_lossy().starts_with("nomad-gateway-"))
                     && std::fs::metadata(p)
-                        .is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == run_as.uid())
+                        .is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == case.run_as.uid())
             })
             .collect();
         let before: Vec<Vec<PathBuf>> = private.iter().map(|p| tree(p)).collect();
@@ -292,18 +279,18 @@ async fn disk_files_and_cleanup_are_bounded() {
                  os.chmod('deep/er', 0)\nos.chmod('deep', 0)\nos.chmod('.', 0)\nRESULT = 'locked'",
             )
             .await;
-        assert_eq!(reply.result_json, "\"locked\"", "{who}: {}", reply.error);
+        assert_eq!(reply.result_json, "\"locked\"", "{case}: {}", reply.error);
         let after: Vec<Vec<PathBuf>> = private.iter().map(|p| tree(p)).collect();
         assert_eq!(
             before, after,
-            "{who}: a run left files in the gateway's directory"
+            "{case}: a run left files in the gateway's directory"
         );
         assert!(
             after
                 .iter()
                 .flatten()
                 .all(|p| !p.to_string_lossy().contains("deep")),
-            "{who}"
+            "{case}"
         );
         gateway.finish("the locked workspace").await;
     }
@@ -468,13 +455,7 @@ async fn two_hundred_concurrent_calls_are_answered_within_the_bounds() {
             }
         }
         sampler.abort();
-        let status = gateway
-            .client
-            .clone()
-            .status(GatewayStatusRequest {})
-            .await
-            .unwrap()
-            .into_inner();
+        let status = gateway.status().await;
         eprintln!("{who}: {ok} ran, {refused} refused; {status:?}");
         assert_eq!(ok + refused, 200);
         assert!(ok >= 40, "{who}: only {ok} ran");
@@ -625,14 +606,9 @@ for _ in range(4):
 time.sleep(30)
 RESULT = 'survived'
 ";
-    for (run_as, start) in users_and_starts() {
-        let label = &format!("{} {start:?}", run_as.label);
-        let gateway = Gateway::start_on(
-            &run_as,
-            start,
-            "  warm: 0\n  timeout_seconds: 20\n  memory_bytes: 536870912\n",
-        )
-        .await;
+    let sandbox = "  warm: 0\n  timeout_seconds: 20\n  memory_bytes: 536870912\n";
+    for case in users_and_starts() {
+        let gateway = case.gateway(sandbox).await;
         gateway.still_serving("start-up").await;
         let log = std::fs::read_to_string(gateway.dir.join("gateway.stderr")).unwrap();
         let watched = log.contains("each run's memory as a whole");
@@ -640,23 +616,23 @@ RESULT = 'survived'
         let reply = gateway.run(code).await;
         assert_eq!(
             reply.result_json, "null",
-            "{label}: the run survived: {}",
+            "{case}: the run survived: {}",
             reply.error
         );
         if watched {
             assert!(
                 reply.error.starts_with("memory: the run held")
                     && reply.error.contains("over sandbox.memory_bytes (512 MiB)"),
-                "{label}: {}",
+                "{case}: {}",
                 reply.error
             );
             assert!(
                 started.elapsed() < Duration::from_secs(15),
-                "{label}: stopped only after {:?}",
+                "{case}: stopped only after {:?}",
                 started.elapsed()
             );
         } else {
-            assert!(log.contains("a cgroup per run"), "{label}: {log}");
+            assert!(log.contains("a cgroup per run"), "{case}: {log}");
         }
         gateway.finish("a run over its memory").await;
     }
@@ -744,34 +720,27 @@ RESULT = {
     'cmdlines': [open(f'/proc/{p}/cmdline').read() for p in os.listdir('/proc') if p.isdigit()],
 }
 ";
-    for (run_as, start) in users_and_starts() {
-        let label = &format!("{} {start:?}", run_as.label);
-        let gateway = Gateway::start_on(&run_as, start, "  warm: 0\n").await;
-        let seen = gateway.result(label, first).await;
-        assert_eq!(seen[0], 1, "{}: a run is PID 1 of its own: {seen}", label);
-        let after = gateway.result(label, next).await;
-        assert_eq!(after["files"], serde_json::json!([]), "{}: {after}", label);
-        assert_eq!(after["memory"], false, "{}: {after}", label);
-        assert_eq!(after["pids"], serde_json::json!([1]), "{}: {after}", label);
+    for case in users_and_starts() {
+        let gateway = case.gateway("  warm: 0\n").await;
+        let seen = gateway.result(&case.who, first).await;
+        assert_eq!(seen[0], 1, "{case}: a run is PID 1 of its own: {seen}");
+        let after = gateway.result(&case.who, next).await;
+        assert_eq!(after["files"], serde_json::json!([]), "{case}: {after}");
+        assert_eq!(after["memory"], false, "{case}: {after}");
+        assert_eq!(after["pids"], serde_json::json!([1]), "{case}: {after}");
         assert!(
             !after["cmdlines"].to_string().contains("sleep"),
-            "{}: {after}",
-            label
+            "{case}: {after}"
         );
         // Two at once: one waits while the other looks.
         let waiting = gateway.run("import time\ntime.sleep(2)\nRESULT = 1");
         let looking = async {
             tokio::time::sleep(Duration::from_millis(500)).await;
-            gateway.result(label, next).await
+            gateway.result(&case.who, next).await
         };
         let (waited, looked) = tokio::join!(waiting, looking);
-        assert_eq!(waited.result_json, "1", "{}: {}", label, waited.error);
-        assert_eq!(
-            looked["pids"],
-            serde_json::json!([1]),
-            "{}: {looked}",
-            label
-        );
+        assert_eq!(waited.result_json, "1", "{case}: {}", waited.error);
+        assert_eq!(looked["pids"], serde_json::json!([1]), "{case}: {looked}");
         gateway.finish("forked runs").await;
     }
 }
@@ -835,16 +804,19 @@ RESULT = [before, raised, os.getpriority(os.PRIO_PROCESS, 0)]
         );
         assert_eq!(seen[2], nice, "{who}: {seen}");
     };
-    for (run_as, start) in users_and_starts() {
-        let who = format!("{} {start:?}", run_as.label);
-        let gateway = Gateway::start_on(&run_as, start, "  warm: 0\n").await;
-        at_nice(&gateway.result(run_as.label, code).await, 10, &who);
+    for case in users_and_starts() {
+        let gateway = case.gateway("  warm: 0\n").await;
+        at_nice(
+            &gateway.result(case.run_as.label, code).await,
+            10,
+            &case.who,
+        );
         gateway.stop().await;
 
-        let yaml = format!("{}  warm: 0\n", start.yaml());
-        let niced = Gateway::start_niced(&run_as, &yaml, "127.0.0.1:9", 19).await;
-        let seen = niced.result(run_as.label, code).await;
-        at_nice(&seen, 19, &format!("{who} under nice 19"));
+        let yaml = format!("{}  warm: 0\n", case.start.yaml());
+        let niced = Gateway::start_niced(&case.run_as, &yaml, "127.0.0.1:9", 19).await;
+        let seen = niced.result(case.run_as.label, code).await;
+        at_nice(&seen, 19, &format!("{case} under nice 19"));
         niced.stop().await;
     }
 }

@@ -49,14 +49,9 @@ time.sleep(600)
 /// the gateway is left holding nothing of it (no descriptor, no process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_ends_as_a_whole_whatever_it_did_to_its_signals() {
-    for (run_as, start) in users_and_starts() {
-        let who = format!("{} {start:?}", run_as.label);
-        let gateway = Gateway::start_on(
-            &run_as,
-            start,
-            "  warm: 0\n  timeout_seconds: 3\n  memory_bytes: 268435456\n",
-        )
-        .await;
+    let sandbox = "  warm: 0\n  timeout_seconds: 3\n  memory_bytes: 268435456\n";
+    for case in users_and_starts() {
+        let gateway = case.gateway(sandbox).await;
         gateway.still_serving("start-up").await;
         let fds = gateway.open_fds();
         let cases = [
@@ -71,26 +66,26 @@ async fn a_run_ends_as_a_whole_whatever_it_did_to_its_signals() {
             let reply = gateway.run(escaping(name, payload)).await;
             assert!(
                 reply.error.starts_with(expected),
-                "{who}: {name}: expected {expected:?}, got {}",
+                "{case}: {name}: expected {expected:?}, got {}",
                 reply.error
             );
             // The answer comes once the run is gone: no grace period.
             assert_eq!(
                 processes_named(name),
                 Vec::<u32>::new(),
-                "{who}: {name}: the run's processes outlived it"
+                "{case}: {name}: the run's processes outlived it"
             );
         }
         gateway.still_serving("runs that escaped").await;
         assert!(
             gateway.open_fds() <= fds + 1,
-            "{who}: the gateway holds {} descriptors, {fds} before the runs",
+            "{case}: the gateway holds {} descriptors, {fds} before the runs",
             gateway.open_fds()
         );
         gateway.stop().await;
 
         // The gateway killed mid-run: the run goes with it.
-        let gateway = Gateway::start_on(&run_as, start, "  warm: 0\n  timeout_seconds: 60\n").await;
+        let gateway = case.gateway("  warm: 0\n  timeout_seconds: 60\n").await;
         let name = "nmd-orphan";
         let mut client = gateway.client.clone();
         let code = escaping(name, "");
@@ -106,7 +101,7 @@ async fn a_run_ends_as_a_whole_whatever_it_did_to_its_signals() {
         while processes_named(name).len() < 7 {
             assert!(
                 Instant::now() < deadline,
-                "{who}: the run did not start its processes: {:?}",
+                "{case}: the run did not start its processes: {:?}",
                 processes_named(name)
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -117,7 +112,7 @@ async fn a_run_ends_as_a_whole_whatever_it_did_to_its_signals() {
         while !processes_named(name).is_empty() {
             assert!(
                 Instant::now() < deadline,
-                "{who}: the run outlived its gateway: {:?}",
+                "{case}: the run outlived its gateway: {:?}",
                 processes_named(name)
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -156,10 +151,9 @@ RESULT = {
     'forked': '--zygote' in open('/proc/self/cmdline').read(),
 }
 ";
-    for (run_as, start) in users_and_starts() {
-        let who = format!("{} {start:?}", run_as.label);
-        let gateway = Gateway::start_on(&run_as, start, "  warm: 0\n").await;
-        let seen = gateway.result(&who, attack).await;
+    for case in users_and_starts() {
+        let gateway = case.gateway("  warm: 0\n").await;
+        let seen = gateway.result(&case.who, attack).await;
         for attempt in [
             "setxattr /",
             "chmod /etc/passwd",
@@ -167,14 +161,18 @@ RESULT = {
             "chmod /",
             "mkdir /planted",
         ] {
-            assert_eq!(seen[attempt], "EROFS", "{who}: {attempt}: {seen}");
+            assert_eq!(seen[attempt], "EROFS", "{case}: {attempt}: {seen}");
         }
-        let after = gateway.result(&who, look).await;
-        assert_eq!(after["root"], "0o755", "{who}: {after}");
-        assert_eq!(after["passwd"], true, "{who}: {after}");
-        assert_eq!(after["xattrs"], serde_json::json!([]), "{who}: {after}");
-        assert_eq!(after["planted"], false, "{who}: {after}");
-        assert_eq!(after["forked"], start == Start::Forked, "{who}: {after}");
+        let after = gateway.result(&case.who, look).await;
+        assert_eq!(after["root"], "0o755", "{case}: {after}");
+        assert_eq!(after["passwd"], true, "{case}: {after}");
+        assert_eq!(after["xattrs"], serde_json::json!([]), "{case}: {after}");
+        assert_eq!(after["planted"], false, "{case}: {after}");
+        assert_eq!(
+            after["forked"],
+            case.start == Start::Forked,
+            "{case}: {after}"
+        );
         gateway.finish("the attempts on the view").await;
     }
 }
@@ -202,16 +200,14 @@ async fn a_run_holds_no_memory_it_is_not_counted_for() {
              f.write(b'x' * (60 << 20))\ntime.sleep(3)\nRESULT = 'kept'"
         )
     };
-    for (run_as, start) in users_and_starts() {
-        let who = format!("{} {start:?}", run_as.label);
-        let gateway = Gateway::start_on(
-            &run_as,
-            start,
-            "  warm: 0\n  timeout_seconds: 20\n  memory_bytes: 268435456\n  \
+    for case in users_and_starts() {
+        let gateway = case
+            .gateway(
+                "  warm: 0\n  timeout_seconds: 20\n  memory_bytes: 268435456\n  \
              disk_bytes: 1073741824\n",
-        )
-        .await;
-        let seen = gateway.result(&who, &refused).await;
+            )
+            .await;
+        let seen = gateway.result(&case.who, &refused).await;
         for call in [
             "memfd_create",
             "memfd_secret",
@@ -219,7 +215,7 @@ async fn a_run_holds_no_memory_it_is_not_counted_for() {
             "msgget",
             "os.memfd_create",
         ] {
-            assert_eq!(seen[call], "EPERM", "{who}: {call}: {seen}");
+            assert_eq!(seen[call], "EPERM", "{case}: {call}: {seen}");
         }
         let log = gateway.stderr();
         if log.contains("each run's memory as a whole") {
@@ -227,18 +223,18 @@ async fn a_run_holds_no_memory_it_is_not_counted_for() {
             assert!(
                 over.error.starts_with("memory: the run held")
                     && over.error.contains("over sandbox.memory_bytes (256 MiB)"),
-                "{who}: 360 MiB of files: {} (result {})",
+                "{case}: 360 MiB of files: {} (result {})",
                 over.error,
                 over.result_json
             );
             let under = gateway.run(files(3)).await;
             assert_eq!(
                 under.result_json, "\"kept\"",
-                "{who}: 180 MiB of files: {}",
+                "{case}: 180 MiB of files: {}",
                 under.error
             );
         } else {
-            assert!(log.contains("a cgroup per run"), "{who}: {log}");
+            assert!(log.contains("a cgroup per run"), "{case}: {log}");
         }
         gateway.finish("memory in files").await;
     }
@@ -258,17 +254,16 @@ while f is not None:
     f = f.f_back
 RESULT = {'frames': frames, 'state': sorted(names & {'children', 'selector', 'control', 'reaped', 'jail', 'request'})}
 ";
-    for (run_as, start) in users_and_starts() {
-        let who = format!("{} {start:?}", run_as.label);
-        let gateway = Gateway::start_on(&run_as, start, "  warm: 0\n").await;
+    for case in users_and_starts() {
+        let gateway = case.gateway("  warm: 0\n").await;
         // A run before it, so the fork server has had a child to remember.
         gateway.still_serving("a first run").await;
-        let seen = gateway.result(&who, look).await;
+        let seen = gateway.result(&case.who, look).await;
         assert!(
             !seen["frames"].to_string().contains("serve"),
-            "{who}: {seen}"
+            "{case}: {seen}"
         );
-        assert_eq!(seen["state"], serde_json::json!([]), "{who}: {seen}");
+        assert_eq!(seen["state"], serde_json::json!([]), "{case}: {seen}");
         gateway.stop().await;
     }
 }

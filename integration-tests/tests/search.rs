@@ -183,7 +183,7 @@ async fn plain_requests_find_their_tool_among_real_upstreams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_added_upstream_is_found_without_a_restart_and_calls_are_recorded() {
     let dir = Fleet::new_dir();
-    let http = HttpUpstream::start(&dir, &dir.join("http-record.jsonl")).await;
+    let http = HttpUpstream::start(&dir).await;
     let mut fleet = Fleet::start(FleetOptions {
         config_yaml: format!(
             "servers:\n\

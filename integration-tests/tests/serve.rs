@@ -13,7 +13,7 @@ use nomad_integration_tests::model_host::{
 use nomad_integration_tests::peers::{TasksClient, mcp_client, mcp_client_stdio};
 use nomad_integration_tests::process::send_signal;
 use nomad_integration_tests::process::{binary, clean, start_fleet};
-use nomad_integration_tests::read_jsonl;
+use nomad_integration_tests::{assert_says, read_jsonl};
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::{Value, json};
 
@@ -193,14 +193,7 @@ async fn every_tool_is_an_mcp_tool_of_its_own_over_http_batched_and_cancellable(
         "{}",
         replies[5]
     );
-    assert!(
-        replies[5]["text"]
-            .as_str()
-            .unwrap()
-            .contains("no tool is named \"nope\""),
-        "{}",
-        replies[5]
-    );
+    assert_says(&replies[5], "text", "no tool is named \"nope\"");
 
     // 64 calls at once on one session: every answer the reference's, and batched.
     let inputs: Vec<Value> = (0..64).map(toy_input).collect();

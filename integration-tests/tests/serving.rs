@@ -1,7 +1,8 @@
 //! The serving path's behaviour at its edges: bad task inputs, health and reflection.
 
-use nomad_integration_tests::assert_status;
-use nomad_integration_tests::{Fleet, FleetOptions};
+use std::time::Duration;
+
+use nomad_integration_tests::{Fleet, FleetOptions, assert_status, finished_run};
 use serde_json::json;
 use tonic::Code;
 
@@ -115,7 +116,7 @@ async fn every_service_answers_health_and_reflection() {
 async fn head_server_starts_runs_and_reports_them() {
     use nomad_integration_tests::fleet::mlp_tasks;
     use nomad_proto::v1::head_client::HeadClient;
-    use nomad_proto::v1::{GetRunRequest, RunState, StartRunRequest};
+    use nomad_proto::v1::{GetRunRequest, StartRunRequest};
 
     let mut fleet = Fleet::start(FleetOptions::default()).await;
     let addr = fleet.start_head_server().await;
@@ -158,24 +159,8 @@ async fn head_server_starts_runs_and_reports_them() {
         .unwrap()
         .into_inner()
         .run_id;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let run = loop {
-        let run = head
-            .get_run(GetRunRequest {
-                run_id: run_id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        if run.state == RunState::Finished as i32 {
-            break run;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "run did not finish: {run:?}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    };
+    let within = (Duration::from_secs(30), Duration::from_millis(20));
+    let run = finished_run(&mut head, &run_id, within, |_| {}).await;
     assert_eq!((run.total, run.succeeded, run.failed), (3, 3, 0));
     assert_eq!(run.results_json.len(), 3);
     let on_disk = std::fs::read_to_string(&run.results_path).unwrap();

@@ -58,6 +58,19 @@ async fn accepted(dir: &Path, args: &[&str]) -> (Output, String, PathBuf) {
     (out, job, run_dir)
 }
 
+/// A job `args` submits, once its results file holds `results` lines: its id and run directory.
+async fn underway(dir: &Path, args: &[&str], results: usize) -> (String, PathBuf) {
+    let (_, job, run_dir) = accepted(dir, args).await;
+    let path = run_dir.join("results.jsonl");
+    wait_until(
+        &format!("{results} results"),
+        Duration::from_secs(180),
+        || read_jsonl(&path).len() >= results,
+    )
+    .await;
+    (job, run_dir)
+}
+
 fn spans(run_dir: &Path) -> Vec<SpanRecord> {
     let text = std::fs::read_to_string(run_dir.join("otel/traces.jsonl")).unwrap_or_default();
     from_console(&text)
@@ -193,12 +206,7 @@ async fn a_demo_job_on_two_nodes_is_one_trace_per_rollout_from_all_four_services
 async fn a_worker_step_killed_mid_run_is_started_again_and_loses_no_request() {
     let _cluster = CLUSTER.lock().await;
     let dir = Fleet::new_dir();
-    let (_, job, run_dir) = accepted(&dir, &["--nodes", "2", "--demo", "--concurrency", "4"]).await;
-    let results_path = run_dir.join("results.jsonl");
-    wait_until("the first result", Duration::from_secs(180), || {
-        !read_jsonl(&results_path).is_empty()
-    })
-    .await;
+    let (job, run_dir) = underway(&dir, &["--nodes", "2", "--demo", "--concurrency", "4"], 1).await;
     let step = slurm("squeue", &["-h", "-s", "-j", &job, "-o", "%i %j"])
         .lines()
         .find_map(|l| l.strip_suffix(" worker-n2").map(str::to_owned))
@@ -209,7 +217,7 @@ async fn a_worker_step_killed_mid_run_is_started_again_and_loses_no_request() {
     })
     .await;
 
-    let results = read_jsonl(&results_path);
+    let results = read_jsonl(&run_dir.join("results.jsonl"));
     assert_eq!(results.len(), 20);
     assert!(
         results.iter().all(|r| r["status"] == "ok"),
@@ -242,12 +250,7 @@ async fn a_worker_step_killed_mid_run_is_started_again_and_loses_no_request() {
 async fn scancel_stops_every_step_and_the_collector_keeps_what_was_flushed() {
     let _cluster = CLUSTER.lock().await;
     let dir = Fleet::new_dir();
-    let (_, job, run_dir) = accepted(&dir, &["--nodes", "2", "--demo", "--concurrency", "2"]).await;
-    let results_path = run_dir.join("results.jsonl");
-    wait_until("two results", Duration::from_secs(180), || {
-        read_jsonl(&results_path).len() >= 2
-    })
-    .await;
+    let (job, run_dir) = underway(&dir, &["--nodes", "2", "--demo", "--concurrency", "2"], 2).await;
     slurm("scancel", &[&job]);
     wait_until("the job's end", Duration::from_secs(120), || {
         !in_queue(&job)
@@ -267,7 +270,7 @@ async fn scancel_stops_every_step_and_the_collector_keeps_what_was_flushed() {
     let collector = std::fs::read_to_string(run_dir.join("collector.log")).unwrap();
     assert!(collector.contains("nomad collect: stopped;"), "{collector}");
     // Every finished rollout's trace reached the collector: the head flushed at SIGTERM.
-    let results = read_jsonl(&results_path);
+    let results = read_jsonl(&run_dir.join("results.jsonl"));
     let spans = spans(&run_dir);
     for result in &results {
         let id = result["rollout_id"].as_str().unwrap();

@@ -451,9 +451,8 @@ async fn hub_models_download_into_the_shared_cache_are_pinned_and_serve_offline(
     // `nomad up` downloads it and keeps the config it ran pinned to the commit it served.
     let run = dir.join("runs/hub-run");
     let (mut up, _) = start_fleet(
-        up_command(&config, &dir.join("runs"))
+        up_command(&config, &dir.join("runs"), "hub-run")
             .args(["--ready-timeout", "120"])
-            .env("NOMAD_OTEL_RUN_ID", "hub-run")
             .env("NOMAD_CACHE_DIR", dir.join("cache"))
             .env("HF_ENDPOINT", &hub.endpoint)
             .env("HF_HUB_CACHE", &hf_cache),

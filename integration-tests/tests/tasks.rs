@@ -14,7 +14,7 @@ use nomad_integration_tests::model_host::host_env;
 use nomad_integration_tests::peers::{TasksClient, mcp_client};
 use nomad_integration_tests::process::send_signal;
 use nomad_integration_tests::process::{start_fleet, up_command};
-use nomad_integration_tests::read_jsonl;
+use nomad_integration_tests::{assert_says, read_jsonl, wait_until};
 use nomad_proto::v1::scheduler_client::SchedulerClient;
 use serde_json::{Value, json};
 
@@ -52,11 +52,10 @@ fn config(dir: &Path) -> PathBuf {
 /// The fleet's `fleet.json`, once `nomad up` wrote it.
 async fn up(dir: &Path, config: &Path) -> (tokio::process::Child, Value) {
     start_fleet(
-        up_command(config, &dir.join("runs"))
+        up_command(config, &dir.join("runs"), "tasks")
             .args(["--ready-timeout", "300"])
             .envs(host_env())
             .env("NOMAD_AUTH_TOKEN", TEST_TOKEN)
-            .env("NOMAD_OTEL_RUN_ID", "tasks")
             .env("OTEL_BSP_SCHEDULE_DELAY", "100"),
         &dir.join("runs/tasks"),
         Some(&dir.join("up.stderr")),
@@ -321,13 +320,7 @@ async fn long_calls_are_tasks_a_client_polls_cancels_and_finds_again_after_a_cra
     );
     // (Resource not found: -32602 from the 2026-07-28 revision on, -32002 before.)
     let refused = other.ask(json!({"op": "read", "uri": uri})).await;
-    assert!(
-        refused["exception"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("no result at nomad://results/"),
-        "{refused}"
-    );
+    assert_says(&refused, "exception", "no result at nomad://results/");
 
     // The task's span and the sandboxed run's are in the caller's trace (exported before the
     // gateway is killed below).
@@ -399,12 +392,10 @@ async fn long_calls_are_tasks_a_client_polls_cancels_and_finds_again_after_a_cra
         .await;
     assert_eq!(kept["status"], "completed", "{kept}");
     assert_eq!(failed["status"], "failed", "{failed}");
-    assert!(
-        failed["status_message"]
-            .as_str()
-            .unwrap()
-            .contains("the gateway stopped while this task was working"),
-        "{failed}"
+    assert_says(
+        &failed,
+        "status_message",
+        "the gateway stopped while this task was working",
     );
 
     // Past its TTL a finished task is gone.
@@ -413,36 +404,29 @@ async fn long_calls_are_tasks_a_client_polls_cancels_and_finds_again_after_a_cra
     let expired = again
         .ask(json!({"op": "status", "task_id": cut["task_id"]}))
         .await;
-    assert!(
-        expired["exception"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("-32602"),
-        "{expired}"
-    );
+    assert_says(&expired, "exception", "-32602");
 
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while exported(&run_dir, "nomad.gateway.tasks.rejected", ("reason", "full")) < 1.0
-        && Instant::now() < deadline
-    {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    assert!(exported(&run_dir, "nomad.gateway.tasks.created", ("tool", "slow")) >= 16.0);
-    assert!(
-        exported(
-            &run_dir,
+    wait_until(
+        "the full store's rejection exported",
+        Duration::from_secs(10),
+        || exported(&run_dir, "nomad.gateway.tasks.rejected", ("reason", "full")) >= 1.0,
+    )
+    .await;
+    for (name, attribute, at_least) in [
+        ("nomad.gateway.tasks.created", ("tool", "slow"), 16.0),
+        (
             "nomad.gateway.tasks.finished",
-            ("outcome", "cancelled")
-        ) >= (MAX_TASKS - 1) as f64
-    );
-    assert!(exported(&run_dir, "nomad.gateway.tasks.rejected", ("reason", "full")) >= 1.0);
-    assert!(
-        exported(
-            &run_dir,
-            "nomad.gateway.tasks.removed",
-            ("reason", "evicted")
-        ) >= 1.0
-    );
+            ("outcome", "cancelled"),
+            (MAX_TASKS - 1) as f64,
+        ),
+        ("nomad.gateway.tasks.removed", ("reason", "evicted"), 1.0),
+    ] {
+        let seen = exported(&run_dir, name, attribute);
+        assert!(
+            seen >= at_least,
+            "{name} {attribute:?}: {seen} < {at_least}"
+        );
+    }
 
     send_signal(fleet_process.id().unwrap(), libc::SIGTERM);
     let _ = tokio::time::timeout(Duration::from_secs(30), fleet_process.wait()).await;

@@ -47,9 +47,7 @@ async fn a_tls_fleet_serves_rollouts_and_refuses_plaintext_and_strangers() {
     .unwrap();
     let runs = dir.join("runs");
     let (_up, fleet) = start_fleet(
-        up_command(&config, &runs)
-            .args(["--workers", "1"])
-            .env("NOMAD_OTEL_RUN_ID", "tls"),
+        up_command(&config, &runs, "tls").args(["--workers", "1"]),
         &runs.join("tls"),
         Some(&dir.join("up.stderr")),
         Duration::from_secs(60),

@@ -13,9 +13,9 @@ use nomad_integration_tests::jaeger::JaegerQuery;
 use nomad_integration_tests::process::{clean, spawn_piped, start_fleet, up_command};
 use nomad_integration_tests::process::{exited, send_signal};
 use nomad_integration_tests::spans::{check_rollout_traces, from_console};
-use nomad_integration_tests::strings_of;
 use nomad_integration_tests::unique_run_id;
 use nomad_integration_tests::{Fleet, FleetOptions, OtlpReceiver, read_jsonl, wait_until};
+use nomad_integration_tests::{assert_says, strings_of};
 use serde_json::Value;
 
 fn write_tasks(path: &Path, tasks: &[Value]) {
@@ -132,9 +132,8 @@ async fn nomad_up_serves_fifty_rollouts_profiles_memory_and_stops_on_sigterm() {
     let run_dir = runs.join(&run_id);
     let up_err = dir.join("up.stderr");
     let (mut up, fleet) = start_fleet(
-        up_command(&config, &runs)
+        up_command(&config, &runs, &run_id)
             .args(["--workers", "1", "--ready-timeout", "60"])
-            .env("NOMAD_OTEL_RUN_ID", &run_id)
             .env("NOMAD_OTEL_METRICS_ENABLED", "true"),
         &run_dir,
         Some(&up_err),
@@ -526,9 +525,7 @@ async fn a_dead_server_is_reported_and_the_fleet_stops_without_restarts() {
     std::fs::write(&config, toml).unwrap();
     let runs = dir.join("runs");
     let (up, fleet) = start_fleet(
-        up_command(&config, &runs)
-            .args(["--workers", "2"])
-            .env("NOMAD_OTEL_RUN_ID", "dies"),
+        up_command(&config, &runs, "dies").args(["--workers", "2"]),
         &runs.join("dies"),
         None,
         Duration::from_secs(60),
@@ -729,11 +726,10 @@ async fn ctrl_c_stops_the_run_with_130_and_every_task_gets_its_line() {
     write_tasks(&tasks_path, &tasks);
     let runs = dir.join("runs");
     let up = spawn_piped(
-        up_command(&config, &runs)
+        up_command(&config, &runs, "interrupted")
             .arg("--tasks")
             .arg(&tasks_path)
-            .args(["--concurrency", "3", "--ready-timeout", "120"])
-            .env("NOMAD_OTEL_RUN_ID", "interrupted"),
+            .args(["--concurrency", "3", "--ready-timeout", "120"]),
     );
     let results = runs.join("interrupted/results.jsonl");
     wait_until(
@@ -782,13 +778,7 @@ async fn ctrl_c_stops_the_run_with_130_and_every_task_gets_its_line() {
         let id = line["task_id"].as_str().unwrap();
         if id.starts_with("slow-") {
             assert_eq!(line["status"], "cancelled", "{line}");
-            assert!(
-                line["error"]
-                    .as_str()
-                    .unwrap()
-                    .contains("the run was interrupted"),
-                "{line}"
-            );
+            assert_says(line, "error", "the run was interrupted");
         } else {
             assert_eq!(line["status"], "ok", "{line}");
         }

@@ -10,8 +10,9 @@ pub const ERROR_CODE_META: &str = "nomad/error_code";
 
 /// What kind of failure a tool call met. The names are gRPC's canonical codes, which the
 /// scheduler already speaks, so a code passes unchanged from the scheduler to sandboxed code.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, strum::IntoStaticStr)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+#[strum(serialize_all = "SCREAMING_SNAKE_CASE")]
 pub enum ToolErrorCode {
     /// The arguments are wrong; the message names which and how.
     InvalidArgument,
@@ -37,18 +38,7 @@ pub enum ToolErrorCode {
 
 impl ToolErrorCode {
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::InvalidArgument => "INVALID_ARGUMENT",
-            Self::NotFound => "NOT_FOUND",
-            Self::PermissionDenied => "PERMISSION_DENIED",
-            Self::ResourceExhausted => "RESOURCE_EXHAUSTED",
-            Self::Unavailable => "UNAVAILABLE",
-            Self::FailedPrecondition => "FAILED_PRECONDITION",
-            Self::DeadlineExceeded => "DEADLINE_EXCEEDED",
-            Self::Cancelled => "CANCELLED",
-            Self::Unknown => "UNKNOWN",
-            Self::Internal => "INTERNAL",
-        }
+        self.into()
     }
 
     /// A few words for a person reading an MCP tool result.

@@ -158,17 +158,19 @@ mod tests {
     fn requirements_files_are_read_as_pip_and_pyproject_read_them() {
         let dir = std::env::temp_dir().join(format!("nomad-requirements-{}", std::process::id()));
         std::fs::create_dir_all(dir.join("envs")).unwrap();
-        std::fs::write(
-            dir.join("envs/base.txt"),
-            "# shared\nsix==1.16.0  # pinned\n--extra-index-url https://example.org/simple\n",
-        )
-        .unwrap();
-        std::fs::write(
-            dir.join("requirements.txt"),
-            "-r envs/base.txt\n\nnumpy>=1.26 \\\n  ; python_version >= '3.9'\n./local_pkg\n\
-             pkg @ https://example.org/pkg.zip#egg=pkg\n",
-        )
-        .unwrap();
+        for (name, text) in [
+            (
+                "envs/base.txt",
+                "# shared\nsix==1.16.0  # pinned\n--extra-index-url https://example.org/simple\n",
+            ),
+            (
+                "requirements.txt",
+                "-r envs/base.txt\n\nnumpy>=1.26 \\\n  ; python_version >= '3.9'\n./local_pkg\n\
+                 pkg @ https://example.org/pkg.zip#egg=pkg\n",
+            ),
+        ] {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
         let base = dir.to_string_lossy().into_owned();
         assert_eq!(
             read("requirements.txt", &base).unwrap(),

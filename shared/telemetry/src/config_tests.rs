@@ -356,64 +356,60 @@ fn invalid_boolean_names_the_variable() {
 
 #[test]
 fn bad_values_are_errors_naming_their_source() {
-    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a str);
-    let cases: &[Case] = &[
+    // A variable with a bad value: the error names it (or says what is wrong).
+    let variables = [
+        ("NOMAD_OTEL_EXPORTER", "jaeger", "NOMAD_OTEL_EXPORTER"),
+        ("OTEL_TRACES_EXPORTER", "zipkin", "OTEL_TRACES_EXPORTER"),
         (
-            "",
-            &[("NOMAD_OTEL_EXPORTER", "jaeger")],
-            "NOMAD_OTEL_EXPORTER",
-        ),
-        (
-            "",
-            &[("OTEL_TRACES_EXPORTER", "zipkin")],
-            "OTEL_TRACES_EXPORTER",
-        ),
-        (
-            "",
-            &[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")],
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "http/json",
             "OTEL_EXPORTER_OTLP_PROTOCOL",
         ),
         (
-            "",
-            &[("NOMAD_OTEL_OTLP_ENDPOINT", "127.0.0.1:4317")],
+            "NOMAD_OTEL_OTLP_ENDPOINT",
+            "127.0.0.1:4317",
             "needs a scheme",
         ),
+        ("NOMAD_OTEL_SPAN_GROUPS", "default,bogus", "bogus"),
+        ("NOMAD_OTEL_OTLP_HEADERS", "novalue", "key=value"),
         (
-            "telemetry: {otlp_endpoint: 'collector:4317'}",
-            &[],
-            "telemetry.otlp_endpoint",
-        ),
-        ("", &[("NOMAD_OTEL_SPAN_GROUPS", "default,bogus")], "bogus"),
-        ("", &[("NOMAD_OTEL_OTLP_HEADERS", "novalue")], "key=value"),
-        (
-            "telemetry: {memory_profiling: {interval_seconds: 0}}",
-            &[],
+            "NOMAD_OTEL_RUNTIME_SAMPLE_INTERVAL_SECONDS",
+            "-1",
             "greater than 0",
         ),
         (
-            "",
-            &[("NOMAD_OTEL_RUNTIME_SAMPLE_INTERVAL_SECONDS", "-1")],
-            "greater than 0",
-        ),
-        (
-            "",
-            &[("OTEL_METRIC_EXPORT_INTERVAL", "soon")],
+            "OTEL_METRIC_EXPORT_INTERVAL",
+            "soon",
             "OTEL_METRIC_EXPORT_INTERVAL",
         ),
         (
-            "telemetry: {prometheus_listen: 'localhost'}",
-            &[],
-            "telemetry.prometheus_listen=\"localhost\": not an IP:port",
-        ),
-        (
-            "",
-            &[("NOMAD_OTEL_PROMETHEUS_LISTEN", ":9464")],
+            "NOMAD_OTEL_PROMETHEUS_LISTEN",
+            ":9464",
             "NOMAD_OTEL_PROMETHEUS_LISTEN",
         ),
     ];
-    for (yaml, env, expected) in cases {
-        let msg = error(yaml, env);
-        assert!(msg.contains(expected), "{env:?} {yaml}: {msg}");
+    for (variable, value, expected) in variables {
+        let msg = error("", &[(variable, value)]);
+        assert!(msg.contains(expected), "{variable}={value}: {msg}");
+    }
+    // A config block with a bad value: the error names the key.
+    let blocks = [
+        (
+            "telemetry: {otlp_endpoint: 'collector:4317'}",
+            "telemetry.otlp_endpoint",
+        ),
+        (
+            "telemetry: {memory_profiling: {interval_seconds: 0}}",
+            "greater than 0",
+        ),
+        (
+            "telemetry: {prometheus_listen: 'localhost'}",
+            "telemetry.prometheus_listen=\"localhost\": not an IP:port",
+        ),
+    ];
+    for (yaml, expected) in blocks {
+        let msg = error(yaml, &[]);
+        assert!(msg.contains(expected), "{yaml}: {msg}");
     }
 }
 

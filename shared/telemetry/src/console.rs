@@ -19,6 +19,8 @@ use opentelemetry_sdk::metrics::{Temporality, exporter::PushMetricExporter};
 use opentelemetry_sdk::trace::{SpanData, SpanExporter};
 use serde_json::{Map, Value as Json, json};
 
+use crate::span_line::SpanLine;
+
 /// Where console records go. Stdout by default; stderr when stdout carries a protocol (MCP
 /// stdio); a file when stdout is someone's terminal (`nomad up` writes the head's to its run
 /// directory).
@@ -184,10 +186,13 @@ impl LineWriter {
     }
 }
 
-fn unix_nanos(t: SystemTime) -> u128 {
-    t.duration_since(UNIX_EPOCH)
+/// Nanoseconds since the Unix epoch (0 before it; u64 holds them until the year 2554).
+fn unix_nanos(t: SystemTime) -> u64 {
+    let nanos = t
+        .duration_since(UNIX_EPOCH)
         .unwrap_or(Duration::ZERO)
-        .as_nanos()
+        .as_nanos();
+    u64::try_from(nanos).unwrap_or(u64::MAX)
 }
 
 fn value_json(value: &Value) -> Json {
@@ -252,39 +257,36 @@ fn kind_name(kind: &SpanKind) -> &'static str {
 
 /// The JSON line for one finished span.
 pub fn span_json(span: &SpanData, resource: &Json) -> Json {
-    let (status, message) = match &span.status {
+    let status = match &span.status {
         Status::Unset => ("unset", None),
         Status::Ok => ("ok", None),
         Status::Error { description } => ("error", Some(description.to_string())),
     };
-    let parent = (span.parent_span_id != opentelemetry::trace::SpanId::INVALID)
-        .then(|| span.parent_span_id.to_string());
-    let start = unix_nanos(span.start_time);
-    let end = unix_nanos(span.end_time);
-    json!({
-        "signal": "span",
-        "name": span.name,
-        "trace_id": span.span_context.trace_id().to_string(),
-        "span_id": span.span_context.span_id().to_string(),
-        "parent_span_id": parent,
-        "kind": kind_name(&span.span_kind),
-        "start_time_unix_nano": start,
-        "end_time_unix_nano": end,
-        "duration_ms": end.saturating_sub(start) as f64 / 1e6,
-        "status": status,
-        "status_message": message,
-        "attributes": attributes(&span.attributes),
-        "events": span.events.iter().map(|e| json!({
-            "name": e.name,
-            "time_unix_nano": unix_nanos(e.timestamp),
-            "attributes": attributes(&e.attributes),
-        })).collect::<Vec<_>>(),
-        "links": span.links.iter().map(|l| json!({
-            "trace_id": l.span_context.trace_id().to_string(),
-            "span_id": l.span_context.span_id().to_string(),
-        })).collect::<Vec<_>>(),
-        "resource": resource,
-    })
+    let context = &span.span_context;
+    SpanLine {
+        name: &span.name,
+        trace_id: context.trace_id().to_string(),
+        span_id: context.span_id().to_string(),
+        parent_span_id: (span.parent_span_id != opentelemetry::trace::SpanId::INVALID)
+            .then(|| span.parent_span_id.to_string()),
+        kind: kind_name(&span.span_kind),
+        start: unix_nanos(span.start_time),
+        end: unix_nanos(span.end_time),
+        status,
+        attributes: attributes(&span.attributes),
+        events: (span.events.iter())
+            .map(|e| (&*e.name, unix_nanos(e.timestamp), attributes(&e.attributes)))
+            .collect(),
+        links: (span.links.iter())
+            .map(|l| {
+                (
+                    l.span_context.trace_id().to_string(),
+                    l.span_context.span_id().to_string(),
+                )
+            })
+            .collect(),
+    }
+    .json(resource)
 }
 
 #[derive(Debug)]

@@ -81,32 +81,23 @@ fn trailers(code: &str, message: &str) -> Frame {
 type Frames = mpsc::UnboundedSender<Result<Frame, Infallible>>;
 type StreamedBody = StreamBody<mpsc::UnboundedReceiver<Result<Frame, Infallible>>>;
 
-/// A server whose one response streams whatever the test sends into the returned sender.
-fn streaming_server() -> (
-    Frames,
-    impl tower::Service<
-        http::Request<()>,
-        Response = http::Response<super::TracedBody<StreamedBody>>,
-        Error = Infallible,
-    >,
-) {
+/// The response to `path` of a traced server whose one response streams whatever the test sends
+/// into the returned sender.
+async fn streamed(path: &str) -> (Frames, http::Response<super::TracedBody<StreamedBody>>) {
     let (frames, body) = mpsc::unbounded();
     let body = Mutex::new(Some(body));
     let inner = tower::service_fn(move |_request: http::Request<()>| {
         let body = body.lock().unwrap().take().expect("one call per server");
         async move { Ok::<_, Infallible>(http::Response::new(StreamBody::new(body))) }
     });
-    (frames, TraceLayer::server().layer(inner))
+    let server = TraceLayer::server().layer(inner);
+    (frames, server.oneshot(request(path)).await.unwrap())
 }
 
 #[tokio::test]
 async fn a_stream_that_fails_after_some_items_ends_its_span_in_error_at_its_end() {
     collected();
-    let (frames, server) = streaming_server();
-    let response = server
-        .oneshot(request("/nomad.v1.Test/FailsLate"))
-        .await
-        .unwrap();
+    let (frames, response) = streamed("/nomad.v1.Test/FailsLate").await;
     let mut body = response.into_body();
     for item in [b"one".as_slice(), b"two".as_slice()] {
         frames.unbounded_send(Ok(Frame::data(item))).unwrap();
@@ -140,8 +131,7 @@ async fn a_stream_that_fails_after_some_items_ends_its_span_in_error_at_its_end(
 #[tokio::test]
 async fn a_stream_that_ends_ok_records_status_zero_and_no_error() {
     collected();
-    let (frames, server) = streaming_server();
-    let response = server.oneshot(request("/nomad.v1.Test/Ok")).await.unwrap();
+    let (frames, response) = streamed("/nomad.v1.Test/Ok").await;
     frames.unbounded_send(Ok(Frame::data(b"x"))).unwrap();
     frames.unbounded_send(Ok(trailers("0", ""))).unwrap();
     drop(frames);
@@ -178,11 +168,7 @@ async fn a_trailers_only_error_ends_the_span_with_the_headers() {
 #[tokio::test]
 async fn a_response_dropped_before_its_end_is_recorded_as_cancelled() {
     collected();
-    let (frames, server) = streaming_server();
-    let response = server
-        .oneshot(request("/nomad.v1.Test/Dropped"))
-        .await
-        .unwrap();
+    let (frames, response) = streamed("/nomad.v1.Test/Dropped").await;
     frames.unbounded_send(Ok(Frame::data(b"x"))).unwrap();
     let mut body = response.into_body();
     body.frame().await.unwrap().unwrap();

@@ -20,6 +20,7 @@ pub mod propagation;
 pub mod records;
 pub mod resource;
 pub mod scrape;
+mod span_line;
 pub mod spans;
 pub mod startup;
 

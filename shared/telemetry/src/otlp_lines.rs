@@ -8,6 +8,8 @@ use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::ResourceSpans;
 use serde_json::{Map, Value as Json, json};
 
+use crate::span_line::SpanLine;
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -100,36 +102,30 @@ pub fn span_lines(resource_spans: &[ResourceSpans]) -> Vec<Json> {
     for rs in resource_spans {
         let resource = resource_json(&rs.resource);
         for span in rs.scope_spans.iter().flat_map(|s| &s.spans) {
-            let (status, message) = match &span.status {
+            let status = match &span.status {
                 Some(s) if s.code == 1 => ("ok", None),
                 Some(s) if s.code == 2 => ("error", Some(s.message.clone())),
                 _ => ("unset", None),
             };
-            let (start, end) = (span.start_time_unix_nano, span.end_time_unix_nano);
-            lines.push(json!({
-                "signal": "span",
-                "name": span.name,
-                "trace_id": hex(&span.trace_id),
-                "span_id": hex(&span.span_id),
-                "parent_span_id": (!span.parent_span_id.is_empty()).then(|| hex(&span.parent_span_id)),
-                "kind": kind_name(span.kind),
-                "start_time_unix_nano": start,
-                "end_time_unix_nano": end,
-                "duration_ms": end.saturating_sub(start) as f64 / 1e6,
-                "status": status,
-                "status_message": message,
-                "attributes": attributes(&span.attributes),
-                "events": span.events.iter().map(|e| json!({
-                    "name": e.name,
-                    "time_unix_nano": e.time_unix_nano,
-                    "attributes": attributes(&e.attributes),
-                })).collect::<Vec<_>>(),
-                "links": span.links.iter().map(|l| json!({
-                    "trace_id": hex(&l.trace_id),
-                    "span_id": hex(&l.span_id),
-                })).collect::<Vec<_>>(),
-                "resource": resource,
-            }));
+            let line = SpanLine {
+                name: &span.name,
+                trace_id: hex(&span.trace_id),
+                span_id: hex(&span.span_id),
+                parent_span_id: (!span.parent_span_id.is_empty())
+                    .then(|| hex(&span.parent_span_id)),
+                kind: kind_name(span.kind),
+                start: span.start_time_unix_nano,
+                end: span.end_time_unix_nano,
+                status,
+                attributes: attributes(&span.attributes),
+                events: (span.events.iter())
+                    .map(|e| (&*e.name, e.time_unix_nano, attributes(&e.attributes)))
+                    .collect(),
+                links: (span.links.iter())
+                    .map(|l| (hex(&l.trace_id), hex(&l.span_id)))
+                    .collect(),
+            };
+            lines.push(line.json(&resource));
         }
     }
     lines

@@ -12,7 +12,8 @@ use super::ExecuteReply;
 use crate::sandbox::{Outcome, Rejected};
 
 /// What a gateway request asked for (`request.kind`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum RequestKind {
     ExecuteMcpCode,
     ExecuteMcpScript,
@@ -21,11 +22,7 @@ pub enum RequestKind {
 
 impl RequestKind {
     pub fn as_str(self) -> &'static str {
-        match self {
-            RequestKind::ExecuteMcpCode => "execute_mcp_code",
-            RequestKind::ExecuteMcpScript => "execute_mcp_script",
-            RequestKind::CallTool => "call_tool",
-        }
+        self.into()
     }
 
     fn attribute(self) -> KeyValue {
@@ -35,7 +32,8 @@ impl RequestKind {
 
 /// How a request ended (`status` on metrics, `nomad.gateway.status` on spans, and the reply's
 /// `status`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum RunStatus {
     /// The code ran to its end (or the tool answered).
     Ok,
@@ -49,12 +47,7 @@ pub enum RunStatus {
 
 impl RunStatus {
     pub fn as_str(self) -> &'static str {
-        match self {
-            RunStatus::Ok => "ok",
-            RunStatus::Error => "error",
-            RunStatus::Timeout => "timeout",
-            RunStatus::Rejected => "rejected",
-        }
+        self.into()
     }
 
     fn attribute(self) -> KeyValue {

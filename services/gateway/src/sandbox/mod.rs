@@ -93,7 +93,8 @@ pub enum Source {
     },
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum Failure {
     Timeout {
         seconds: f64,
@@ -123,15 +124,7 @@ pub enum Failure {
 impl Failure {
     /// The `error.type` of the span and the gateway's `status`.
     pub fn kind(&self) -> &'static str {
-        match self {
-            Failure::Timeout { .. } => "timeout",
-            Failure::ResultTooLarge { .. } => "result_too_large",
-            Failure::Exception { .. } => "exception",
-            Failure::Memory { .. } => "memory",
-            Failure::NoResult => "no_result",
-            Failure::Bridge(_) => "bridge",
-            Failure::Spawn(_) => "spawn",
-        }
+        self.into()
     }
 
     pub fn describe(&self) -> String {

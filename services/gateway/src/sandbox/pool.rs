@@ -19,7 +19,8 @@ use super::init::Report;
 use super::process::{Launch, Started};
 
 /// Why a run did not start.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum Rejected {
     #[error(
         "the sandbox is at capacity: {max_queued} runs already wait for one of its \
@@ -50,12 +51,7 @@ pub enum Rejected {
 impl Rejected {
     /// The `reason` attribute of the rejection counter.
     pub fn reason(&self) -> &'static str {
-        match self {
-            Rejected::QueueFull { .. } => "queue_full",
-            Rejected::NoSlot { .. } => "no_slot",
-            Rejected::NoMemory { .. } => "no_memory",
-            Rejected::Spawn(_) => "spawn",
-        }
+        self.into()
     }
 }
 
@@ -375,5 +371,33 @@ impl Pool {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `reason`s docs/metrics.md lists for `nomad.gateway.sandbox.rejections`.
+    #[test]
+    fn rejections_are_named_as_the_metric_table_names_them() {
+        let rejections = [
+            Rejected::QueueFull {
+                max_queued: 1,
+                max_concurrent: 1,
+            },
+            Rejected::NoSlot {
+                waited: 1.0,
+                max_concurrent: 1,
+            },
+            Rejected::NoMemory {
+                waited: 1.0,
+                held_mib: 1,
+                budget_mib: 1,
+            },
+            Rejected::Spawn("no".into()),
+        ];
+        let reasons: Vec<&str> = rejections.iter().map(Rejected::reason).collect();
+        assert_eq!(reasons, ["queue_full", "no_slot", "no_memory", "spawn"]);
     }
 }

@@ -31,7 +31,8 @@ pub struct Limits {
 }
 
 /// A task's state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr, strum::EnumString)]
+#[strum(serialize_all = "snake_case")]
 pub enum Status {
     Working,
     Completed,
@@ -41,22 +42,12 @@ pub enum Status {
 
 impl Status {
     pub fn as_str(self) -> &'static str {
-        match self {
-            Status::Working => "working",
-            Status::Completed => "completed",
-            Status::Failed => "failed",
-            Status::Cancelled => "cancelled",
-        }
+        self.into()
     }
 
     fn parse(text: &str) -> Result<Self, StoreError> {
-        Ok(match text {
-            "working" => Status::Working,
-            "completed" => Status::Completed,
-            "failed" => Status::Failed,
-            "cancelled" => Status::Cancelled,
-            other => return Err(StoreError::Corrupt(format!("a task's status is {other:?}"))),
-        })
+        text.parse()
+            .map_err(|_| StoreError::Corrupt(format!("a task's status is {text:?}")))
     }
 }
 

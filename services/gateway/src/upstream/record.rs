@@ -38,8 +38,9 @@ pub struct ToolCall {
     pub error: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, strum::IntoStaticStr)]
 #[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
 pub enum CallStatus {
     Ok,
     Error,
@@ -47,10 +48,7 @@ pub enum CallStatus {
 
 impl CallStatus {
     pub fn as_str(self) -> &'static str {
-        match self {
-            CallStatus::Ok => "ok",
-            CallStatus::Error => "error",
-        }
+        self.into()
     }
 }
 

@@ -17,8 +17,7 @@ fn running_of(actions: &[Action]) -> Vec<u32> {
 fn requests_join_a_running_slot_up_to_max_running_and_the_next_starts_when_one_ends() {
     let mut h = Harness::new(vec![continuous("g", 4, 1)], 1);
     let ids: Vec<_> = (0..6).map(|_| h.submit("g")).collect();
-    let actions = h.take();
-    let started = h.prepare_ok(&actions);
+    let started = h.prepared();
     let d = dispatches(&started);
     assert_eq!(
         d.iter().map(|(_, _, r)| r.clone()).collect::<Vec<_>>(),

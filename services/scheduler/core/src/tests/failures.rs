@@ -43,8 +43,7 @@ fn cancelling_a_queued_request_removes_it_from_the_queue() {
     let mut h = Harness::new(vec![spec("a", 4, 1, 64)], 1);
     let a = h.submit("a");
     let b = h.submit("a");
-    let actions = h.take();
-    h.prepare_ok(&actions); // two of four: waiting for the delay
+    h.prepared(); // two of four: waiting for the delay
     h.core.cancel(a, h.now);
     assert_eq!(completions(&h.take()), vec![(a, Outcome::Cancelled)]);
     let d = dispatches(&h.advance(DELAY));
@@ -104,8 +103,7 @@ fn each_rejection_reason() {
 fn a_lost_workers_batch_is_requeued_one_request_per_batch_then_a_second_loss_fails() {
     let mut h = Harness::new(vec![spec("a", 2, 1, 64)], 1);
     let ids = [h.submit("a"), h.submit("a")];
-    let actions = h.take();
-    dispatches(&h.prepare_ok(&actions));
+    h.placed();
     h.core.worker_lost(0, "heartbeats stopped", h.now);
     assert!(completions(&h.take()).is_empty(), "requeued, not failed");
     h.core.worker_registered(1, h.now);
@@ -133,8 +131,7 @@ fn a_worker_killing_input_fails_alone_while_its_neighbours_succeed() {
     let mut h = Harness::new(vec![spec("a", 8, 3, 64)], 3);
     let ids: Vec<_> = (0..8).map(|_| h.submit("a")).collect();
     let poison = ids[3];
-    let actions = h.take();
-    let mut pending = h.prepare_ok(&actions);
+    let mut pending = h.prepared();
     let mut served = Vec::new();
     let mut failed = Vec::new();
     let mut next_worker = 10;
@@ -238,8 +235,7 @@ fn snapshot_reports_queues_slots_and_residency() {
     let mut h = Harness::new(vec![spec("a", 1, 1, 64), spec("b", 1, 1, 64)], 1);
     h.submit("a");
     h.submit("a");
-    let actions = h.take();
-    h.prepare_ok(&actions);
+    h.prepared();
     let s = h.core.snapshot();
     assert_eq!(s.tools[0].queue_length, 1);
     assert_eq!(s.tools[0].inflight, 1);

@@ -6,17 +6,11 @@ use super::*;
 fn idle_eviction_takes_the_least_recently_used_slot_first() {
     let mut h = Harness::new(vec![spec("a", 1, 1, 8), spec("b", 1, 1, 8)], 2);
     h.submit("a");
-    let a = dispatches(&{
-        let actions = h.take();
-        h.prepare_ok(&actions)
-    });
+    let a = dispatches(&{ h.prepared() });
     h.finish(a[0].0, BatchResult::Done(vec![None]));
     h.now += Duration::from_secs(3);
     h.submit("b");
-    let b = dispatches(&{
-        let actions = h.take();
-        h.prepare_ok(&actions)
-    });
+    let b = dispatches(&{ h.prepared() });
     h.finish(b[0].0, BatchResult::Done(vec![None]));
 
     // a's slot has been idle 3 s longer: it goes first, b's 3 s later.
@@ -87,8 +81,7 @@ fn a_queued_request_blocks_disk_unload() {
     h.core.take_actions();
     // b takes the slot and keeps it busy; a queues behind it (1 slot only).
     h.submit("b");
-    let actions = h.take();
-    h.prepare_ok(&actions);
+    h.prepared();
     h.submit("a");
     let later = h.advance(DISK_IDLE);
     assert!(

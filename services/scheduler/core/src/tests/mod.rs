@@ -103,10 +103,15 @@ impl Harness {
         out
     }
 
+    /// Answers the pending Prepares with success: the actions that follow.
+    fn prepared(&mut self) -> Vec<Action> {
+        let actions = self.take();
+        self.prepare_ok(&actions)
+    }
+
     /// Answers the pending Prepares with success: the batches then dispatched.
     fn placed(&mut self) -> Vec<(BatchId, SlotId, Vec<RequestId>)> {
-        let actions = self.take();
-        dispatches(&self.prepare_ok(&actions))
+        dispatches(&self.prepared())
     }
 
     /// Submits one request of `tool`, places it, and answers its batch.
@@ -124,6 +129,15 @@ impl Harness {
 
 fn prepares(actions: &[Action]) -> Vec<(SlotId, ToolId, Option<ToolId>)> {
     picked!(actions, Action::Prepare { slot, tool, offload, .. } => (*slot, *tool, *offload))
+}
+
+fn prepare(slot: SlotId, tool: ToolId, offload: Option<ToolId>, load: Option<LoadKind>) -> Action {
+    Action::Prepare {
+        slot,
+        tool,
+        offload,
+        load,
+    }
 }
 
 fn dispatches(actions: &[Action]) -> Vec<(BatchId, SlotId, Vec<RequestId>)> {

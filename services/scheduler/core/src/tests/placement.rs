@@ -7,15 +7,7 @@ fn a_request_is_loaded_placed_dispatched_and_completed() {
     let mut h = Harness::new(vec![spec("a", 1, 1, 8)], 1);
     let r = h.submit("a");
     let actions = h.take();
-    assert_eq!(
-        actions,
-        vec![Action::Prepare {
-            slot: 0,
-            tool: 0,
-            offload: None,
-            load: Some(LoadKind::Resident)
-        }]
-    );
+    assert_eq!(actions, vec![prepare(0, 0, None, Some(LoadKind::Resident))]);
     let actions = h.prepare_ok(&actions);
     let d = dispatches(&actions);
     assert_eq!(d, vec![(0, 0, vec![r])]);
@@ -28,11 +20,7 @@ fn a_request_is_loaded_placed_dispatched_and_completed() {
 fn partial_batch_waits_for_max_batch_delay_and_a_full_one_does_not() {
     let mut h = Harness::new(vec![spec("a", 4, 1, 64)], 1);
     let first = h.submit("a");
-    let actions = h.take();
-    assert!(
-        dispatches(&h.prepare_ok(&actions)).is_empty(),
-        "one request of four waits"
-    );
+    assert!(h.placed().is_empty(), "one request of four waits");
     assert_eq!(h.core.next_deadline(), Some(h.now + DELAY));
     let later = h.advance(DELAY);
     assert_eq!(dispatches(&later), vec![(0, 0, vec![first])]);
@@ -51,9 +39,8 @@ fn partial_batch_waits_for_max_batch_delay_and_a_full_one_does_not() {
 fn without_a_delay_a_free_slot_takes_one_request_and_a_batch_forms_while_it_works() {
     let mut h = Harness::with_delay(vec![spec("a", 4, 1, 64)], 1, Duration::ZERO);
     let first = h.submit("a");
-    let actions = h.take();
     assert_eq!(
-        dispatches(&h.prepare_ok(&actions)),
+        h.placed(),
         vec![(0, 0, vec![first])],
         "an idle slot holding the tool takes a lone request at once"
     );
@@ -118,26 +105,13 @@ fn placing_on_a_slot_holding_another_tool_offloads_it_first() {
     let actions = h.take();
     assert_eq!(
         actions,
-        vec![Action::Prepare {
-            slot: 0,
-            tool: 1,
-            offload: Some(0),
-            load: Some(LoadKind::Resident)
-        }]
+        vec![prepare(0, 1, Some(0), Some(LoadKind::Resident))]
     );
     // Back to a: still resident on that worker, so no load from disk this time.
     let d = dispatches(&h.prepare_ok(&actions));
     h.finish(d[0].0, BatchResult::Done(vec![None]));
     h.submit("a");
-    assert_eq!(
-        h.take(),
-        vec![Action::Prepare {
-            slot: 0,
-            tool: 0,
-            offload: Some(1),
-            load: None
-        }]
-    );
+    assert_eq!(h.take(), vec![prepare(0, 0, Some(1), None)]);
 }
 
 #[test]
