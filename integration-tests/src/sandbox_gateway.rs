@@ -174,7 +174,7 @@ impl Gateway {
     }
 
     /// RESULT of `code`, which must succeed.
-    pub async fn result(&self, label: &str, code: &str) -> Value {
+    pub async fn result(&self, label: impl std::fmt::Display, code: &str) -> Value {
         let reply = self.run(code).await;
         assert!(
             reply.error.is_empty(),
@@ -255,7 +255,6 @@ pub fn users_and_starts() -> Vec<Case> {
         .into_iter()
         .flat_map(|run_as| {
             Start::BOTH.map(|start| Case {
-                who: format!("{} {start:?}", run_as.label),
                 run_as: run_as.clone(),
                 start,
             })
@@ -267,13 +266,12 @@ pub fn users_and_starts() -> Vec<Case> {
 pub struct Case {
     pub run_as: RunAs,
     pub start: Start,
-    /// Names the case in every assertion message (`root Forked`).
-    pub who: String,
 }
 
+/// Names the case in every assertion message (`root Forked`).
 impl std::fmt::Display for Case {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.who)
+        write!(f, "{} {:?}", self.run_as.label, self.start)
     }
 }
 

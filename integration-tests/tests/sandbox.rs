@@ -24,7 +24,7 @@ async fn hostile_code_meets_the_specific_denial_and_the_gateway_keeps_serving() 
 }
 
 async fn hostile_code(case: &Case) {
-    let (run_as, who) = (&case.run_as, &case.who);
+    let (run_as, who) = (&case.run_as, case);
     let gateway = case.gateway("  warm: 0\n").await;
     let dir = gateway.dir.clone();
 
@@ -240,7 +240,7 @@ async fn disk_files_and_cleanup_are_bounded() {
         // Past disk_bytes, /tmp (a private tmpfs, which also holds the workspace) is full.
         let seen = gateway
             .result(
-                &case.who,
+                &case,
                 "import errno\nwritten = 0\ntry:\n    with open('/tmp/fill', 'wb') as f:\n        \
                  for _ in range(64):\n            f.write(b'x' * (1 << 20))\n            \
                  f.flush()\n            written += 1\n    RESULT = ['wrote', written]\n\
@@ -252,7 +252,7 @@ async fn disk_files_and_cleanup_are_bounded() {
         // 100,000 files stop at max_files.
         let seen = gateway
             .result(
-                &case.who,
+                &case,
                 "import errno, os\nmade = 0\ntry:\n    for i in range(100000):\n        \
                  open(f'f{i}', 'w').close()\n        made += 1\n    RESULT = ['made', made]\n\
                  except OSError as e:\n    RESULT = [errno.errorcode[e.errno], made]",
@@ -722,9 +722,9 @@ RESULT = {
 ";
     for case in users_and_starts() {
         let gateway = case.gateway("  warm: 0\n").await;
-        let seen = gateway.result(&case.who, first).await;
+        let seen = gateway.result(&case, first).await;
         assert_eq!(seen[0], 1, "{case}: a run is PID 1 of its own: {seen}");
-        let after = gateway.result(&case.who, next).await;
+        let after = gateway.result(&case, next).await;
         assert_eq!(after["files"], serde_json::json!([]), "{case}: {after}");
         assert_eq!(after["memory"], false, "{case}: {after}");
         assert_eq!(after["pids"], serde_json::json!([1]), "{case}: {after}");
@@ -736,7 +736,7 @@ RESULT = {
         let waiting = gateway.run("import time\ntime.sleep(2)\nRESULT = 1");
         let looking = async {
             tokio::time::sleep(Duration::from_millis(500)).await;
-            gateway.result(&case.who, next).await
+            gateway.result(&case, next).await
         };
         let (waited, looked) = tokio::join!(waiting, looking);
         assert_eq!(waited.result_json, "1", "{case}: {}", waited.error);
@@ -809,7 +809,7 @@ RESULT = [before, raised, os.getpriority(os.PRIO_PROCESS, 0)]
         at_nice(
             &gateway.result(case.run_as.label, code).await,
             10,
-            &case.who,
+            &case.to_string(),
         );
         gateway.stop().await;
 

@@ -153,7 +153,7 @@ RESULT = {
 ";
     for case in users_and_starts() {
         let gateway = case.gateway("  warm: 0\n").await;
-        let seen = gateway.result(&case.who, attack).await;
+        let seen = gateway.result(&case, attack).await;
         for attempt in [
             "setxattr /",
             "chmod /etc/passwd",
@@ -163,7 +163,7 @@ RESULT = {
         ] {
             assert_eq!(seen[attempt], "EROFS", "{case}: {attempt}: {seen}");
         }
-        let after = gateway.result(&case.who, look).await;
+        let after = gateway.result(&case, look).await;
         assert_eq!(after["root"], "0o755", "{case}: {after}");
         assert_eq!(after["passwd"], true, "{case}: {after}");
         assert_eq!(after["xattrs"], serde_json::json!([]), "{case}: {after}");
@@ -207,7 +207,7 @@ async fn a_run_holds_no_memory_it_is_not_counted_for() {
              disk_bytes: 1073741824\n",
             )
             .await;
-        let seen = gateway.result(&case.who, &refused).await;
+        let seen = gateway.result(&case, &refused).await;
         for call in [
             "memfd_create",
             "memfd_secret",
@@ -258,7 +258,7 @@ RESULT = {'frames': frames, 'state': sorted(names & {'children', 'selector', 'co
         let gateway = case.gateway("  warm: 0\n").await;
         // A run before it, so the fork server has had a child to remember.
         gateway.still_serving("a first run").await;
-        let seen = gateway.result(&case.who, look).await;
+        let seen = gateway.result(&case, look).await;
         assert!(
             !seen["frames"].to_string().contains("serve"),
             "{case}: {seen}"

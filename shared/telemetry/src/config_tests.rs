@@ -388,9 +388,12 @@ fn bad_values_are_errors_naming_their_source() {
             "NOMAD_OTEL_PROMETHEUS_LISTEN",
         ),
     ];
+    let refused = |yaml: &str, env: &[(&str, &str)], expected: &str| {
+        let msg = error(yaml, env);
+        assert!(msg.contains(expected), "{env:?} {yaml}: {msg}");
+    };
     for (variable, value, expected) in variables {
-        let msg = error("", &[(variable, value)]);
-        assert!(msg.contains(expected), "{variable}={value}: {msg}");
+        refused("", &[(variable, value)], expected);
     }
     // A config block with a bad value: the error names the key.
     let blocks = [
@@ -408,8 +411,7 @@ fn bad_values_are_errors_naming_their_source() {
         ),
     ];
     for (yaml, expected) in blocks {
-        let msg = error(yaml, &[]);
-        assert!(msg.contains(expected), "{yaml}: {msg}");
+        refused(yaml, &[], expected);
     }
 }
 

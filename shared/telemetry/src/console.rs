@@ -19,7 +19,7 @@ use opentelemetry_sdk::metrics::{Temporality, exporter::PushMetricExporter};
 use opentelemetry_sdk::trace::{SpanData, SpanExporter};
 use serde_json::{Map, Value as Json, json};
 
-use crate::span_line::SpanLine;
+use crate::span_line::{self, SpanLine};
 
 /// Where console records go. Stdout by default; stderr when stdout carries a protocol (MCP
 /// stdio); a file when stdout is someone's terminal (`nomad up` writes the head's to its run
@@ -275,13 +275,14 @@ pub fn span_json(span: &SpanData, resource: &Json) -> Json {
         status,
         attributes: attributes(&span.attributes),
         events: (span.events.iter())
-            .map(|e| (&*e.name, unix_nanos(e.timestamp), attributes(&e.attributes)))
+            .map(|e| span_line::event(&e.name, unix_nanos(e.timestamp), attributes(&e.attributes)))
             .collect(),
         links: (span.links.iter())
             .map(|l| {
-                (
-                    l.span_context.trace_id().to_string(),
-                    l.span_context.span_id().to_string(),
+                let context = &l.span_context;
+                span_line::link(
+                    context.trace_id().to_string(),
+                    context.span_id().to_string(),
                 )
             })
             .collect(),

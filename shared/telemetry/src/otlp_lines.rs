@@ -8,7 +8,7 @@ use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::ResourceSpans;
 use serde_json::{Map, Value as Json, json};
 
-use crate::span_line::SpanLine;
+use crate::span_line::{self, SpanLine};
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -119,10 +119,10 @@ pub fn span_lines(resource_spans: &[ResourceSpans]) -> Vec<Json> {
                 status,
                 attributes: attributes(&span.attributes),
                 events: (span.events.iter())
-                    .map(|e| (&*e.name, e.time_unix_nano, attributes(&e.attributes)))
+                    .map(|e| span_line::event(&e.name, e.time_unix_nano, attributes(&e.attributes)))
                     .collect(),
                 links: (span.links.iter())
-                    .map(|l| (hex(&l.trace_id), hex(&l.span_id)))
+                    .map(|l| span_line::link(hex(&l.trace_id), hex(&l.span_id)))
                     .collect(),
             };
             lines.push(line.json(&resource));

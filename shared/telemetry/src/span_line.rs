@@ -15,26 +15,24 @@ pub(crate) struct SpanLine<'a> {
     /// `unset`, `ok` or `error`, and an error's description.
     pub status: (&'static str, Option<String>),
     pub attributes: Json,
-    /// Each event's name, time and attributes.
-    pub events: Vec<(&'a str, u64, Json)>,
-    /// Each link's trace and span id.
-    pub links: Vec<(String, String)>,
+    /// Each made by [`event`].
+    pub events: Vec<Json>,
+    /// Each made by [`link`].
+    pub links: Vec<Json>,
+}
+
+/// One of a span's events.
+pub(crate) fn event(name: &str, time_unix_nano: u64, attributes: Json) -> Json {
+    json!({"name": name, "time_unix_nano": time_unix_nano, "attributes": attributes})
+}
+
+/// One of a span's links.
+pub(crate) fn link(trace_id: String, span_id: String) -> Json {
+    json!({"trace_id": trace_id, "span_id": span_id})
 }
 
 impl SpanLine<'_> {
     pub fn json(self, resource: &Json) -> Json {
-        let events: Vec<Json> = self
-            .events
-            .into_iter()
-            .map(|(name, time, attributes)| {
-                json!({"name": name, "time_unix_nano": time, "attributes": attributes})
-            })
-            .collect();
-        let links: Vec<Json> = self
-            .links
-            .into_iter()
-            .map(|(trace_id, span_id)| json!({"trace_id": trace_id, "span_id": span_id}))
-            .collect();
         json!({
             "signal": "span",
             "name": self.name,
@@ -48,8 +46,8 @@ impl SpanLine<'_> {
             "status": self.status.0,
             "status_message": self.status.1,
             "attributes": self.attributes,
-            "events": events,
-            "links": links,
+            "events": self.events,
+            "links": self.links,
             "resource": resource,
         })
     }
